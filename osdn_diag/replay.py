@@ -1,0 +1,167 @@
+"""Replay: recompute every captured write in fp32 (or fp64) and measure its residual ratio.
+
+For each captured call and each (sequence, head, position) the replay recomputes the state from the
+captured inputs — it never trusts Lemma 4.1's identity, which the tests check *against* it — and
+records
+
+    loss_before = f_t(S_{t−1}),  loss_after = f_t(S_t),  residual_ratio = loss_after / loss_before
+    (gated backbones also: loss_before_decayed = f_t(S̄_{t−1}), residual_ratio_post)
+
+with ``residual_ratio = 1`` where ``loss_before == 0`` (the paper's convention). It also recomputes
+the layer output and compares it with what the kernel returned (``fidelity``): a large error means the
+adapter misread the kernel, and replay fails loudly rather than report numbers about another
+recurrence.
+
+Sequences whose captured inputs hold NaN/Inf are replayed on zeros, flagged ``finite = False`` per
+(sequence, head) and left out of every statistic, with a count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .capture.record import KernelCall
+from .math.closed_forms import residual_ratio
+from .math.recurrence import delta_rule_recurrence
+
+__all__ = ["CallReplay", "FidelityError", "DEFAULT_TOLERANCE", "replay_call"]
+
+#: Largest accepted relative error ‖o_replay − o_kernel‖ / ‖o_kernel‖, by the kernel's input dtype.
+DEFAULT_TOLERANCE = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+class FidelityError(RuntimeError):
+    """The replayed outputs do not match the kernel's: the capture does not describe the kernel."""
+
+
+@dataclass
+class CallReplay:
+    """Per-token results of one captured call, flattened in (sequence, head, position) order.
+
+    ``columns`` maps column names to 1-D CPU tensors of equal length; ``fidelity`` is the largest
+    relative output error over the call's (sequence, head) pairs; ``nonfinite`` counts the
+    (sequence, head) pairs whose inputs held NaN/Inf.
+    """
+
+    columns: dict[str, torch.Tensor]
+    fidelity: float
+    nonfinite: int
+    sequence_lengths: list[int] = field(default_factory=list)
+
+
+def _finite_mask(call: KernelCall) -> torch.Tensor:
+    """``[B, T, H]``: True where every captured input of that token and head is finite."""
+    ok = torch.isfinite(call.beta)
+    for x in (call.q, call.k, call.v, call.g, call.d):
+        if x is not None:
+            ok &= torch.isfinite(x).all(-1) if x.dim() == 4 else torch.isfinite(x)
+    return ok
+
+
+def _zero_nonfinite(x: torch.Tensor | None, bad: torch.Tensor) -> torch.Tensor | None:
+    if x is None:
+        return None
+    mask = bad if x.dim() == 3 else bad[..., None]
+    return torch.where(mask, torch.zeros((), dtype=x.dtype, device=x.device), x)
+
+
+def _replay_torch(call: KernelCall, dtype: torch.dtype, bad: torch.Tensor | None):
+    q, k, v, beta, g, d = call.q, call.k, call.v, call.beta, call.g, call.d
+    init = call.initial_state
+    if bad is not None:
+        q, k, v, beta, g, d = (_zero_nonfinite(x, bad) for x in (q, k, v, beta, g, d))
+        if init is not None:
+            init = torch.nan_to_num(init, nan=0.0, posinf=0.0, neginf=0.0)
+    return delta_rule_recurrence(
+        q, k, v, beta,
+        write_key=None if d is None else d.to(dtype) * k.to(dtype),
+        g=g,
+        scale=call.scale,
+        initial_state=init,
+        cu_seqlens=call.cu_seqlens,
+        dtype=dtype,
+    )
+
+
+def replay_call(
+    call: KernelCall,
+    *,
+    backend: str = "torch",
+    dtype: torch.dtype = torch.float32,
+    tolerance: float | None = None,
+) -> CallReplay:
+    """Replay one captured call on the device its tensors are on.
+
+    Args:
+        call: the captured call (canonical form, see :mod:`osdn_diag.capture.record`).
+        backend: ``"torch"`` (the reference recurrence, any device) or ``"triton"`` (fused GPU kernel).
+        dtype: replay precision, fp32 (default) or fp64.
+        tolerance: largest accepted output error; default :data:`DEFAULT_TOLERANCE` for the kernel's
+            input dtype. ``math.inf`` disables the check.
+
+    Raises:
+        FidelityError: the replayed outputs differ from the kernel's by more than ``tolerance``.
+    """
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"argument 'dtype': expected torch.float32 or torch.float64, got {dtype}")
+    finite = _finite_mask(call)
+    bad = None if bool(finite.all()) else ~finite
+    if backend == "torch":
+        res = _replay_torch(call, dtype, bad)
+    elif backend == "triton":
+        from .ops.replay import replay_triton
+
+        res = replay_triton(call, dtype=dtype, bad=bad)
+    else:
+        raise ValueError(f"argument 'backend': expected 'torch' or 'triton', got {backend!r}")
+
+    segments = call.segments()
+    kernel_o = call.o.to(dtype)
+    worst, nonfinite = 0.0, 0
+    cols: dict[str, list[torch.Tensor]] = {}
+    k2 = call.k.to(dtype).square().sum(-1)
+    per_token = {
+        "beta": call.beta.to(dtype),
+        "key_sqnorm": k2,
+        "write_gain": res.write_gain,
+        "loss_before": res.loss_before,
+        "loss_after": res.loss_after,
+        "residual_ratio": residual_ratio(res.loss_after, res.loss_before),
+    }
+    if res.loss_before_decayed is not None:
+        per_token["loss_before_decayed"] = res.loss_before_decayed
+        per_token["residual_ratio_post"] = residual_ratio(res.loss_after, res.loss_before_decayed)
+    H = call.num_heads
+    for seq, (row, start, end) in enumerate(segments):
+        L = end - start
+        ok_head = finite[row, start:end].all(0)  # [H]
+        nonfinite += int((~ok_head).sum())
+        diff = (res.o[row, start:end] - kernel_o[row, start:end]).transpose(0, 1).reshape(H, -1)
+        ref = kernel_o[row, start:end].transpose(0, 1).reshape(H, -1)
+        rel = diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(torch.finfo(dtype).tiny)
+        rel = rel[ok_head]
+        if rel.numel():
+            worst = max(worst, float(rel.max()))
+        for name, x in per_token.items():
+            cols.setdefault(name, []).append(x[row, start:end].transpose(0, 1).reshape(-1))
+        cols.setdefault("sequence", []).append(torch.full((H * L,), seq, dtype=torch.int32))
+        cols.setdefault("head", []).append(torch.arange(H, dtype=torch.int32).repeat_interleave(L))
+        cols.setdefault("pos", []).append(torch.arange(L, dtype=torch.int32).repeat(H))
+        cols.setdefault("finite", []).append(ok_head.cpu().repeat_interleave(L))
+    tol = DEFAULT_TOLERANCE.get(call.input_dtype, 1e-2) if tolerance is None else tolerance
+    if not math.isfinite(worst) or worst > tol:
+        raise FidelityError(
+            f"layer {call.layer} ({call.layer_name}, kernel {call.kernel}): replayed outputs differ "
+            f"from the kernel's by {worst:.3g} (relative), above the tolerance {tol:.1g} for "
+            f"{call.input_dtype} inputs — the capture adapter does not describe this kernel"
+        )
+    columns = {name: torch.cat([p.cpu() for p in parts]) for name, parts in cols.items()}
+    return CallReplay(
+        columns=columns,
+        fidelity=worst,
+        nonfinite=nonfinite,
+        sequence_lengths=[e - s for _, s, e in segments],
+    )

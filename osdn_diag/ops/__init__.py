@@ -1,0 +1,1 @@
+"""Triton kernels, each beside the plain-torch reference it is tested against (:mod:`osdn_diag.math`)."""

@@ -1,0 +1,161 @@
+"""Fused replay kernel: the delta-rule recurrence with its per-token residual norms, in one pass.
+
+One program owns one (sequence, head, V-block): a ``[BV, K]`` tile of the state ``S`` (``V×K``
+convention) lives in registers for the whole sequence. Per token it computes, explicitly from the
+state (never from Lemma 4.1's identity, which replay exists to check)::
+
+    e_before = S_{t−1} k_t − v_t                 → ½‖e_before‖²   (loss_before, this V-block's part)
+    S̄        = decay(S_{t−1})                     (scalar or key-channel gate, if any)
+    u        = v_t − S̄ k_t                       → ½‖u‖²          (loss_before_decayed)
+    S_t      = S̄ + β_t u k̃_tᵀ
+    e_after  = S_t k_t − v_t                     → ½‖e_after‖²    (loss_after)
+    o_t      = S_t (scale · q_t)
+
+Each V-block writes its partial sums; the wrapper adds the blocks. The plain reference is
+:func:`osdn_diag.math.recurrence.delta_rule_recurrence`; tests compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..capture.record import KernelCall
+from ..math.recurrence import RecurrenceResult
+
+__all__ = ["fused_replay", "replay_triton"]
+
+
+@triton.jit
+def _replay_kernel(
+    q, k, v, beta, g, wk, h0, cu_seqlens,
+    o, lb, lbd, la, ht,
+    scale,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr,          # 0: none, 1: head scalar [B, T, H], 2: key channel [B, T, H, K]
+    HAS_WK: tl.constexpr, HAS_H0: tl.constexpr, VARLEN: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_v[:, None] & m_k[None, :]
+
+    S = tl.zeros([BV, BK], dtype=tl.float32).to(q.dtype.element_ty)
+    if HAS_H0:
+        p_h0 = h0 + i_nh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
+        S += tl.load(p_h0, mask=m_s, other=0.0)
+
+    NV = tl.num_programs(0)
+    for t in range(bos, eos):
+        tok = t * H + i_h                      # index into [B*T, H]
+        b_k = tl.load(k + tok * K + o_k, mask=m_k, other=0.0)
+        b_q = tl.load(q + tok * K + o_k, mask=m_k, other=0.0) * scale
+        b_v = tl.load(v + tok * V + o_v, mask=m_v, other=0.0)
+        b_beta = tl.load(beta + tok)
+        if HAS_WK:
+            b_w = tl.load(wk + tok * K + o_k, mask=m_k, other=0.0)
+        else:
+            b_w = b_k
+        e = tl.sum(S * b_k[None, :], axis=1) - b_v
+        tl.store(lb + tok * NV + i_v, 0.5 * tl.sum(e * e, axis=0))
+        if GATE == 1:
+            S = S * tl.exp(tl.load(g + tok))
+        if GATE == 2:
+            S = S * tl.exp(tl.load(g + tok * K + o_k, mask=m_k, other=0.0))[None, :]
+        if GATE != 0:
+            u = b_v - tl.sum(S * b_k[None, :], axis=1)
+            tl.store(lbd + tok * NV + i_v, 0.5 * tl.sum(u * u, axis=0))
+        else:
+            u = -e
+        S += (b_beta * u)[:, None] * b_w[None, :]
+        e = tl.sum(S * b_k[None, :], axis=1) - b_v
+        tl.store(la + tok * NV + i_v, 0.5 * tl.sum(e * e, axis=0))
+        tl.store(o + tok * V + o_v, tl.sum(S * b_q[None, :], axis=1), mask=m_v)
+    p_ht = ht + i_nh.to(tl.int64) * V * K + o_v[:, None] * K + o_k[None, :]
+    tl.store(p_ht, S, mask=m_s)
+
+
+def fused_replay(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    write_key: torch.Tensor | None = None,
+    g: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    block_v: int | None = None,
+) -> RecurrenceResult:
+    """Same contract as :func:`osdn_diag.math.recurrence.delta_rule_recurrence` (shapes, ``g`` as log
+    decay, ``V×K`` state), computed by the fused kernel in ``dtype`` (fp32 or fp64) on ``q``'s device."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    cast = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
+    q, k, v, beta, g, wk, h0 = map(cast, (q, k, v, beta, g, write_key, initial_state))
+    BK = triton.next_power_of_2(K)
+    BV = block_v or min(triton.next_power_of_2(V), max(16, 4096 // BK))
+    NV = triton.cdiv(V, BV)
+    o = torch.empty_like(v)
+    parts = torch.zeros(3, B * T * H, NV, dtype=dtype, device=q.device)
+    ht = torch.empty(N, H, V, K, dtype=dtype, device=q.device)
+    dummy = q.new_empty(1)
+    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
+    _replay_kernel[(NV, N * H)](
+        q, k, v, beta,
+        dummy if g is None else g,
+        dummy if wk is None else wk,
+        dummy if h0 is None else h0,
+        cu_seqlens if cu_seqlens is not None else dummy,
+        o, parts[0], parts[1], parts[2], ht,
+        K**-0.5 if scale is None else scale,
+        T, H=H, K=K, V=V, BK=BK, BV=BV,
+        GATE=gate, HAS_WK=wk is not None, HAS_H0=h0 is not None, VARLEN=cu_seqlens is not None,
+    )
+    before, before_dec, after = (p.sum(-1).view(B, T, H) for p in parts)
+    gain = beta * ((k if wk is None else wk) * k).sum(-1)
+    return RecurrenceResult(
+        o=o,
+        final_state=ht,
+        loss_before=before,
+        loss_after=after,
+        write_gain=gain,
+        loss_before_decayed=None if g is None else before_dec,
+    )
+
+
+def replay_triton(call: KernelCall, *, dtype: torch.dtype, bad: torch.Tensor | None) -> RecurrenceResult:
+    """Replay a captured call with the fused kernel (the ``"triton"`` backend of
+    :func:`osdn_diag.replay.replay_call`). ``bad`` marks ``[B, T, H]`` tokens with non-finite inputs,
+    replayed on zeros."""
+    from ..replay import _zero_nonfinite  # local: replay imports this module lazily
+
+    q, k, v, beta, g, d = call.q, call.k, call.v, call.beta, call.g, call.d
+    init = call.initial_state
+    if bad is not None:
+        q, k, v, beta, g, d = (_zero_nonfinite(x, bad) for x in (q, k, v, beta, g, d))
+        if init is not None:
+            init = torch.nan_to_num(init, nan=0.0, posinf=0.0, neginf=0.0)
+    return fused_replay(
+        q, k, v, beta,
+        write_key=None if d is None else d.to(dtype) * k.to(dtype),
+        g=g,
+        scale=call.scale,
+        initial_state=init,
+        cu_seqlens=call.cu_seqlens,
+        dtype=dtype,
+    )

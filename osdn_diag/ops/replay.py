@@ -29,12 +29,14 @@ __all__ = ["fused_replay", "replay_triton"]
 
 @triton.jit
 def _replay_kernel(
-    q, k, v, beta, g, wk, h0, cu_seqlens,
+    q, k, v, beta, alpha, wk, h0, cu_seqlens,
     o, lb, lbd, la, ht,
     scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr,          # 0: none, 1: head scalar [B, T, H], 2: key channel [B, T, H, K]
+    # (``alpha`` is the decay exp(g), exponentiated by torch in the replay dtype: Triton's fp64 exp
+    # lost precision on the H200, failing the fp64 comparison)
     HAS_WK: tl.constexpr, HAS_H0: tl.constexpr, VARLEN: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -70,9 +72,9 @@ def _replay_kernel(
         e = tl.sum(S * b_k[None, :], axis=1) - b_v
         tl.store(lb + tok * NV + i_v, 0.5 * tl.sum(e * e, axis=0))
         if GATE == 1:
-            S = S * tl.exp(tl.load(g + tok))
+            S = S * tl.load(alpha + tok)
         if GATE == 2:
-            S = S * tl.exp(tl.load(g + tok * K + o_k, mask=m_k, other=0.0))[None, :]
+            S = S * tl.load(alpha + tok * K + o_k, mask=m_k, other=1.0)[None, :]
         if GATE != 0:
             u = b_v - tl.sum(S * b_k[None, :], axis=1)
             tl.store(lbd + tok * NV + i_v, 0.5 * tl.sum(u * u, axis=0))
@@ -107,6 +109,7 @@ def fused_replay(
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     cast = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
     q, k, v, beta, g, wk, h0 = map(cast, (q, k, v, beta, g, write_key, initial_state))
+    alpha = None if g is None else g.exp()
     BK = triton.next_power_of_2(K)
     BV = block_v or min(triton.next_power_of_2(V), max(16, 4096 // BK))
     NV = triton.cdiv(V, BV)
@@ -117,7 +120,7 @@ def fused_replay(
     gate = 0 if g is None else (1 if g.dim() == 3 else 2)
     _replay_kernel[(NV, N * H)](
         q, k, v, beta,
-        dummy if g is None else g,
+        dummy if alpha is None else alpha,
         dummy if wk is None else wk,
         dummy if h0 is None else h0,
         cu_seqlens if cu_seqlens is not None else dummy,

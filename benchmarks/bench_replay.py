@@ -1,0 +1,105 @@
+"""Replay throughput: the fused Triton replay against the torch reference loop and fla's fp32
+``fused_recurrent_delta_rule`` on the same inputs (GPU only).
+
+    python benchmarks/bench_replay.py [--B 8 --T 4096 --H 8 --K 128 --V 128] [--json FILE]
+
+Prints a table (median time, measurements per second, ratios against both baselines measured in the
+same run) after checking the fused replay against an fp64 reference at the benchmark shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+
+def _bench(fn, reps: int = 20) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=max(100, reps), return_mode="median")
+
+
+def _timed_once(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in (("B", 8), ("T", 4096), ("H", 8), ("K", 128), ("V", 128)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--skip-torch", action="store_true", help="skip the slow torch reference loop")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_replay needs a CUDA GPU")
+
+    from osdn_diag.math import delta_rule_recurrence
+    from osdn_diag.ops.replay import fused_replay
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
+    q = torch.randn(B, T, H, K, device=dev, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=dev, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, device=dev, generator=gen)
+    beta = torch.rand(B, T, H, device=dev, generator=gen)
+    n_meas = B * T * H
+
+    # Correctness at the benchmark shape, against fp64 on the same device.
+    ref = delta_rule_recurrence(q, k, v, beta, dtype=torch.float64)
+    got = fused_replay(q, k, v, beta)
+    errors = {n: _rel(getattr(got, n), getattr(ref, n)) for n in ("o", "loss_before", "loss_after", "final_state")}
+
+    rows = []
+    t_fused = _bench(lambda: fused_replay(q, k, v, beta))
+    rows.append(("fused replay (ours, fp32)", t_fused))
+    t_fla = None
+    try:
+        from fla.ops.delta_rule import fused_recurrent_delta_rule
+
+        t_fla = _bench(lambda: fused_recurrent_delta_rule(q, k, v, beta, output_final_state=True))
+        rows.append(("fla fused_recurrent_delta_rule (fp32)", t_fla))
+    except ImportError:
+        pass
+    t_torch = None
+    if not a.skip_torch:
+        delta_rule_recurrence(q[:, :8], k[:, :8], v[:, :8], beta[:, :8])  # warm-up
+        t_torch = _timed_once(lambda: delta_rule_recurrence(q, k, v, beta))
+        rows.append(("torch reference loop (fp32)", t_torch))
+
+    print(f"\nreplay, B={B} T={T} H={H} K={K} V={V} ({n_meas / 1e6:.3f} M token-head measurements), "
+          f"{torch.cuda.get_device_name()}")
+    print("fused vs fp64 reference, relative error: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    print(f"{'method':40s} {'ms':>10s} {'M meas/s':>10s} {'vs torch':>9s} {'vs fla':>8s}")
+    for name, ms in rows:
+        vs_t = f"{t_torch / ms:8.1f}x" if t_torch else "      -"
+        vs_f = f"{t_fla / ms:7.2f}x" if t_fla else "     -"
+        print(f"{name:40s} {ms:10.3f} {n_meas / ms / 1e3:10.1f} {vs_t:>9s} {vs_f:>8s}")
+    result = {
+        "shape": dict(B=B, T=T, H=H, K=K, V=V),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "errors_vs_fp64": errors,
+        "ms": {name: ms for name, ms in rows},
+    }
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Resolve a MODEL argument to an fla causal LM.
+
+* ``DIR`` — a local Hugging Face directory of an fla model: ``config.json`` plus ``*.safetensors``
+  weights (never a pickle: ``.bin`` checkpoints are refused). Nothing is downloaded.
+* ``random:PRESET`` — a randomly initialised model of a named shape (:data:`PRESETS`), seeded, for
+  benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["PRESETS", "LoadedModel", "load_model"]
+
+#: Named random-model shapes: (fla config class name, config kwargs).
+PRESETS: dict[str, tuple[str, dict]] = {
+    # The paper's 340M DeltaNet: 24 layers, hidden 1024, 8 heads of d_k = d_v = 128.
+    "deltanet-340m": ("DeltaNetConfig", dict(hidden_size=1024, num_hidden_layers=24, num_heads=8, vocab_size=32000)),
+    # The paper's 1.3B shape: 24 layers, hidden 2048, 16 heads.
+    "deltanet-1.3b": ("DeltaNetConfig", dict(hidden_size=2048, num_hidden_layers=24, num_heads=16, vocab_size=32000)),
+    "deltanet-tiny": ("DeltaNetConfig", dict(hidden_size=64, num_hidden_layers=2, num_heads=2, vocab_size=256)),
+    "gated-deltanet-tiny": (
+        "GatedDeltaNetConfig",
+        dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
+    ),
+    "kda-tiny": ("KDAConfig", dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, vocab_size=256)),
+    "precond-gated-deltanet-tiny": (
+        "PrecondGatedDeltaNetConfig",
+        dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    spec: str
+    source: str  # "directory" | "random"
+    config: dict
+    directory: Path | None = None
+
+
+def _fla():
+    try:
+        import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
+        import fla.models
+    except ImportError as err:  # pragma: no cover - fla is a dependency
+        raise RuntimeError(
+            "flash-linear-attention (fla) is required to load models: pip install flash-linear-attention"
+        ) from err
+    return fla.models
+
+
+def load_model(
+    spec: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load ``spec`` (a directory or ``random:PRESET``) onto ``device`` in ``dtype``, in eval mode."""
+    models = _fla()
+    from transformers import AutoModelForCausalLM
+
+    if spec.startswith("random:"):
+        name = spec.removeprefix("random:")
+        if name not in PRESETS:
+            raise ValueError(
+                f"MODEL {spec!r}: unknown preset {name!r}; available: "
+                + ", ".join(f"random:{p}" for p in PRESETS)
+            )
+        cls_name, kwargs = PRESETS[name]
+        config = getattr(models, cls_name)(**kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config)
+        source, directory = "random", None
+    else:
+        directory = Path(spec)
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(
+                f"MODEL {spec!r}: expected a Hugging Face model directory with config.json "
+                "(or random:PRESET)"
+            )
+        if not list(directory.glob("*.safetensors")):
+            pickles = [p.name for p in directory.glob("*.bin")] + [p.name for p in directory.glob("*.pt")]
+            hint = f" (found {', '.join(pickles)}: pickled weights are not loaded)" if pickles else ""
+            raise FileNotFoundError(f"MODEL {spec!r}: no *.safetensors weights in {directory}{hint}")
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, use_safetensors=True, local_files_only=True, dtype=dtype
+        )
+        source = "directory"
+        config = json.loads((directory / "config.json").read_text())
+    model = model.to(device=device, dtype=dtype).eval()
+    cfg = model.config.to_dict() if source == "random" else config
+    return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory)

@@ -1,0 +1,141 @@
+"""Prompts: token sequences with a task name and the position where a repeated context starts.
+
+A PROMPTS argument is a built-in suite name (:data:`SUITES`) or a JSONL file whose rows are
+
+    {"input_ids": [1, 2, ...], "task": "..."}            or
+    {"text": "...", "task": "..."}                        (tokenised with the model directory's tokenizer)
+
+optionally with a query kept apart from the context — ``"query_ids": [...]`` or ``"query": "..."`` —
+so that ``twice`` (JRT-style) repeats the context and not the query: ``context + context + query``.
+``repeat_start`` is the position where the second copy begins (−1 when nothing is repeated).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["Prompt", "SUITES", "load_prompts", "random_suite", "read_jsonl"]
+
+
+@dataclass
+class Prompt:
+    id: int
+    task: str
+    input_ids: list[int]
+    repeat_start: int = -1
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def manifest_entry(self) -> dict:
+        return {"id": self.id, "task": self.task, "length": len(self), "repeat_start": self.repeat_start, **self.meta}
+
+
+def _twice(context: list[int], query: list[int], twice: bool) -> tuple[list[int], int]:
+    if not twice:
+        return context + query, -1
+    return context + context + query, len(context)
+
+
+def read_jsonl(
+    path: str | Path,
+    *,
+    tokenize: Callable[[str], list[int]] | None = None,
+    twice: bool = False,
+    vocab_size: int | None = None,
+) -> list[Prompt]:
+    """Read a prompt file; errors name the file and line and what was expected."""
+    path = Path(path)
+    prompts: list[Prompt] = []
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            context = _tokens(row, "input_ids", "text", where, tokenize, vocab_size, required=True)
+            query = _tokens(row, "query_ids", "query", where, tokenize, vocab_size, required=False)
+            ids, repeat = _twice(context, query, twice)
+            task = row.get("task", path.stem)
+            if not isinstance(task, str):
+                raise ValueError(f"{where}: field 'task' must be a string, got {type(task).__name__}")
+            prompts.append(Prompt(id=len(prompts), task=task, input_ids=ids, repeat_start=repeat))
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (expected one JSON object per line)")
+    return prompts
+
+
+def _tokens(row, ids_key, text_key, where, tokenize, vocab_size, *, required):
+    if ids_key in row:
+        ids = row[ids_key]
+        if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise ValueError(f"{where}: field {ids_key!r} must be a list of integers")
+        if vocab_size is not None and any(i < 0 or i >= vocab_size for i in ids):
+            raise ValueError(f"{where}: field {ids_key!r} has token ids outside [0, {vocab_size})")
+        if required and not ids:
+            raise ValueError(f"{where}: field {ids_key!r} is empty")
+        return list(ids)
+    if text_key in row:
+        text = row[text_key]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: field {text_key!r} must be a string")
+        if tokenize is None:
+            raise ValueError(
+                f"{where}: field {text_key!r} needs a tokenizer, and the model has none "
+                f"(give {ids_key!r} instead, or a model directory with tokenizer files)"
+            )
+        return tokenize(text)
+    if required:
+        raise ValueError(f"{where}: expected a field {ids_key!r} (list of token ids) or {text_key!r} (string)")
+    return []
+
+
+def random_suite(*, num_prompts: int, length: int, vocab_size: int, seed: int, twice: bool) -> list[Prompt]:
+    """Uniformly random tokens (for random-weight models and benchmarks). With ``twice`` the first
+    half is a context that is repeated in the second half."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(num_prompts):
+        if twice:
+            ctx = torch.randint(0, vocab_size, (length // 2,), generator=gen).tolist()
+            ids, repeat = _twice(ctx, [], True)
+        else:
+            ids, repeat = torch.randint(0, vocab_size, (length,), generator=gen).tolist(), -1
+        prompts.append(Prompt(id=i, task="random-twice" if twice else "random", input_ids=ids, repeat_start=repeat))
+    return prompts
+
+
+#: Built-in suites: name -> builder(num_prompts, length, vocab_size, seed, twice).
+SUITES: dict[str, Callable[..., list[Prompt]]] = {"random": random_suite}
+
+
+def load_prompts(
+    spec: str,
+    *,
+    vocab_size: int,
+    tokenize: Callable[[str], list[int]] | None = None,
+    twice: bool = False,
+    num_prompts: int = 8,
+    length: int = 512,
+    seed: int = 0,
+) -> list[Prompt]:
+    """Resolve a PROMPTS argument: a built-in suite name or a JSONL file."""
+    if spec in SUITES:
+        return SUITES[spec](num_prompts=num_prompts, length=length, vocab_size=vocab_size, seed=seed, twice=twice)
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"PROMPTS {spec!r}: neither a built-in suite ({', '.join(SUITES)}) nor an existing JSONL file"
+        )
+    return read_jsonl(path, tokenize=tokenize, twice=twice, vocab_size=vocab_size)

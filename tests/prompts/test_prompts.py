@@ -1,0 +1,66 @@
+"""Prompt files and built-in suites: parsing, `twice`, determinism, and errors that name the line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from osdn_diag.prompts import load_prompts, random_suite, read_jsonl
+
+
+def _write(tmp_path, rows):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_jsonl_ids_and_twice(tmp_path):
+    path = _write(tmp_path, [{"input_ids": [1, 2, 3], "query_ids": [9], "task": "t"}, "", {"input_ids": [4]}])
+    once = read_jsonl(path)
+    assert [p.input_ids for p in once] == [[1, 2, 3, 9], [4]]
+    assert [p.repeat_start for p in once] == [-1, -1]
+    assert once[1].task == "p"  # defaults to the file stem
+    twice = read_jsonl(path, twice=True)
+    assert twice[0].input_ids == [1, 2, 3, 1, 2, 3, 9] and twice[0].repeat_start == 3
+    assert twice[1].input_ids == [4, 4] and twice[1].repeat_start == 1
+
+
+def test_jsonl_text_uses_tokenizer(tmp_path):
+    path = _write(tmp_path, [{"text": "ab", "query": "c"}])
+    (p,) = read_jsonl(path, tokenize=lambda s: [ord(c) for c in s], twice=True)
+    assert p.input_ids == [97, 98, 97, 98, 99] and p.repeat_start == 2
+
+
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ({"task": "x"}, "expected a field 'input_ids'"),
+        ({"input_ids": [1, "a"]}, "must be a list of integers"),
+        ({"input_ids": [1, 999]}, r"outside \[0, 100\)"),
+        ({"input_ids": []}, "is empty"),
+        ({"text": "hello"}, "needs a tokenizer"),
+        ({"input_ids": [1], "task": 3}, "'task' must be a string"),
+    ],
+)
+def test_malformed_row_names_the_line(tmp_path, row, message):
+    path = _write(tmp_path, [{"input_ids": [1]}, row])
+    with pytest.raises(ValueError, match=message) as err:
+        read_jsonl(path, vocab_size=100)
+    assert f"{path}:2" in str(err.value)
+
+
+def test_random_suite_is_deterministic_and_twice_repeats():
+    a = random_suite(num_prompts=3, length=10, vocab_size=50, seed=1, twice=True)
+    b = random_suite(num_prompts=3, length=10, vocab_size=50, seed=1, twice=True)
+    assert [p.input_ids for p in a] == [p.input_ids for p in b]
+    assert all(p.input_ids[:5] == p.input_ids[5:] and p.repeat_start == 5 for p in a)
+    c = random_suite(num_prompts=3, length=10, vocab_size=50, seed=2, twice=False)
+    assert [p.input_ids for p in c] != [p.input_ids for p in a]
+
+
+def test_unknown_prompt_spec(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a built-in suite"):
+        load_prompts(str(tmp_path / "missing.jsonl"), vocab_size=10)

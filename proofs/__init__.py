@@ -1,0 +1,15 @@
+"""Symbolic (sympy) checks of the OSDN paper's mathematics, and the claims ledger that runs them.
+
+Installed as ``osdn_diag.proofs``. Each module proves one group of claims and exports them as
+``CLAIMS``; :mod:`.ledger` collects them and is what ``osdn-diag prove`` runs.
+
+Notation shared by every module: state ``S ∈ R^{V×K}``, key ``k``, value ``v``, gate ``β``,
+preconditioner ``d``, ``s = k ⊙ k``, ``n = ‖k‖²``, residual ``u = v − S k``, OSDN write
+``S' = S + β u (d ⊙ k)ᵀ``, token loss ``f(S) = ½‖S k − v‖²``, surrogate
+``h(d) = (f(S') − f(S)) / ‖∇f(S)‖²`` with ``‖∇f(S)‖² = ‖u‖² n``, write gain ``a = β⟨d, s⟩``.
+
+A proof here is a derivation: an identity is accepted only when the difference of its two sides
+expands to exactly 0, and an inequality only when the quantity has been rewritten (by a checked
+identity) as an expression whose sign sympy derives from the symbols' declared assumptions.
+A check that cannot establish its claim reports ``failed``, never ``verified``.
+"""

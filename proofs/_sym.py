@@ -1,0 +1,78 @@
+"""Small sympy helpers shared by the proof modules.
+
+Two kinds of evidence are accepted:
+
+* an **identity** holds when the numerator of ``lhs − rhs`` (over a common denominator) expands to
+  the zero polynomial (:func:`vanishes`); ``simplify`` is tried only when the expression is not a
+  rational function of its symbols (e.g. powers like ``(−1)^t``);
+* a **sign** holds when sympy derives it from the declared assumptions of the symbols
+  (:func:`is_positive`, :func:`is_nonnegative`); a sympy "unknown" counts as not established.
+
+Constraints between symbols (``Σ s_i = 1``, ``gap = 1 − β``, …) enter an identity as a substitution
+that eliminates the dependent symbols (:func:`holds_on`): the identity is then proved on the
+constraint set, and a sign form written in the free symbols applies there because each of its
+symbols satisfies its assumption on that set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import sympy as sp
+
+__all__ = [
+    "all_vanish",
+    "dot",
+    "holds_on",
+    "is_nonnegative",
+    "is_positive",
+    "matrix",
+    "vanishes",
+    "vector",
+]
+
+
+def vector(name: str, n: int, **assumptions) -> sp.Matrix:
+    """Column vector ``(name_1, …, name_n)ᵀ`` of fresh symbols with the given assumptions."""
+    return sp.Matrix([sp.Symbol(f"{name}_{i + 1}", **assumptions) for i in range(n)])
+
+
+def matrix(name: str, rows: int, cols: int, **assumptions) -> sp.Matrix:
+    """``rows × cols`` matrix of fresh symbols ``name_{ij}`` (1-based)."""
+    return sp.Matrix(rows, cols, lambda i, j: sp.Symbol(f"{name}_{i + 1}{j + 1}", **assumptions))
+
+
+def dot(a: sp.Matrix, b: sp.Matrix) -> sp.Expr:
+    """Euclidean inner product of two column vectors."""
+    return sum((x * y for x, y in zip(a, b)), sp.Integer(0))
+
+
+def vanishes(expr: sp.Expr) -> bool:
+    """True iff ``expr`` is identically zero (see the module docstring for what is tried)."""
+    num, _ = sp.fraction(sp.together(sp.sympify(expr)))
+    num = sp.expand(num)
+    if num == 0:
+        return True
+    if num.is_polynomial() and num.is_rational_function():
+        return False  # a nonzero expanded polynomial is not identically zero
+    return sp.simplify(num) == 0
+
+
+def all_vanish(exprs: Iterable[sp.Expr]) -> bool:
+    """True iff every entry vanishes identically."""
+    return all(vanishes(e) for e in exprs)
+
+
+def holds_on(lhs: sp.Expr, rhs: sp.Expr, constraints: Mapping[sp.Symbol, sp.Expr]) -> bool:
+    """True iff ``lhs = rhs`` identically after eliminating symbols by ``constraints``."""
+    return vanishes((sp.sympify(lhs) - sp.sympify(rhs)).subs(dict(constraints), simultaneous=True))
+
+
+def is_positive(expr: sp.Expr) -> bool:
+    """True iff sympy derives ``expr > 0`` from the symbols' assumptions."""
+    return sp.sympify(expr).is_positive is True
+
+
+def is_nonnegative(expr: sp.Expr) -> bool:
+    """True iff sympy derives ``expr ≥ 0`` from the symbols' assumptions."""
+    return sp.sympify(expr).is_nonnegative is True

@@ -1,0 +1,165 @@
+"""The claims ledger: every claim of the proof modules, run, tabulated and written as JSON.
+
+``osdn-diag prove`` calls :func:`run_ledger`, :func:`format_table` and :func:`write_json`, and exits
+non-zero when a claim's outcome differs from the status recorded as ``Claim.expected``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from . import arithmetic, corollary_a2, counterexample, lemma_4_1, lemma_d6, theorem_d7, wy_chunk
+from ._claims import STATUSES, Claim, Outcome
+
+__all__ = [
+    "CLAIMS",
+    "Claim",
+    "ClaimResult",
+    "Outcome",
+    "format_table",
+    "run_ledger",
+    "to_records",
+    "write_json",
+]
+
+MODULES = (lemma_4_1, corollary_a2, lemma_d6, theorem_d7, counterexample, wy_chunk, arithmetic)
+
+#: Every claim, in ledger order. :func:`run_ledger` reads this at call time.
+CLAIMS: list[Claim] = [claim for module in MODULES for claim in module.CLAIMS]
+
+
+@dataclass
+class ClaimResult:
+    claim: Claim
+    outcome: Outcome
+    seconds: float
+
+    @property
+    def as_expected(self) -> bool:
+        return self.outcome.status == self.claim.expected
+
+
+def evaluate(claim: Claim) -> ClaimResult:
+    """Run one check; an exception, or a result that is not an Outcome, becomes ``failed``."""
+    start = time.perf_counter()
+    try:
+        outcome = claim.check()
+        if not isinstance(outcome, Outcome):
+            raise TypeError(f"check returned {type(outcome).__name__}, not Outcome")
+    except Exception as exc:  # noqa: BLE001 - any error in a proof is reported, not raised
+        outcome = Outcome("failed", f"{type(exc).__name__}: {exc}")
+    return ClaimResult(claim, outcome, time.perf_counter() - start)
+
+
+def run_ledger(progress: bool = True, claims: Sequence[Claim] | None = None) -> list[ClaimResult]:
+    """Run ``claims`` (default: the module-level :data:`CLAIMS`); progress lines go to stderr."""
+    todo = list(CLAIMS if claims is None else claims)
+    results = []
+    for i, claim in enumerate(todo, 1):
+        result = evaluate(claim)
+        results.append(result)
+        if progress:
+            mark = "" if result.as_expected else f"  (expected {claim.expected})"
+            status, seconds = result.outcome.status, result.seconds
+            print(
+                f"[{i:>2}/{len(todo)}] {claim.id:<36} {status:<11} {seconds:6.2f} s{mark}",
+                file=sys.stderr,
+                flush=True,
+            )
+    return results
+
+
+# --- table ----------------------------------------------------------------------------------------
+
+_COLUMNS = (("id", 34), ("location", 24), ("status", 14), ("detail", 70))
+
+
+def _cells(result: ClaimResult) -> list[list[str]]:
+    mark = "ok" if result.as_expected else f"!! expected {result.claim.expected}"
+    detail = result.outcome.detail
+    if result.outcome.condition:
+        detail += f" CONDITION: {result.outcome.condition}"
+    texts = (result.claim.id, result.claim.location, f"{result.outcome.status} {mark}", detail)
+    return [textwrap.wrap(text, width) or [""] for text, (_, width) in zip(texts, _COLUMNS)]
+
+
+def _summary(results: Sequence[ClaimResult]) -> str:
+    counts = Counter(r.outcome.status for r in results)
+    line = ", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES)
+    unexpected = [r.claim.id for r in results if not r.as_expected]
+    total = sum(r.seconds for r in results)
+    tail = "all as expected" if not unexpected else f"{len(unexpected)} unexpected: " + ", ".join(unexpected)
+    return f"{line} — {tail} ({total:.1f} s)"
+
+
+def format_table(results: Sequence[ClaimResult]) -> str:
+    """Fixed-width table (cells wrapped), one block per claim, then the summary line."""
+    header = "  ".join(name.ljust(width) for name, width in _COLUMNS).rstrip()
+    rule = "  ".join("-" * width for _, width in _COLUMNS)
+    lines = [header, rule]
+    for result in results:
+        cells = _cells(result)
+        for row in range(max(len(c) for c in cells)):
+            parts = [(c[row] if row < len(c) else "").ljust(w) for c, (_, w) in zip(cells, _COLUMNS)]
+            lines.append("  ".join(parts).rstrip())
+        lines.append("")
+    lines.append(_summary(results))
+    return "\n".join(lines)
+
+
+# --- JSON -----------------------------------------------------------------------------------------
+
+
+def to_records(results: Sequence[ClaimResult]) -> list[dict]:
+    """One JSON-ready dict per claim."""
+    return [
+        {
+            "id": r.claim.id,
+            "location": r.claim.location,
+            "statement": r.claim.statement,
+            "method": r.claim.method,
+            "status": r.outcome.status,
+            "expected": r.claim.expected,
+            "as_expected": r.as_expected,
+            "detail": r.outcome.detail,
+            "condition": r.outcome.condition,
+            "numbers": r.outcome.numbers,
+            "seconds": round(r.seconds, 4),
+        }
+        for r in results
+    ]
+
+
+def write_json(results: Sequence[ClaimResult], path: str | os.PathLike) -> None:
+    """Write ``{"summary": …, "claims": [...]}`` atomically (temp file in the same folder, then replace)."""
+    path = os.fspath(path)
+    counts = Counter(r.outcome.status for r in results)
+    payload = {
+        "summary": {
+            **{s: counts.get(s, 0) for s in STATUSES},
+            "unexpected": [r.claim.id for r in results if not r.as_expected],
+            "seconds": round(sum(r.seconds for r in results), 3),
+        },
+        "claims": to_records(results),
+    }
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".json.tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=2, ensure_ascii=False)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

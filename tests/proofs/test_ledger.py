@@ -1,0 +1,121 @@
+"""The claims ledger: outcomes, table, JSON, and the ``osdn-diag prove`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from osdn_diag.cli import main
+from osdn_diag.proofs import ledger
+from osdn_diag.proofs.ledger import Claim, Outcome
+
+FIELDS = {"id", "location", "statement", "method", "status", "expected", "detail", "condition", "numbers"}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return ledger.run_ledger(progress=False)
+
+
+def _claim(claim_id: str, check, expected: str = "verified") -> Claim:
+    return Claim(id=claim_id, location="test", statement="s", method="m", expected=expected, check=check)
+
+
+def test_ids_are_unique():
+    ids = [c.id for c in ledger.CLAIMS]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("claim", ledger.CLAIMS, ids=lambda c: c.id)
+def test_claim_outcome_matches_expected(results, claim):
+    (result,) = [r for r in results if r.claim.id == claim.id]
+    assert result.outcome.status != "failed", result.outcome.detail
+    assert result.outcome.status == claim.expected, result.outcome.detail
+    assert result.as_expected
+    if result.outcome.status == "conditional":
+        assert result.outcome.condition
+    json.dumps(result.outcome.numbers)  # JSON-serialisable
+
+
+def test_table_lists_every_claim_and_summary(results):
+    table = ledger.format_table(results)
+    for r in results:
+        assert r.claim.id in table
+    n = {s: sum(r.outcome.status == s for r in results) for s in ("verified", "refuted", "conditional")}
+    summary = f"{n['verified']} verified, {n['refuted']} refuted, {n['conditional']} conditional, 0 failed"
+    assert summary in table
+    assert "all as expected" in table
+
+
+def test_write_json_round_trips_atomically(results, tmp_path):
+    path = tmp_path / "ledger.json"
+    ledger.write_json(results, path)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert [c["id"] for c in data["claims"]] == [r.claim.id for r in results]
+    for record in data["claims"]:
+        assert FIELDS <= set(record)
+        assert record["status"] == record["expected"]
+    assert data["summary"]["failed"] == 0 and data["summary"]["unexpected"] == []
+    assert os.listdir(tmp_path) == ["ledger.json"]  # no temp file left behind
+
+
+def test_write_json_leaves_no_temp_file_on_error(tmp_path):
+    unserialisable = Outcome("verified", "d", numbers={"n": object()})
+    bad = ledger.ClaimResult(_claim("x", lambda: None), unserialisable, 0.0)
+    with pytest.raises(TypeError):
+        ledger.write_json([bad], tmp_path / "ledger.json")
+    assert os.listdir(tmp_path) == []
+
+
+def test_exception_becomes_failed():
+    def boom() -> Outcome:
+        raise RuntimeError("no proof today")
+
+    (result,) = ledger.run_ledger(progress=False, claims=[_claim("boom", boom)])
+    assert result.outcome.status == "failed"
+    assert "no proof today" in result.outcome.detail
+    assert not result.as_expected
+
+
+def test_non_outcome_becomes_failed():
+    (result,) = ledger.run_ledger(progress=False, claims=[_claim("none", lambda: "verified")])
+    assert result.outcome.status == "failed"
+
+
+def test_progress_goes_to_stderr(capsys):
+    ledger.run_ledger(progress=True, claims=[_claim("ok", lambda: Outcome("verified", "fine"))])
+    out, err = capsys.readouterr()
+    assert out == "" and "ok" in err and "verified" in err
+
+
+def test_cli_prove_succeeds_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    assert main(["prove", "--json", str(path), "-q"]) == 0
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert len(data["claims"]) == len(ledger.CLAIMS)
+    assert "0 failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "check",
+    [lambda: Outcome("refuted", "wrong status"), lambda: 1 / 0],
+    ids=["wrong-status", "raises"],
+)
+def test_cli_prove_fails_on_unexpected_outcome(monkeypatch, tmp_path, capsys, check):
+    claims = [_claim("good", lambda: Outcome("verified", "fine")), _claim("bad", check)]
+    monkeypatch.setattr(ledger, "CLAIMS", claims)
+    assert main(["prove", "--json", str(tmp_path / "out.json"), "-q"]) == 1
+    captured = capsys.readouterr()
+    assert "bad" in captured.err and "good" not in captured.err
+    assert "1 unexpected: bad" in captured.out
+
+
+def test_claim_and_outcome_validate_status():
+    with pytest.raises(ValueError):
+        Outcome("proved", "x")
+    with pytest.raises(ValueError):
+        Outcome("conditional", "x")  # a condition is required
+    with pytest.raises(ValueError):
+        _claim("x", lambda: None, expected="failed")

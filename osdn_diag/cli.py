@@ -26,6 +26,97 @@ def _cmd_prove(args: argparse.Namespace) -> int:
     return 0
 
 
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def _torch_dtype(name: str | None):
+    import torch
+
+    return None if name is None else getattr(torch, _DTYPES[name])
+
+
+def _capture(args: argparse.Namespace):
+    from .pipeline import capture_run
+
+    return capture_run(
+        args.model, args.prompts, args.out,
+        device=args.device, dtype=_torch_dtype(args.dtype), kernels=args.kernels,
+        batch_size=args.batch_size, twice=args.twice, num_prompts=args.num_prompts,
+        length=args.length, seed=args.seed, progress=not args.quiet,
+    )
+
+
+def _replay(args: argparse.Namespace, run_dir) -> dict:
+    import torch
+
+    from .pipeline import replay_run
+
+    return replay_run(
+        run_dir, backend=args.backend, dtype=torch.float64 if args.fp64 else torch.float32,
+        device=args.device, tolerance=args.tolerance, progress=not args.quiet,
+    )
+
+
+def _print_summary(summary: dict, run_dir) -> None:
+    print(f"\n{run_dir}: q_geo = {summary['q_geo']:.4f}, q_arith = {summary['q_arith']:.4f}, "
+          f"n = {summary['n']:,} token-layer-head measurements")
+    print(f"{'layer':>6s} {'q_geo':>8s} {'q_arith':>8s} {'n':>10s}")
+    for layer, s in summary["by_layer"].items():
+        print(f"{layer:>6s} {s['q_geo']:8.4f} {s['q_arith']:8.4f} {s['n']:10,d}")
+    fid = summary["fidelity"]
+    print(f"fidelity (replay vs kernel output, max relative error): {fid['max_rel_error']:.2e}")
+    if summary.get("excluded_nonfinite"):
+        print(f"excluded (non-finite inputs): {summary['excluded_nonfinite']:,} tokens")
+
+
+def _cmd_capture(args: argparse.Namespace) -> int:
+    out = _capture(args)
+    print(f"capture written to {out}")
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    _print_summary(_replay(args, args.dir), args.dir)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    out = _capture(args)
+    _print_summary(_replay(args, out), out)
+    return 0
+
+
+def _add_capture_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="a local Hugging Face directory of an fla model, or random:PRESET")
+    p.add_argument("--prompts", required=True, metavar="P",
+                   help="a built-in suite (random) or a JSONL file of {input_ids|text, task} rows")
+    p.add_argument("--out", required=True, metavar="DIR", help="the run directory to write")
+    p.add_argument("--twice", action="store_true", help="repeat each context before its query (JRT)")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts of a built-in suite (8)")
+    p.add_argument("--length", type=int, default=512, help="tokens per prompt of a built-in suite (512)")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass (1)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="model dtype (bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--kernels", choices=("auto", "fla", "reference"), default="auto",
+                   help="what runs the delta rule during capture: fla's kernel, the reference "
+                   "recurrence, or auto (fla on CUDA, reference on CPU)")
+    p.add_argument("--seed", type=int, default=0, help="seed for random models and suites (0)")
+
+
+def _add_replay_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
+                   help="replay engine (auto: triton on CUDA, torch otherwise)")
+    p.add_argument("--fp64", action="store_true", help="replay in fp64 instead of fp32")
+    p.add_argument("--tolerance", type=float,
+                   help="largest accepted replay-vs-kernel output error (default by dtype)")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="osdn-diag",
@@ -42,6 +133,29 @@ def build_parser() -> argparse.ArgumentParser:
     prove.add_argument("--json", metavar="FILE", help="also write the ledger as JSON to FILE")
     prove.add_argument("-q", "--quiet", action="store_true", help="no per-claim progress lines")
     prove.set_defaults(func=_cmd_prove)
+
+    run = sub.add_parser("run", help="capture, replay and summarise, in one go",
+                         description="Hook MODEL's delta-rule kernels on every prompt, replay every "
+                         "write in fp32, and write residuals.parquet and summary.json to DIR.")
+    _add_capture_args(run)
+    _add_replay_args(run)
+    _add_common(run)
+    run.set_defaults(func=_cmd_run)
+
+    cap = sub.add_parser("capture", help="capture what the kernels receive, to DIR/capture",
+                         description="Hook MODEL's delta-rule kernels on every prompt and store what "
+                         "each kernel received (safetensors shards + manifest.json) in DIR.")
+    _add_capture_args(cap)
+    _add_common(cap)
+    cap.set_defaults(func=_cmd_capture)
+
+    rep = sub.add_parser("replay", help="replay a capture directory",
+                         description="Replay every captured write of DIR in fp32 and write "
+                         "residuals.parquet and summary.json there.")
+    rep.add_argument("dir", metavar="DIR", help="a capture directory")
+    _add_replay_args(rep)
+    _add_common(rep)
+    rep.set_defaults(func=_cmd_replay)
     return parser
 
 

@@ -19,11 +19,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .capture.store import CaptureReader, atomic_write_text, to_device
+from .capture.store import CaptureReader, CaptureWriter, atomic_write_text, to_device
 from .metrics.ratios import RatioAccumulator
 from .replay import DEFAULT_TOLERANCE, replay_call
 
-__all__ = ["RESIDUALS", "SUMMARY", "replay_run"]
+__all__ = ["RESIDUALS", "SUMMARY", "capture_run", "replay_run"]
 
 RESIDUALS = "residuals.parquet"
 SUMMARY = "summary.json"
@@ -48,18 +48,130 @@ def _schema(value_type: pa.DataType) -> pa.Schema:
     )
 
 
-def _progress(iterable, total: int, enabled: bool, desc: str):
+def _progress(iterable, total: int, enabled: bool, desc: str, unit: str):
     if not enabled:
         return iterable
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, unit="call")
+    return tqdm(iterable, total=total, desc=desc, unit=unit)
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("osdn-diag", "torch", "triton", "flash-linear-attention", "fla-core", "transformers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _batches(prompts, batch_size: int):
+    for i in range(0, len(prompts), batch_size):
+        yield i // batch_size, prompts[i : i + batch_size]
+
+
+def _inputs(batch, device):
+    """``input_ids`` (right-padded) and, when lengths differ, the ``attention_mask`` fla unpads with
+    (the kernels then see the batch packed as ``cu_seqlens``, sequences in batch order)."""
+    width = max(len(p) for p in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, p in enumerate(batch):
+        ids[row, : len(p)] = torch.tensor(p.input_ids)
+        mask[row, : len(p)] = 1
+    if bool(mask.all()):
+        return ids.to(device), None
+    return ids.to(device), mask.to(device)
+
+
+def capture_run(
+    model_spec: str,
+    prompts_spec: str,
+    out_dir: str | os.PathLike,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    kernels: str = "auto",
+    batch_size: int = 1,
+    twice: bool = False,
+    num_prompts: int = 8,
+    length: int = 512,
+    seed: int = 0,
+    progress: bool = True,
+) -> Path:
+    """Load the model, run every prompt through it under :func:`osdn_diag.capture.capture`, and stream
+    the captured calls to ``out_dir/capture``. The manifest says ``"complete": true`` only at the end.
+
+    ``dtype`` defaults to bf16 on CUDA (fla's chunk kernels refuse fp32 DeltaNet inputs) and fp32 on
+    the CPU. Returns ``out_dir``.
+    """
+    from . import runtime
+    from .capture.context import capture
+    from .models import load_model
+    from .prompts import load_prompts
+
+    if batch_size < 1:
+        raise ValueError(f"argument 'batch_size': expected >= 1, got {batch_size}")
+    device = runtime.prepare(device)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    out_dir = Path(out_dir)
+    writer = CaptureWriter(out_dir)
+    writer.begin({"versions": _versions(), "model": {"spec": model_spec}, "prompts_source": prompts_spec})
+    loaded = load_model(model_spec, device=device, dtype=dtype, seed=seed)
+    tokenize = _tokenizer(loaded.directory)
+    prompts = load_prompts(
+        prompts_spec, vocab_size=loaded.config["vocab_size"], tokenize=tokenize, twice=twice,
+        num_prompts=num_prompts, length=length, seed=seed,
+    )
+    batches = list(_batches(prompts, batch_size))
+    with capture(loaded.model, kernels=kernels) as cap, torch.inference_mode():
+        for batch_idx, batch in _progress(batches, len(batches), progress, "capture", "batch"):
+            ids, mask = _inputs(batch, device)
+            loaded.model(input_ids=ids, attention_mask=mask, use_cache=False)
+            for call in cap.calls:
+                writer.write(batch_idx, [p.id for p in batch], call)
+            cap.calls.clear()
+        kernels_used = sorted({layer["flags"].get("kernels", kernels) for layer in writer.layers.values()})
+    writer.finish(
+        {
+            "model": {
+                "spec": model_spec,
+                "source": loaded.source,
+                "model_type": loaded.config.get("model_type"),
+                "hidden_size": loaded.config.get("hidden_size"),
+                "num_hidden_layers": loaded.config.get("num_hidden_layers"),
+                "num_heads": loaded.config.get("num_heads"),
+                "vocab_size": loaded.config.get("vocab_size"),
+            },
+            "prompts": [p.manifest_entry() for p in prompts],
+            "twice": twice,
+            "seed": seed,
+            "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
+            "kernels": kernels_used,
+            "batch_size": batch_size,
+        }
+    )
+    return out_dir
+
+
+def _tokenizer(directory: Path | None):
+    """The model directory's own tokenizer, from local files only; ``None`` when it has none."""
+    if directory is None or not any(directory.glob("tokenizer*")):
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
 
 def replay_run(
     run_dir: str | os.PathLike,
     *,
-    backend: str = "torch",
+    backend: str = "auto",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     tolerance: float | None = None,
@@ -69,7 +181,8 @@ def replay_run(
 
     Args:
         run_dir: a complete capture directory (``manifest.json`` with ``"complete": true``).
-        backend: ``"torch"`` or ``"triton"`` (see :func:`osdn_diag.replay.replay_call`).
+        backend: ``"torch"``, ``"triton"`` (see :func:`osdn_diag.replay.replay_call`) or ``"auto"``
+            (Triton on CUDA, torch otherwise).
         dtype: replay precision (fp32 or fp64).
         device: where to replay; default CUDA when available, else CPU.
         tolerance: fidelity tolerance (default per input dtype).
@@ -81,6 +194,8 @@ def replay_run(
     reader = CaptureReader(run_dir)
     prompts = {int(p["id"]): p for p in reader.manifest.get("prompts", [])}
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
     value_type = pa.float64() if dtype == torch.float64 else pa.float32()
     np_dtype = "float64" if dtype == torch.float64 else "float32"
     schema = _schema(value_type)
@@ -93,7 +208,7 @@ def replay_run(
     try:
         with pq.ParquetWriter(tmp, schema) as writer:
             shards = reader.shards()
-            for path in _progress(shards, len(shards), progress, "replay"):
+            for path in _progress(shards, len(shards), progress, "replay", "call"):
                 stored = reader.load(path)
                 call = to_device(stored.call, device)
                 res = replay_call(call, backend=backend, dtype=dtype, tolerance=tolerance)

@@ -1,0 +1,258 @@
+"""Run flash-linear-attention's Triton kernels on a CPU under Triton's interpreter.
+
+CI and the developers' machines have no GPU, but we still want to test "fla's kernel output equals our
+reference". Triton can execute ``@triton.jit`` kernels in Python/numpy when ``TRITON_INTERPRET=1`` is
+set *before* ``triton`` (and so ``fla``) is imported. fla 0.6.0 does not run there as shipped; this
+module patches the three places where it breaks, each at the narrowest point we found:
+
+(a) **Autotuning.** fla wraps most kernels in ``triton.autotune`` (or its subclass
+    ``fla.ops.utils.cache.CachedAutotuner``) with several configs. With more than one config left after
+    pruning, ``Autotuner.run`` benchmarks each one through ``driver.active.get_benchmarker()``, and
+    under the interpreter there is no active GPU driver ("0 active drivers"). We make
+    ``Autotuner.prune_configs`` keep a single config, which is the path ``Autotuner.run`` already takes
+    when pruning leaves one config: no benchmark, no disk cache (Triton itself already disables the
+    autotune disk cache under the interpreter). Any config computes the same result; we keep the one
+    with the largest block sizes, because the interpreter's cost is per program instance and per
+    Python-level op, so big blocks (few programs, big numpy ops) are the fastest to interpret.
+
+(b) **Loop variables.** Compiled Triton turns ``for i in range(n)`` / ``tl.range(n)`` into an ``scf.for``
+    whose induction variable is an ``int32`` tensor; the interpreter runs the loop as a Python loop, so
+    ``i`` is a Python ``int`` and fla's ``i_t.to(tl.int64)`` fails (``'int' object has no attribute
+    'to'``). The interpreter already rewrites each kernel's AST (``FunctionRewriter.ast_transformer``,
+    which wraps assignments in ``to_tensor``); we extend that transformer so that the loop variable of
+    ``range``/``tl.range`` loops is wrapped the same way. ``tl.static_range`` loops are left alone: their
+    variable is a compile-time constant in compiled Triton too.
+
+(c) **Module-level aliases of Triton builtins.** Before running a kernel, the interpreter swaps every
+    builtin of ``triton.language`` (``tl.gather``, ``tl.exp``, ...) for a version bound to its numpy
+    semantics, but only on the module objects ``tl`` / ``tl.core`` found in the kernel's globals. fla
+    aliases some builtins at module level (``gather = tl.gather`` in ``fla.ops.utils.op``, imported
+    into kernel modules by name), and those names would call the compiled-mode builtin, which needs a
+    ``_semantic`` argument and fails. We extend the interpreter's ``_patch_lang`` to also patch any
+    Triton builtin bound to a name in the kernel's module globals, inside the same restorable scope.
+
+Nothing here is needed, or called, on a real GPU: :func:`enable_fla_interpreter` refuses to run unless
+``TRITON_INTERPRET=1``, and every patch applies to interpreter-only code paths
+(``triton.runtime.interpreter``) or is gated on ``knobs.runtime.interpret``.
+
+fla's own device detection (``fla.utils.hardware``) needs no patch: with no GPU driver it warns
+"Triton is not supported on current platform, roll back to CPU." once at import, sets
+``device_platform = 'cpu'`` and all ``IS_*`` hardware flags to ``False``, and uses ``'cuda'`` only as the
+``device_type`` of ``torch.amp.custom_fwd`` (harmless on CPU tensors). We silence that one warning.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import warnings
+
+__all__ = ["enable_fla_interpreter", "REQUIRED_FLA", "MIN_TRITON"]
+
+REQUIRED_FLA = "0.6.0"
+MIN_TRITON = (3, 8)
+
+_ENABLED = False
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def _check_environment():
+    """Import triton and fla, checking every precondition; return ``(triton, fla)``."""
+    flag = os.environ.get("TRITON_INTERPRET")
+    if flag != "1":
+        raise RuntimeError(
+            "enable_fla_interpreter(): TRITON_INTERPRET must be '1' (set before triton or fla is "
+            f"imported), found {flag!r}"
+        )
+    try:
+        import triton
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise RuntimeError(f"enable_fla_interpreter(): triton is not importable ({e})") from e
+    if _version_tuple(triton.__version__)[:2] < MIN_TRITON:
+        raise RuntimeError(
+            "enable_fla_interpreter(): needs triton >= "
+            f"{'.'.join(map(str, MIN_TRITON))} (its interpreter runs fla 0.6.0), found triton "
+            f"{triton.__version__}"
+        )
+    if not triton.knobs.runtime.interpret:
+        raise RuntimeError(
+            "enable_fla_interpreter(): triton does not see TRITON_INTERPRET=1 "
+            f"(triton.knobs.runtime.interpret is {triton.knobs.runtime.interpret!r})"
+        )
+    with warnings.catch_warnings():
+        # fla.utils.hardware: "Triton is not supported on current platform, roll back to CPU."
+        warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+        try:
+            import fla
+            import fla.ops.utils.op as fla_op
+        except ImportError as e:
+            raise RuntimeError(f"enable_fla_interpreter(): fla is not importable ({e})") from e
+    version = getattr(fla, "__version__", None)
+    if version != REQUIRED_FLA:
+        raise RuntimeError(
+            f"enable_fla_interpreter(): written for flash-linear-attention {REQUIRED_FLA}, found "
+            f"fla {version} at {os.path.dirname(fla.__file__)}"
+        )
+    from triton.runtime.interpreter import InterpretedFunction
+
+    # @triton.jit decides at decoration time whether it makes a compiled or an interpreted kernel, so
+    # TRITON_INTERPRET=1 set after fla was imported leaves fla's kernels compiled (and unusable here).
+    if not isinstance(fla_op.exp, InterpretedFunction):
+        raise RuntimeError(
+            "enable_fla_interpreter(): fla was imported before TRITON_INTERPRET=1 was set, so its "
+            f"kernels were built for compilation ({type(fla_op.exp).__name__}); set the variable "
+            "before importing triton or fla"
+        )
+    return triton, fla
+
+
+# --- (a) autotuning -----------------------------------------------------------------------------
+
+
+def _config_size(config) -> int:
+    """Product of a config's integer meta-parameters (its block sizes): bigger is faster to interpret."""
+    size = 1
+    for value in config.kwargs.values():
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            size *= value
+    return size
+
+
+def _patch_autotuner():
+    from triton import knobs
+    from triton.runtime.autotuner import Autotuner
+
+    original = Autotuner.prune_configs
+    if getattr(original, "_osdn_interpret", False):
+        return
+
+    def prune_configs(self, kwargs):
+        configs = original(self, kwargs)
+        if not knobs.runtime.interpret or len(configs) <= 1:
+            return configs
+        # One config left makes Autotuner.run skip the benchmark (there is no GPU driver to time it
+        # on) and the disk cache; it is still cached per tuning key like a benchmarked choice.
+        return [max(configs, key=_config_size)]
+
+    prune_configs._osdn_interpret = True
+    prune_configs.__wrapped__ = original
+    Autotuner.prune_configs = prune_configs
+
+
+# --- (b) loop variables as tensors ----------------------------------------------------------------
+
+# Names of iterators whose loop variable is a runtime value (an int32 tensor) in compiled Triton.
+_RUNTIME_RANGES = {"range"}
+
+
+def _is_runtime_range(call: ast.expr) -> bool:
+    if not isinstance(call, ast.Call):
+        return False
+    func = call.func
+    if isinstance(func, ast.Name):  # `range(...)`: Python's range, which Triton compiles as tl.range
+        return func.id in _RUNTIME_RANGES
+    if isinstance(func, ast.Attribute):  # `tl.range(...)`, `triton.language.range(...)`
+        return func.attr in _RUNTIME_RANGES
+    return False
+
+
+def _make_transformer_class(base):
+    class LoopVarTensorTransformer(base):
+        """The interpreter's AST transformer, plus: the variable of a ``range``/``tl.range`` loop is
+        re-bound to ``interpreter_semantic.to_tensor(var, False)`` at the top of the loop body, as the
+        interpreter already does for every assignment."""
+
+        _osdn_interpret = True
+
+        def visit_For(self, node):
+            node = self.generic_visit(node)
+            if _is_runtime_range(node.iter) and isinstance(node.target, ast.Name):
+                name = node.target.id
+                wrap = ast.Assign(
+                    targets=[ast.Name(id=name, ctx=ast.Store())],
+                    value=ast.Call(
+                        func=ast.Attribute(
+                            value=ast.Name(id="interpreter_semantic", ctx=ast.Load()),
+                            attr="to_tensor",
+                            ctx=ast.Load(),
+                        ),
+                        args=[ast.Name(id=name, ctx=ast.Load()), ast.Constant(value=False)],
+                        keywords=[],
+                    ),
+                )
+                ast.copy_location(wrap, node)
+                node.body.insert(0, wrap)
+            return node
+
+    return LoopVarTensorTransformer
+
+
+def _patch_loop_variables():
+    from triton.runtime import interpreter
+
+    current = interpreter.FunctionRewriter.ast_transformer
+    if getattr(current, "_osdn_interpret", False):
+        return
+    interpreter.FunctionRewriter.ast_transformer = _make_transformer_class(type(current))()
+    # Kernels already run were rewritten (and cached) without the fix: rewrite them again.
+    interpreter.InterpretedFunction.rewritten_fn.clear()
+
+
+# --- (c) module-level aliases of builtins ---------------------------------------------------------
+
+
+def _patch_builtin_aliases():
+    import sys
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang
+    if getattr(original, "_osdn_interpret", False):
+        return
+
+    def _patch_lang(fn):
+        scope = original(fn)
+        module = sys.modules.get(fn.__module__)
+        if module is not None and getattr(module, "__dict__", None) is fn.__globals__:
+            for name, member in list(fn.__globals__.items()):
+                # `gather = tl.gather` at module level (fla.ops.utils.op), and the names imported
+                # from there into kernel modules: rebind them, like tl.gather itself, to the
+                # interpreter's semantics, in the same scope as the interpreter's own patches (a
+                # kernel launch restores it afterwards; a device-function call, upstream, does not,
+                # which leaves the name bound to a wrapper that still works).
+                if tl.core.is_builtin(member):
+                    interpreter._patch_attr(
+                        module, name, member, interpreter.interpreter_builder, scope
+                    )
+        return scope
+
+    _patch_lang._osdn_interpret = True
+    _patch_lang.__wrapped__ = original
+    interpreter._patch_lang = _patch_lang
+
+
+def enable_fla_interpreter() -> None:
+    """Make fla 0.6.0's Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``).
+
+    Idempotent. Raises ``RuntimeError`` naming what it found when ``TRITON_INTERPRET`` is not ``"1"``,
+    triton is older than 3.8, fla is not 0.6.0, or fla was imported before the variable was set.
+    Only ever call it under the interpreter (tests, CPU-only machines); on a GPU it refuses to run.
+    """
+    global _ENABLED
+    _check_environment()
+    if _ENABLED:
+        return
+    _patch_autotuner()
+    _patch_loop_variables()
+    _patch_builtin_aliases()
+    _ENABLED = True

@@ -1,0 +1,204 @@
+"""``capture(model)``: record what every delta-rule kernel of an fla model receives.
+
+    with osdn_diag.capture(model) as cap:
+        model(input_ids)
+    cap.calls        # one KernelCall per (layer, kernel call), in call order
+
+Capture replaces each kernel entry point *at its call site* — the name bound in the fla layer module
+(``fla.layers.delta_net.chunk_delta_rule``, ...) — by a wrapper that calls the original with exactly
+the same arguments, returns its result untouched, and records the call, tagged with the layer module
+that made it (forward pre-/post-hooks on every supported layer). Everything is restored on exit, also
+after an exception.
+
+``kernels`` chooses what runs inside the wrapper: ``"fla"`` — fla's Triton kernel; ``"reference"`` —
+the package's fp32 reference recurrence, returning the kernel's output format (so an fla model runs
+on a machine without a GPU; the other Triton ops on the layer path then need
+``TRITON_INTERPRET=1``, see :func:`osdn_diag.runtime.prepare_cpu`); ``"auto"`` — fla on CUDA tensors,
+the reference otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from .adapters import ADAPTERS, KernelSite
+from .record import KernelCall
+
+__all__ = ["SUPPORTED_FLA", "SUPPORTED_LAYERS", "Capture", "capture"]
+
+SUPPORTED_FLA = ("0.6.0",)
+#: fla layer classes whose kernel calls are captured: (module, class name).
+SUPPORTED_LAYERS = (
+    ("fla.layers.delta_net", "DeltaNet"),
+    ("fla.layers.gated_deltanet", "GatedDeltaNet"),
+    ("fla.layers.kda", "KimiDeltaAttention"),
+    ("fla.layers.precond_gated_deltanet", "PrecondGatedDeltaNet"),
+    ("fla.layers.precond_kda", "PrecondKDA"),
+)
+
+
+def _supported_text() -> str:
+    layers = ", ".join(f"{m}.{c}" for m, c in SUPPORTED_LAYERS)
+    return f"fla {' / '.join(SUPPORTED_FLA)}; layers: {layers}"
+
+
+def _check_fla_version() -> None:
+    import fla
+
+    version = getattr(fla, "__version__", "unknown")
+    if version not in SUPPORTED_FLA:
+        raise RuntimeError(
+            f"osdn_diag.capture knows the kernels of {_supported_text()}; found fla {version}. "
+            "Install flash-linear-attention==0.6.0, or add adapters for this version."
+        )
+
+
+def _layer_classes() -> tuple[type, ...]:
+    classes = []
+    for module, name in SUPPORTED_LAYERS:
+        cls = getattr(importlib.import_module(module), name, None)
+        if cls is not None:
+            classes.append(cls)
+    return tuple(classes)
+
+
+def _bind(fn: Callable, args: tuple, kwargs: dict) -> dict:
+    """All arguments of a call by name, defaults filled in, ``**kwargs`` flattened."""
+    sig = inspect.signature(fn)
+    bound = sig.bind_partial(*args, **kwargs)
+    bound.apply_defaults()
+    kw = dict(bound.arguments)
+    for name, param in sig.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD and name in kw:
+            kw.update(kw.pop(name))
+    return kw
+
+
+class Capture:
+    """The live capture session; see :func:`capture`.
+
+    Attributes:
+        calls: the recorded :class:`KernelCall` objects (empty when a ``sink`` consumes them).
+        layers: ``[(index, name, module)]`` of the supported layers found in the model.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        kernels: str = "auto",
+        sink: Callable[[KernelCall], None] | None = None,
+        offload: bool = False,
+    ):
+        if kernels not in ("auto", "fla", "reference"):
+            raise ValueError(f"argument 'kernels': expected 'auto', 'fla' or 'reference', got {kernels!r}")
+        _check_fla_version()
+        classes = _layer_classes()
+        self.layers = [
+            (i, name, mod)
+            for i, (name, mod) in enumerate(
+                (n, m) for n, m in model.named_modules() if isinstance(m, classes)
+            )
+        ]
+        if not self.layers:
+            found = sorted({type(m).__name__ for _, m in model.named_modules() if type(m).__module__.startswith("fla.layers")})
+            raise ValueError(
+                f"model {type(model).__name__} has no layer capture knows ({_supported_text()})"
+                + (f"; its fla layers are: {', '.join(found)}" if found else "")
+            )
+        self.model = model
+        self.kernels = kernels
+        self.offload = offload
+        self.calls: list[KernelCall] = []
+        self._sink = sink or self.calls.append
+        self._current: tuple[int, str] | None = None
+        self._patched: list[tuple[object, str, Callable]] = []
+        self._hooks: list = []
+        self.enabled = True
+
+    # -- context management ---------------------------------------------------------------------
+    def __enter__(self) -> Capture:
+        try:
+            for site in ADAPTERS:
+                module = importlib.import_module(site.module)
+                original = getattr(module, site.name, None)
+                if original is None:
+                    continue
+                setattr(module, site.name, self._wrap(site, original))
+                self._patched.append((module, site.name, original))
+            for index, name, mod in self.layers:
+                self._hooks.append(mod.register_forward_pre_hook(self._enter_layer(index, name)))
+                self._hooks.append(mod.register_forward_hook(self._leave_layer, always_call=True))
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for module, name, original in reversed(self._patched):
+            setattr(module, name, original)
+        self._patched.clear()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._current = None
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _enter_layer(self, index: int, name: str):
+        def hook(module, args):
+            self._current = (index, name)
+
+        return hook
+
+    def _leave_layer(self, module, args, output):
+        self._current = None
+
+    def _wrap(self, site: KernelSite, original: Callable) -> Callable:
+        def kernel(*args, **kwargs):
+            kw = _bind(original, args, kwargs)
+            use_reference = self.kernels == "reference" or (
+                self.kernels == "auto" and kw["q"].device.type != "cuda"
+            )
+            out = site.adapter.reference(kw) if use_reference else original(*args, **kwargs)
+            if self.enabled and self._current is not None:
+                index, name = self._current
+                with torch.no_grad():
+                    call = site.adapter.record(kw, out, layer=index, layer_name=name, kernel=site.name)
+                call.flags["kernels"] = "reference" if use_reference else "fla"
+                if self.offload:
+                    from .store import to_device
+
+                    call = to_device(call, "cpu")
+                self._sink(call)
+            return out
+
+        kernel.__wrapped__ = original
+        kernel.__name__ = getattr(original, "__name__", site.name)
+        return kernel
+
+
+def capture(
+    model: torch.nn.Module,
+    *,
+    kernels: str = "auto",
+    sink: Callable[[KernelCall], None] | None = None,
+    offload: bool = False,
+) -> Capture:
+    """Capture the delta-rule kernel calls of ``model`` (use as a context manager).
+
+    Args:
+        model: an fla model or layer (fla 0.6.0; see :data:`SUPPORTED_LAYERS`).
+        kernels: ``"auto"`` | ``"fla"`` | ``"reference"`` — see the module docstring.
+        sink: called with each :class:`KernelCall` instead of keeping it in ``Capture.calls``
+            (e.g. to stream it to disk).
+        offload: move each record to host memory as soon as it is made (default: keep it on the
+            model's device, the cheapest while the forward runs).
+    """
+    return Capture(model, kernels=kernels, sink=sink, offload=offload)

@@ -1,0 +1,39 @@
+"""Where the work runs: a CUDA GPU, or a CPU under Triton's interpreter.
+
+fla's layers call Triton kernels besides the delta rule (short convolution, norms, gates). On a
+machine without CUDA those only run under Triton's interpreter, which must be switched on *before*
+triton or fla is imported. :func:`prepare` does that once, at the start of a command, and applies the
+interpreter fixes fla 0.6.0 needs (:mod:`osdn_diag._interpret`). The delta-rule kernel itself is then
+replaced by the reference recurrence during capture (``kernels="auto"``), which is exact and far
+faster than interpreting it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+__all__ = ["default_device", "prepare"]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def prepare(device: str | torch.device | None = None) -> torch.device:
+    """Make fla importable and runnable on ``device`` (default: CUDA if present, else CPU)."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            if "triton" in sys.modules or "fla" in sys.modules:
+                raise RuntimeError(
+                    "running fla on the CPU needs TRITON_INTERPRET=1 before triton or fla is imported; "
+                    "set it in the environment (export TRITON_INTERPRET=1) and start again"
+                )
+            os.environ["TRITON_INTERPRET"] = "1"
+        from ._interpret import enable_fla_interpreter
+
+        enable_fla_interpreter()
+    return device

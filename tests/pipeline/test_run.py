@@ -1,0 +1,140 @@
+"""`osdn-diag run/capture/replay` end to end on a tiny random fla model (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from osdn_diag.cli import main
+
+CONTRACT_COLUMNS = {
+    "prompt", "task", "layer", "head", "pos", "rel_pos", "repeat_start", "beta", "key_sqnorm",
+    "write_gain", "loss_before", "loss_after", "residual_ratio",
+}
+
+
+def _run(out, *extra):
+    argv = ["run", "random:deltanet-tiny", "--prompts", "random", "--num-prompts", "3",
+            "--length", "20", "--out", str(out), "-q", *extra]
+    assert main(argv) == 0
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    _run(out, "--twice")
+    return out
+
+
+def test_run_writes_the_contract(run_dir):
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    assert [layer["layer"] for layer in manifest["layers"]] == [0, 1]
+    assert manifest["layers"][0]["family"] == "delta_rule" and manifest["layers"][0]["heads"] == 2
+    assert len(manifest["prompts"]) == 3 and all(p["repeat_start"] == 10 for p in manifest["prompts"])
+    table = pq.read_table(run_dir / "residuals.parquet")
+    assert CONTRACT_COLUMNS <= set(table.column_names)
+    assert table.num_rows == 3 * 2 * 2 * 20  # prompts × layers × heads × positions
+    df = table.to_pydict()
+    assert set(df["task"]) == {"random-twice"}
+    assert min(df["rel_pos"]) == 0.0 and max(df["rel_pos"]) == pytest.approx(19 / 20)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    q = torch.tensor(df["residual_ratio"], dtype=torch.float64)
+    assert summary["n"] == q.numel()
+    assert summary["q_geo"] == pytest.approx(math.exp(q.clamp_min(1e-30).log().mean().item()), rel=1e-9)
+    assert summary["q_arith"] == pytest.approx(q.mean().item(), rel=1e-9)
+    assert set(summary["by_layer"]) == {"000", "001"}
+    assert sum(s["n"] for s in summary["by_layer"].values()) == summary["n"]
+    assert summary["fidelity"]["max_rel_error"] <= 1e-5
+
+
+def test_run_is_deterministic(run_dir, tmp_path):
+    _run(tmp_path, "--twice")
+    a = pq.read_table(run_dir / "residuals.parquet").to_pydict()
+    b = pq.read_table(tmp_path / "residuals.parquet").to_pydict()
+    assert a == b
+
+
+def test_batched_padded_prompts_match_one_by_one(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"input_ids": list(range(1, n + 1)), "task": f"t{n}"} for n in (12, 7, 9)]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows))
+    tables = []
+    for bs in ("1", "3"):
+        out = tmp_path / f"bs{bs}"
+        assert main(["run", "random:gated-deltanet-tiny", "--prompts", str(prompts), "--out", str(out),
+                     "--batch-size", bs, "-q"]) == 0
+        t = pq.read_table(out / "residuals.parquet").sort_by(
+            [("prompt", "ascending"), ("layer", "ascending"), ("head", "ascending"), ("pos", "ascending")]
+        )
+        tables.append(t.to_pydict())
+    one, batched = tables
+    for col in ("prompt", "task", "layer", "head", "pos", "repeat_start"):
+        assert one[col] == batched[col], col
+    for col in ("loss_before", "loss_after", "residual_ratio", "residual_ratio_post"):
+        a, b = torch.tensor(one[col]), torch.tensor(batched[col])
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), col
+
+
+def test_replay_fp64_and_capture_step_by_step(tmp_path):
+    out = tmp_path / "cap"
+    assert main(["capture", "random:kda-tiny", "--prompts", "random", "--num-prompts", "1",
+                 "--length", "16", "--out", str(out), "-q"]) == 0
+    assert not (out / "residuals.parquet").exists()
+    assert main(["replay", str(out), "--fp64", "--backend", "torch", "-q"]) == 0
+    table = pq.read_table(out / "residuals.parquet")
+    assert str(table.schema.field("loss_after").type) == "double"
+    summary = json.loads((out / "summary.json").read_text())
+    assert "post_decay" in summary and summary["replay"]["dtype"] == "float64"
+
+
+def test_interrupted_run_is_never_complete(tmp_path, monkeypatch):
+    from transformers import PreTrainedModel
+
+    calls = {"n": 0}
+    original = torch.nn.Module.__call__
+
+    def flaky(self, *args, **kwargs):
+        if isinstance(self, PreTrainedModel):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("simulated crash")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", flaky)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _run(tmp_path)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["complete"] is False
+    assert not (tmp_path / "residuals.parquet").exists()
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="incomplete"):
+        main(["replay", str(tmp_path), "-q"])
+
+
+def test_bad_model_arguments(tmp_path):
+    with pytest.raises(ValueError, match="unknown preset 'nope'.*random:deltanet-340m"):
+        main(["run", "random:nope", "--prompts", "random", "--out", str(tmp_path / "x"), "-q"])
+    empty = tmp_path / "model"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    (empty / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="pickled weights are not loaded"):
+        main(["run", str(empty), "--prompts", "random", "--out", str(tmp_path / "y"), "-q"])
+
+
+def test_local_model_directory(tmp_path):
+    from osdn_diag.models import load_model
+
+    model_dir = tmp_path / "model"
+    load_model("random:deltanet-tiny", seed=3).model.save_pretrained(model_dir)
+    assert list(model_dir.glob("*.safetensors"))
+    out = tmp_path / "run"
+    assert main(["run", str(model_dir), "--prompts", "random", "--num-prompts", "1", "--length", "8",
+                 "--out", str(out), "-q"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["source"] == "directory" and manifest["model"]["model_type"] == "delta_net"

@@ -21,7 +21,7 @@ import torch
 
 from .capture.store import CaptureReader, CaptureWriter, atomic_write_text, to_device
 from .metrics.ratios import RatioAccumulator
-from .replay import DEFAULT_TOLERANCE, replay_call
+from .replay import replay_call
 
 __all__ = ["RESIDUALS", "SUMMARY", "capture_run", "replay_run"]
 
@@ -202,6 +202,7 @@ def replay_run(
 
     ratios, post = RatioAccumulator("residual_ratio"), RatioAccumulator("residual_ratio_post")
     fidelity: dict[int, float] = defaultdict(float)
+    tolerances: dict[int, float] = {}
     nonfinite: dict[int, int] = defaultdict(int)
     fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{RESIDUALS}.", suffix=".tmp")
     os.close(fd)
@@ -213,6 +214,7 @@ def replay_run(
                 call = to_device(stored.call, device)
                 res = replay_call(call, backend=backend, dtype=dtype, tolerance=tolerance)
                 fidelity[call.layer] = max(fidelity[call.layer], res.fidelity)
+                tolerances[call.layer] = res.tolerance
                 nonfinite[call.layer] += res.nonfinite
                 tasks = [str(prompts.get(p, {}).get("task", "")) for p in stored.prompts]
                 ratios.add(call.layer, res.columns, tasks)
@@ -226,13 +228,10 @@ def replay_run(
     summary = ratios.summary()
     if post.cells:
         summary["post_decay"] = post.summary()
-    input_dtypes = {layer["input_dtype"] for layer in reader.manifest.get("layers", [])}
     summary["fidelity"] = {
         "max_rel_error": max(fidelity.values(), default=0.0),
         "by_layer": {f"{k:03d}": v for k, v in sorted(fidelity.items())},
-        "tolerance": tolerance
-        if tolerance is not None
-        else {d: DEFAULT_TOLERANCE.get(d, 1e-2) for d in sorted(input_dtypes)},
+        "tolerance_by_layer": {f"{k:03d}": v for k, v in sorted(tolerances.items())},
     }
     summary["nonfinite_heads_by_layer"] = {f"{k:03d}": v for k, v in sorted(nonfinite.items()) if v}
     summary["replay"] = {"backend": backend, "dtype": str(dtype).removeprefix("torch."),

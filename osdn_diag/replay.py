@@ -27,10 +27,27 @@ from .capture.record import KernelCall
 from .math.closed_forms import residual_ratio
 from .math.recurrence import delta_rule_recurrence
 
-__all__ = ["CallReplay", "FidelityError", "DEFAULT_TOLERANCE", "replay_call"]
+__all__ = ["CallReplay", "DEFAULT_TOLERANCE", "FidelityError", "default_tolerance", "replay_call"]
 
 #: Largest accepted relative error ‖o_replay − o_kernel‖ / ‖o_kernel‖, by the kernel's input dtype.
 DEFAULT_TOLERANCE = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+#: fla's chunk kernels multiply fp32 inputs with tf32 dot products on the GPU: their own outputs are
+#: only that accurate (measured on an H200: 1.5e-3 for chunk_gated_delta_rule at T = 2048, against
+#: 5.8e-6 for the fused-recurrent kernel on the same layer).
+TF32_TOLERANCE = 1e-2
+
+
+def default_tolerance(call: KernelCall) -> float:
+    """The fidelity tolerance for a call: by input dtype, relaxed to tf32 accuracy for fp32 inputs
+    to fla's chunk kernels on a GPU."""
+    if (
+        call.input_dtype == "float32"
+        and call.kernel.startswith("chunk")
+        and call.flags.get("kernels") == "fla"
+        and call.flags.get("device") == "cuda"
+    ):
+        return TF32_TOLERANCE
+    return DEFAULT_TOLERANCE.get(call.input_dtype, 1e-2)
 
 
 class FidelityError(RuntimeError):
@@ -50,6 +67,7 @@ class CallReplay:
     fidelity: float
     nonfinite: int
     sequence_lengths: list[int] = field(default_factory=list)
+    tolerance: float = 0.0
 
 
 def _finite_mask(call: KernelCall) -> torch.Tensor:
@@ -99,8 +117,8 @@ def replay_call(
         call: the captured call (canonical form, see :mod:`osdn_diag.capture.record`).
         backend: ``"torch"`` (the reference recurrence, any device) or ``"triton"`` (fused GPU kernel).
         dtype: replay precision, fp32 (default) or fp64.
-        tolerance: largest accepted output error; default :data:`DEFAULT_TOLERANCE` for the kernel's
-            input dtype. ``math.inf`` disables the check.
+        tolerance: largest accepted output error; default :func:`default_tolerance`.
+            ``math.inf`` disables the check.
 
     Raises:
         FidelityError: the replayed outputs differ from the kernel's by more than ``tolerance``.
@@ -151,7 +169,7 @@ def replay_call(
         cols.setdefault("head", []).append(torch.arange(H, dtype=torch.int32).repeat_interleave(L))
         cols.setdefault("pos", []).append(torch.arange(L, dtype=torch.int32).repeat(H))
         cols.setdefault("finite", []).append(ok_head.cpu().repeat_interleave(L))
-    tol = DEFAULT_TOLERANCE.get(call.input_dtype, 1e-2) if tolerance is None else tolerance
+    tol = default_tolerance(call) if tolerance is None else tolerance
     if not math.isfinite(worst) or worst > tol:
         raise FidelityError(
             f"layer {call.layer} ({call.layer_name}, kernel {call.kernel}): replayed outputs differ "
@@ -164,4 +182,5 @@ def replay_call(
         fidelity=worst,
         nonfinite=nonfinite,
         sequence_lengths=[e - s for _, s, e in segments],
+        tolerance=tol,
     )

@@ -172,6 +172,7 @@ class Capture:
                 with torch.no_grad():
                     call = site.adapter.record(kw, out, layer=index, layer_name=name, kernel=site.name)
                 call.flags["kernels"] = "reference" if use_reference else "fla"
+                call.flags["device"] = kw["q"].device.type
                 if self.offload:
                     from .store import to_device
 

@@ -31,7 +31,6 @@ __all__ = ["fused_replay", "replay_triton"]
 def _replay_kernel(
     q, k, v, beta, alpha, wk, h0, cu_seqlens,
     o, lb, lbd, la, ht,
-    scale,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr,          # 0: none, 1: head scalar [B, T, H], 2: key channel [B, T, H, K]
@@ -62,7 +61,7 @@ def _replay_kernel(
     for t in range(bos, eos):
         tok = t * H + i_h                      # index into [B*T, H]
         b_k = tl.load(k + tok * K + o_k, mask=m_k, other=0.0)
-        b_q = tl.load(q + tok * K + o_k, mask=m_k, other=0.0) * scale
+        b_q = tl.load(q + tok * K + o_k, mask=m_k, other=0.0)  # already scaled
         b_v = tl.load(v + tok * V + o_v, mask=m_v, other=0.0)
         b_beta = tl.load(beta + tok)
         if HAS_WK:
@@ -110,6 +109,8 @@ def fused_replay(
     cast = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
     q, k, v, beta, g, wk, h0 = map(cast, (q, k, v, beta, g, write_key, initial_state))
     alpha = None if g is None else g.exp()
+    # The read-out scale is applied here, in ``dtype``: a Python float reaches Triton as fp32.
+    q = q * (K**-0.5 if scale is None else scale)
     BK = triton.next_power_of_2(K)
     BV = block_v or min(triton.next_power_of_2(V), max(16, 4096 // BK))
     NV = triton.cdiv(V, BV)
@@ -125,7 +126,6 @@ def fused_replay(
         dummy if h0 is None else h0,
         cu_seqlens if cu_seqlens is not None else dummy,
         o, parts[0], parts[1], parts[2], ht,
-        K**-0.5 if scale is None else scale,
         T, H=H, K=K, V=V, BK=BK, BV=BV,
         GATE=gate, HAS_WK=wk is not None, HAS_H0=h0 is not None, VARLEN=cu_seqlens is not None,
     )

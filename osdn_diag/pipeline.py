@@ -217,17 +217,18 @@ def replay_run(
                 tolerances[call.layer] = res.tolerance
                 nonfinite[call.layer] += res.nonfinite
                 tasks = [str(prompts.get(p, {}).get("task", "")) for p in stored.prompts]
-                ratios.add(call.layer, res.columns, tasks)
-                post.add(call.layer, res.columns, tasks)
+                ratios.add(call.layer, res.columns, tasks, res.sequence_lengths)
+                post.add(call.layer, res.columns, tasks, res.sequence_lengths)
                 writer.write_table(_arrow_table(stored, res, prompts, schema, np_dtype))
         os.replace(tmp, run_dir / RESIDUALS)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
-    summary = ratios.summary()
+    boundary = repeat_boundaries(prompts.values())
+    summary = ratios.summary(boundary)
     if post.cells:
-        summary["post_decay"] = post.summary()
+        summary["post_decay"] = post.summary(boundary)
     summary["fidelity"] = {
         "max_rel_error": max(fidelity.values(), default=0.0),
         "by_layer": {f"{k:03d}": v for k, v in sorted(fidelity.items())},
@@ -238,6 +239,15 @@ def replay_run(
                          "device": str(device)}
     atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2))
     return summary
+
+
+def repeat_boundaries(prompts) -> dict[str, float]:
+    """Task → mean relative position where the repeated context starts (prompts with a repeat)."""
+    acc: dict[str, list[float]] = defaultdict(list)
+    for p in prompts:
+        if int(p.get("repeat_start", -1)) >= 0 and p.get("length"):
+            acc[str(p.get("task", ""))].append(int(p["repeat_start"]) / int(p["length"]))
+    return {task: sum(v) / len(v) for task, v in sorted(acc.items())}
 
 
 def _arrow_table(stored, res, prompts: dict, schema: pa.Schema, np_dtype: str) -> pa.Table:

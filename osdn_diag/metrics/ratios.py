@@ -1,24 +1,26 @@
 """Streaming statistics of residual ratios.
 
 Every reported statistic is built from sufficient statistics — ``n``, ``Σ log q`` and ``Σ q`` — kept
-per (layer, head, task), so a table larger than memory can be summarised one call at a time and
-partial results (e.g. from several processes) combine exactly by addition, never by averaging
-averages.
+per (layer, head, task, relative-position bin), so a table larger than memory can be summarised one
+call at a time, and partial results (e.g. from several processes) combine exactly by addition, never
+by averaging averages.
 
 ``q_geo = exp(Σ log max(q, q_floor) / n)`` with ``q_floor = 1e-30`` (an exact zero ratio, e.g. an
 exact Newton write, would otherwise send the geometric mean to 0; the number of such tokens is
 reported as ``n_zero``). ``q_arith = Σ q / n``. Rows flagged non-finite are never counted.
+Relative position is ``pos / length`` of the token's sequence, binned into ``num_bins`` equal bins of
+``[0, 1)``.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-__all__ = ["Q_FLOOR", "RatioStats", "RatioAccumulator"]
+__all__ = ["Q_FLOOR", "RatioAccumulator", "RatioStats"]
 
 Q_FLOOR = 1e-30
 
@@ -26,7 +28,7 @@ Q_FLOOR = 1e-30
 class RatioStats:
     """Sufficient statistics of a set of ratios."""
 
-    __slots__ = ("n", "n_zero", "sum_log", "sum")
+    __slots__ = ("n", "n_zero", "sum", "sum_log")
 
     def __init__(self, n: int = 0, n_zero: int = 0, sum_log: float = 0.0, sum: float = 0.0):
         self.n, self.n_zero, self.sum_log, self.sum = n, n_zero, sum_log, sum
@@ -60,58 +62,100 @@ class RatioStats:
         return {"q_geo": self.q_geo, "q_arith": self.q_arith, "n": self.n, "n_zero": self.n_zero}
 
 
-def _total(items: Iterable[RatioStats]) -> RatioStats:
-    out = RatioStats()
-    for s in items:
-        out += s
-    return out
+Key = tuple[int, int, str, int]  # (layer, head, task, position bin)
 
 
 class RatioAccumulator:
-    """Accumulates ratio statistics per (layer, head, task) from replayed calls.
+    """Accumulates ratio statistics per (layer, head, task, relative-position bin).
 
     Args:
         column: which ratio to summarise (``residual_ratio``, or ``residual_ratio_post`` for the
             post-decay ratio of gated backbones).
+        num_bins: relative-position bins over ``[0, 1)``.
     """
 
-    def __init__(self, column: str = "residual_ratio"):
+    def __init__(self, column: str = "residual_ratio", num_bins: int = 10):
+        if num_bins < 1:
+            raise ValueError(f"argument 'num_bins': expected >= 1, got {num_bins}")
         self.column = column
-        self.cells: dict[tuple[int, int, str], RatioStats] = defaultdict(RatioStats)
+        self.num_bins = num_bins
+        self.cells: dict[Key, RatioStats] = defaultdict(RatioStats)
         self.excluded_nonfinite = 0
 
-    def add(self, layer: int, columns: Mapping[str, torch.Tensor], tasks: list[str]) -> None:
-        """Add one replayed call. ``columns`` must hold ``sequence``, ``head``, ``finite`` and the
-        ratio column; ``tasks[i]`` is the task of the call's i-th sequence."""
+    def add(
+        self,
+        layer: int,
+        columns: Mapping[str, torch.Tensor],
+        tasks: list[str],
+        lengths: list[int],
+    ) -> None:
+        """Add one replayed call. ``columns`` holds ``sequence``, ``head``, ``pos``, ``finite`` and the
+        ratio column (1-D, one entry per token); ``tasks[i]`` and ``lengths[i]`` describe the call's
+        i-th sequence."""
         if self.column not in columns:
             return
-        q = columns[self.column]
         finite = columns["finite"]
         self.excluded_nonfinite += int((~finite).sum())
-        seq, head = columns["sequence"], columns["head"]
-        for s in torch.unique(seq).tolist():
-            for h in torch.unique(head).tolist():
-                sel = (seq == s) & (head == h) & finite
-                if bool(sel.any()):
-                    self.cells[(layer, h, tasks[s])] += RatioStats.of(q[sel])
+        q = columns[self.column][finite].to(torch.float64)
+        seq = columns["sequence"][finite].long()
+        head = columns["head"][finite].long()
+        length = torch.tensor(lengths, dtype=torch.float64)[seq]
+        rel = columns["pos"][finite].to(torch.float64) / length
+        bins = (rel * self.num_bins).floor().long().clamp_(0, self.num_bins - 1)
+        n_heads = int(head.max()) + 1 if head.numel() else 1
+        code = (seq * n_heads + head) * self.num_bins + bins
+        size = len(lengths) * n_heads * self.num_bins
+        n = torch.bincount(code, minlength=size)
+        n_zero = torch.bincount(code, weights=(q == 0).double(), minlength=size)
+        s_log = torch.bincount(code, weights=q.clamp_min(Q_FLOOR).log(), minlength=size)
+        s = torch.bincount(code, weights=q, minlength=size)
+        for c in torch.nonzero(n).flatten().tolist():
+            sq, rest = divmod(c, n_heads * self.num_bins)
+            h, b = divmod(rest, self.num_bins)
+            self.cells[(layer, h, tasks[sq], b)] += RatioStats(
+                int(n[c]), int(n_zero[c]), float(s_log[c]), float(s[c])
+            )
 
     def merge(self, other: RatioAccumulator) -> None:
         for key, stats in other.cells.items():
             self.cells[key] += stats
         self.excluded_nonfinite += other.excluded_nonfinite
 
-    def _by(self, key_of) -> dict:
+    def _by(self, key_of: Callable[..., object]) -> dict:
         groups: dict = defaultdict(RatioStats)
         for key, stats in self.cells.items():
             groups[key_of(*key)] += stats
         return {k: groups[k].as_dict() for k in sorted(groups)}
 
-    def summary(self) -> dict:
-        total = _total(self.cells.values())
+    def _bins(self, select: Callable[..., bool]) -> dict:
+        totals = [RatioStats() for _ in range(self.num_bins)]
+        for key, stats in self.cells.items():
+            if select(*key):
+                totals[key[3]] += stats
+        return {
+            "q_geo": [t.q_geo for t in totals],
+            "q_arith": [t.q_arith for t in totals],
+            "n": [t.n for t in totals],
+        }
+
+    def summary(self, repeat_boundary: Mapping[str, float] | None = None) -> dict:
+        """The summary dictionary; ``repeat_boundary`` (task → mean relative position where the
+        repeated context starts) is recorded with the position bins."""
+        total = RatioStats()
+        for stats in self.cells.values():
+            total += stats
+        tasks = sorted({key[2] for key in self.cells})
+        edges = [i / self.num_bins for i in range(self.num_bins + 1)]
         return {
             **total.as_dict(),
-            "by_layer": self._by(lambda layer, head, task: f"{layer:03d}"),
-            "by_head": self._by(lambda layer, head, task: f"{layer:03d}.{head:03d}"),
-            "by_task": self._by(lambda layer, head, task: task),
+            "by_layer": self._by(lambda layer, head, task, b: f"{layer:03d}"),
+            "by_head": self._by(lambda layer, head, task, b: f"{layer:03d}.{head:03d}"),
+            "by_task": self._by(lambda layer, head, task, b: task),
+            "position_bins": {
+                "edges": edges,
+                **self._bins(lambda *key: True),
+                "by_task": {t: self._bins(lambda layer, head, task, b, t=t: task == t) for t in tasks},
+                "repeat_boundary": dict(repeat_boundary or {}),
+            },
             "excluded_nonfinite": self.excluded_nonfinite,
         }

@@ -1,0 +1,73 @@
+"""Streaming ratio statistics: exact against a direct computation, additive across parts."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from osdn_diag.metrics.ratios import Q_FLOOR, RatioAccumulator
+
+
+def _call(seed: int, lengths: list[int], heads: int, zero_frac: float = 0.1):
+    gen = torch.Generator().manual_seed(seed)
+    cols = {k: [] for k in ("sequence", "head", "pos", "finite", "residual_ratio")}
+    for s, L in enumerate(lengths):
+        for h in range(heads):
+            cols["sequence"].append(torch.full((L,), s))
+            cols["head"].append(torch.full((L,), h))
+            cols["pos"].append(torch.arange(L))
+            cols["finite"].append(torch.rand(L, generator=gen) > 0.05)
+            q = torch.rand(L, generator=gen, dtype=torch.float64) * 2
+            q[torch.rand(L, generator=gen) < zero_frac] = 0.0
+            cols["residual_ratio"].append(q)
+    return {k: torch.cat(v) for k, v in cols.items()}
+
+
+@given(
+    seed=st.integers(0, 10_000),
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=3),
+    heads=st.integers(1, 3),
+    num_bins=st.integers(1, 7),
+)
+def test_summary_matches_direct_computation(seed, lengths, heads, num_bins):
+    cols = _call(seed, lengths, heads)
+    tasks = [f"t{i % 2}" for i in range(len(lengths))]
+    acc = RatioAccumulator(num_bins=num_bins)
+    acc.add(3, cols, tasks, lengths)
+    s = acc.summary({"t0": 0.5})
+    ok = cols["finite"]
+    q = cols["residual_ratio"][ok]
+    assert s["n"] == q.numel() and s["excluded_nonfinite"] == int((~ok).sum())
+    assert s["n_zero"] == int((q == 0).sum())
+    if q.numel():
+        assert math.isclose(s["q_geo"], math.exp(q.clamp_min(Q_FLOOR).log().mean()), rel_tol=1e-12)
+        assert math.isclose(s["q_arith"], float(q.mean()), rel_tol=1e-12)
+    length = torch.tensor(lengths, dtype=torch.float64)[cols["sequence"]]
+    b = (cols["pos"] / length * num_bins).floor().long().clamp(max=num_bins - 1)[ok]
+    for i in range(num_bins):
+        sel = q[b == i]
+        assert s["position_bins"]["n"][i] == sel.numel()
+        if sel.numel():
+            assert math.isclose(s["position_bins"]["q_arith"][i], float(sel.mean()), rel_tol=1e-12)
+    for t in set(tasks):
+        rows = torch.tensor([tasks[int(i)] == t for i in cols["sequence"]])[ok]
+        assert s["by_task"][t]["n"] == int(rows.sum())
+    assert s["position_bins"]["repeat_boundary"] == {"t0": 0.5}
+    assert sum(v["n"] for v in s["by_head"].values()) == s["n"]
+
+
+@given(seed=st.integers(0, 10_000))
+def test_merge_equals_one_pass(seed):
+    a, b = _call(seed, [9, 4], 2), _call(seed + 1, [7], 2)
+    whole, left, right = RatioAccumulator(), RatioAccumulator(), RatioAccumulator()
+    whole.add(0, a, ["x", "y"], [9, 4])
+    whole.add(1, b, ["x"], [7])
+    left.add(0, a, ["x", "y"], [9, 4])
+    right.add(1, b, ["x"], [7])
+    left.merge(right)
+    sa, sb = whole.summary(), left.summary()
+    assert sa["n"] == sb["n"] and math.isclose(sa["q_geo"], sb["q_geo"], rel_tol=1e-12)
+    assert sa["by_layer"] == sb["by_layer"]

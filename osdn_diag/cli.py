@@ -82,8 +82,18 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from .report import write_report
+
     out = _capture(args)
     _print_summary(_replay(args, out), out)
+    print(f"report: {write_report([out])}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    print(f"report: {write_report(args.runs, args.out, args.labels)}")
     return 0
 
 
@@ -156,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay_args(rep)
     _add_common(rep)
     rep.set_defaults(func=_cmd_replay)
+
+    report = sub.add_parser("report", help="write report.md and plots for one or more runs",
+                            description="Write report.md and plots/*.png: into RUN for one run, or "
+                            "into --out comparing several runs side by side.")
+    report.add_argument("runs", nargs="+", metavar="RUN", help="run directories (with summary.json)")
+    report.add_argument("--out", metavar="DIR", help="where to write (required for several runs)")
+    report.add_argument("--labels", nargs="+", metavar="LABEL", help="one label per run")
+    report.set_defaults(func=_cmd_report)
     return parser
 
 

@@ -1,0 +1,151 @@
+"""``report.md``: the residual-contraction tables of one run, or of several side by side."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..capture.store import atomic_write_text, read_manifest
+from .plots import plot_by_layer, plot_contraction
+
+__all__ = ["load_run", "write_report"]
+
+
+def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
+    """``(manifest, summary)`` of a finished run; errors name the file that is missing."""
+    run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir)
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
+    return manifest, json.loads(path.read_text())
+
+
+def _f(x, digits: int = 3) -> str:
+    return "–" if x is None or x != x else f"{x:.{digits}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _label(run_dir: Path, manifest: dict) -> str:
+    spec = manifest.get("model", {}).get("spec", run_dir.name)
+    return spec if len(spec) <= 40 else run_dir.name
+
+
+def _contraction_table(runs) -> str:
+    """Table 8's layout: q_geo, q_arith, then q_geo per task."""
+    tasks = sorted({t for _, _, s in runs for t in s["by_task"]})
+    header = ["model", "q_geo ↓", "q_arith ↓", *[f"{t} q_geo ↓" for t in tasks], "n"]
+    rows = []
+    for label, _, s in runs:
+        by_task = s["by_task"]
+        rows.append(
+            [label, _f(s["q_geo"]), _f(s["q_arith"]),
+             *[_f(by_task.get(t, {}).get("q_geo")) for t in tasks], f"{s['n']:,}"]
+        )
+    return _table(header, rows)
+
+
+def _bins_table(runs) -> str:
+    edges = runs[0][2]["position_bins"]["edges"]
+    header = ["model", *[f"[{a:.1f}, {b:.1f})" for a, b in zip(edges[:-1], edges[1:])]]
+    rows = [[label, *[_f(x) for x in s["position_bins"]["q_geo"]]] for label, _, s in runs]
+    return _table(header, rows)
+
+
+def _layer_table(runs) -> str:
+    layers = sorted({layer for _, _, s in runs for layer in s["by_layer"]}, key=int)
+    header = ["layer", *[label for label, _, _ in runs]]
+    rows = [[str(int(layer)), *[_f(s["by_layer"].get(layer, {}).get("q_geo")) for _, _, s in runs]]
+            for layer in layers]
+    return _table(header, rows)
+
+
+def _runs_table(runs) -> str:
+    header = ["model", "prompts", "layers", "kernels", "replay", "fidelity (max rel. error)"]
+    rows = []
+    for label, m, s in runs:
+        rep = s.get("replay", {})
+        layers = m.get("layers", [])
+        families = sorted({layer["family"] for layer in layers})
+        rows.append([
+            label,
+            f"{len(m.get('prompts', []))} × `{m.get('prompts_source', '?')}`" + (" (twice)" if m.get("twice") else ""),
+            f"{len(layers)} ({', '.join(families)})",
+            ", ".join(m.get("kernels", [])) or "?",
+            f"{rep.get('backend', '?')}, {rep.get('dtype', '?')}",
+            f"{s['fidelity']['max_rel_error']:.1e}",
+        ])
+    return _table(header, rows)
+
+
+def write_report(
+    run_dirs: list[str | os.PathLike],
+    out_dir: str | os.PathLike | None = None,
+    labels: list[str] | None = None,
+) -> Path:
+    """Write ``report.md`` and ``plots/`` for one run (into the run directory by default) or for
+    several runs side by side (``out_dir`` required). Returns the path of ``report.md``."""
+    if not run_dirs:
+        raise ValueError("argument 'run_dirs': give at least one run directory")
+    if len(run_dirs) > 1 and out_dir is None:
+        raise ValueError("argument 'out_dir': required when comparing several runs")
+    if labels is not None and len(labels) != len(run_dirs):
+        raise ValueError(f"argument 'labels': expected {len(run_dirs)} labels, got {len(labels)}")
+    paths = [Path(r) for r in run_dirs]
+    loaded = [load_run(p) for p in paths]
+    names = labels or [_label(p, m) for p, (m, _) in zip(paths, loaded)]
+    runs = [(name, m, s) for name, (m, s) in zip(names, loaded)]
+    out = Path(out_dir) if out_dir is not None else paths[0]
+
+    plot_contraction([(n, s) for n, _, s in runs], out / "plots" / "contraction.png")
+    plot_by_layer([(n, s) for n, _, s in runs], out / "plots" / "by_layer.png")
+
+    parts = [
+        "# osdn-diag report",
+        "",
+        "Residual ratio of every write, replayed in fp32 from what the kernels received: "
+        "`q_t = f_t(S_t) / f_t(S_{t−1})` with `f_t(S) = ½‖S k_t − v_t‖²` (lower is stronger "
+        "contraction; `q_t = 1` where `f_t(S_{t−1}) = 0`). `q_geo` is the geometric mean over every "
+        "(prompt, layer, head, position), `q_arith` the arithmetic mean.",
+        "",
+        "## Runs",
+        "",
+        _runs_table(runs),
+        "",
+        "## Residual contraction (the paper's Table 8 layout)",
+        "",
+        _contraction_table(runs),
+        "",
+        "## By relative position (Fig. 2a)",
+        "",
+        "![contraction curve](plots/contraction.png)",
+        "",
+        _bins_table(runs),
+        "",
+    ]
+    boundaries = {t: b for _, _, s in runs for t, b in s["position_bins"].get("repeat_boundary", {}).items()}
+    if boundaries:
+        parts += ["The repeated context starts at relative position "
+                  + ", ".join(f"{b:.2f} ({t})" for t, b in sorted(boundaries.items())) + ".", ""]
+    parts += ["## By layer", "", "![q_geo by layer](plots/by_layer.png)", "", _layer_table(runs), ""]
+    gated = [(n, m, s["post_decay"]) for n, m, s in runs if "post_decay" in s]
+    if gated:
+        parts += [
+            "## Gated layers: post-decay ratio",
+            "",
+            "`f_t(S_t) / f_t(S̄_{t−1})`, against the state after the layer's own decay — the ratio the "
+            "write itself controls (the table above uses the paper's pre-decay definition).",
+            "",
+            _contraction_table(gated),
+            "",
+        ]
+    text = "\n".join(parts)
+    report = out / "report.md"
+    atomic_write_text(report, text)
+    return report

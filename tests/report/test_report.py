@@ -1,0 +1,62 @@
+"""report.md and plots from run directories (synthetic captures, no model needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from osdn_diag.capture import CaptureWriter, KernelCall
+from osdn_diag.cli import main
+from osdn_diag.math import deltanet, gated_deltanet
+from osdn_diag.pipeline import replay_run
+from osdn_diag.report import write_report
+
+
+def _run(path, seed: int, gated: bool, task: str):
+    gen = torch.Generator().manual_seed(seed)
+    B, T, H, K, V = 1, 24, 2, 8, 8
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    beta = torch.rand(B, T, H, generator=gen)
+    g = -torch.rand(B, T, H, generator=gen) * 0.1 if gated else None
+    ref = (gated_deltanet(q, k, v, beta, g) if gated else deltanet(q, k, v, beta)).o
+    w = CaptureWriter(path)
+    w.begin({"model": {"spec": f"synthetic-{seed}"}, "prompts_source": "test",
+             "prompts": [{"id": 0, "task": task, "length": T, "repeat_start": 12}]})
+    for layer in range(2):
+        w.write(0, [0], KernelCall(layer=layer, layer_name=f"layers.{layer}", family="x", kernel="x",
+                                   q=q, k=k, v=v, beta=beta, g=g, o=ref, scale=K**-0.5))
+    w.finish({"kernels": ["reference"]})
+    replay_run(path, progress=False)
+    return path
+
+
+def test_single_run_report(tmp_path):
+    run = _run(tmp_path / "a", 0, gated=True, task="mqar-twice")
+    report = write_report([run])
+    text = report.read_text()
+    assert report == run / "report.md"
+    assert "| model | q_geo ↓ | q_arith ↓ | mqar-twice q_geo ↓ | n |" in text
+    assert "post-decay" in text and "0.50 (mqar-twice)" in text
+    for png in ("contraction.png", "by_layer.png"):
+        assert (run / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_side_by_side(tmp_path):
+    a = _run(tmp_path / "a", 1, gated=False, task="t1")
+    b = _run(tmp_path / "b", 2, gated=False, task="t2")
+    assert main(["report", str(a), str(b), "--out", str(tmp_path / "cmp"), "--labels", "DeltaNet", "OSDN"]) == 0
+    text = (tmp_path / "cmp" / "report.md").read_text()
+    assert "| DeltaNet |" in text and "| OSDN |" in text and "t1 q_geo" in text and "t2 q_geo" in text
+    assert "post-decay" not in text
+
+
+def test_report_errors(tmp_path):
+    a = _run(tmp_path / "a", 3, gated=False, task="t")
+    with pytest.raises(ValueError, match="'out_dir'"):
+        write_report([a, a])
+    with pytest.raises(ValueError, match="expected 1 labels"):
+        write_report([a], labels=["x", "y"])
+    (a / "summary.json").unlink()
+    with pytest.raises(FileNotFoundError, match="summary.json"):
+        write_report([a])

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .capture.store import CaptureReader, CaptureWriter, atomic_write_text, to_device
+from .metrics.audit import AuditAccumulator
 from .metrics.ratios import RatioAccumulator
 from .replay import replay_call
 
@@ -201,6 +202,7 @@ def replay_run(
     schema = _schema(value_type)
 
     ratios, post = RatioAccumulator("residual_ratio"), RatioAccumulator("residual_ratio_post")
+    audit = AuditAccumulator()
     fidelity: dict[int, float] = defaultdict(float)
     tolerances: dict[int, float] = {}
     nonfinite: dict[int, int] = defaultdict(int)
@@ -219,6 +221,7 @@ def replay_run(
                 tasks = [str(prompts.get(p, {}).get("task", "")) for p in stored.prompts]
                 ratios.add(call.layer, res.columns, tasks, res.sequence_lengths)
                 post.add(call.layer, res.columns, tasks, res.sequence_lengths)
+                audit.add(call, res.grid["loss_before"], res.grid["finite"])
                 writer.write_table(_arrow_table(stored, res, prompts, schema, np_dtype))
         os.replace(tmp, run_dir / RESIDUALS)
     except BaseException:
@@ -234,6 +237,7 @@ def replay_run(
         "by_layer": {f"{k:03d}": v for k, v in sorted(fidelity.items())},
         "tolerance_by_layer": {f"{k:03d}": v for k, v in sorted(tolerances.items())},
     }
+    summary["assumptions"] = audit.summary()
     summary["nonfinite_heads_by_layer"] = {f"{k:03d}": v for k, v in sorted(nonfinite.items()) if v}
     summary["replay"] = {"backend": backend, "dtype": str(dtype).removeprefix("torch."),
                          "device": str(device)}

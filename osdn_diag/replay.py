@@ -60,7 +60,8 @@ class CallReplay:
 
     ``columns`` maps column names to 1-D CPU tensors of equal length; ``fidelity`` is the largest
     relative output error over the call's (sequence, head) pairs; ``nonfinite`` counts the
-    (sequence, head) pairs whose inputs held NaN/Inf.
+    (sequence, head) pairs whose inputs held NaN/Inf; ``grid`` keeps ``loss_before`` and the
+    token-level ``finite`` mask in the call's own ``[B, T, H]`` layout.
     """
 
     columns: dict[str, torch.Tensor]
@@ -68,6 +69,7 @@ class CallReplay:
     nonfinite: int
     sequence_lengths: list[int] = field(default_factory=list)
     tolerance: float = 0.0
+    grid: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _finite_mask(call: KernelCall) -> torch.Tensor:
@@ -183,4 +185,5 @@ def replay_call(
         nonfinite=nonfinite,
         sequence_lengths=[e - s for _, s, e in segments],
         tolerance=tol,
+        grid={"loss_before": res.loss_before, "finite": finite},
     )

@@ -84,6 +84,23 @@ def _runs_table(runs) -> str:
     return _table(header, rows)
 
 
+def _audit_table(runs) -> str:
+    header = ["model", "max abs(‖k‖² − 1)", "β range", "d range", "zero residuals",
+              "β < 1/d_max", "state decay", "Thm D.7 hypotheses"]
+    rows = []
+    for label, _, s in runs:
+        a = s.get("assumptions")
+        if not a:
+            continue
+        rows.append([
+            label, f"{a['max_unit_dev']:.1e}", f"[{a['beta_min']:.3f}, {a['beta_max']:.3f}]",
+            f"[{a['d_min']:.3f}, {a['d_max']:.3f}]", f"{100 * a['share_zero_residual']:.2f} %",
+            f"{100 * a['share_newton_infeasible']:.1f} %", "yes" if a["decay"] else "no",
+            "hold" if a["theorem_d7_hypotheses_hold"] else "do not hold",
+        ])
+    return _table(header, rows)
+
+
 def write_report(
     run_dirs: list[str | os.PathLike],
     out_dir: str | os.PathLike | None = None,
@@ -134,6 +151,18 @@ def write_report(
         parts += ["The repeated context starts at relative position "
                   + ", ".join(f"{b:.2f} ({t})" for t, b in sorted(boundaries.items())) + ".", ""]
     parts += ["## By layer", "", "![q_geo by layer](plots/by_layer.png)", "", _layer_table(runs), ""]
+    if any("assumptions" in s for _, _, s in runs):
+        box = next(s["assumptions"]["box"] for _, _, s in runs if "assumptions" in s)
+        parts += [
+            "## Assumption audit",
+            "",
+            f"What Theorem D.7 assumes, as measured: unit keys, β ∈ (0, 1), d inside [{box[0]}, "
+            f"{box[1]}]^K, no state decay. Tokens with β < 1/d_max cannot meet the gated Newton "
+            "condition β⟨d, k⊙k⟩ = 1 under unit keys. Per layer and head in summary.json.",
+            "",
+            _audit_table(runs),
+            "",
+        ]
     gated = [(n, m, s["post_decay"]) for n, m, s in runs if "post_decay" in s]
     if gated:
         parts += [

@@ -1,0 +1,123 @@
+"""Assumption audit: which of the theory's hypotheses a captured layer satisfies, per head.
+
+Theorem D.7 (and Corollary A.2) assume unit keys, ``β_t ∈ (0, 1)``, ``d_t`` inside the box
+``[d_min, d_max]^K``, no state decay, and they say nothing about tokens whose residual is zero. For
+every (layer, head) the audit records, over the finite tokens:
+
+* ``max_unit_dev`` — ``max |‖k_t‖² − 1|`` (keys as the state update reads them);
+* ``beta_min``, ``beta_max``;
+* ``d_min``, ``d_max`` of the write preconditioner (1 when the layer has none) and whether it stays
+  inside the box;
+* ``share_zero_residual`` — tokens with ``f_t(S_{t−1}) = 0`` (the ratio is then 1 by convention);
+* ``share_newton_infeasible`` — tokens with ``β_t < 1/d_max``: under unit keys
+  ``β_t⟨d, s_t⟩ ≤ β_t d_max < 1``, so the gated Newton condition cannot hold there;
+* ``decay`` — whether the layer decays its state (gated backbones are outside the theorem).
+
+The numbers are kept as running extrema and counts, so they combine across calls and processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..capture.record import KernelCall
+
+__all__ = ["AuditAccumulator", "HeadAudit"]
+
+
+@dataclass
+class HeadAudit:
+    n: int = 0
+    max_unit_dev: float = 0.0
+    beta_min: float = float("inf")
+    beta_max: float = float("-inf")
+    d_min: float = float("inf")
+    d_max: float = float("-inf")
+    n_zero_residual: int = 0
+    n_newton_infeasible: int = 0
+    decay: bool = False
+
+    def merge(self, o: HeadAudit) -> None:
+        self.n += o.n
+        self.max_unit_dev = max(self.max_unit_dev, o.max_unit_dev)
+        self.beta_min, self.beta_max = min(self.beta_min, o.beta_min), max(self.beta_max, o.beta_max)
+        self.d_min, self.d_max = min(self.d_min, o.d_min), max(self.d_max, o.d_max)
+        self.n_zero_residual += o.n_zero_residual
+        self.n_newton_infeasible += o.n_newton_infeasible
+        self.decay = self.decay or o.decay
+
+    def as_dict(self, box: tuple[float, float], unit_tol: float) -> dict:
+        lo, hi = box
+        unit = self.max_unit_dev <= unit_tol
+        beta_ok = 0 < self.beta_min and self.beta_max < 1
+        d_ok = lo <= self.d_min and self.d_max <= hi
+        return {
+            "n": self.n,
+            "max_unit_dev": self.max_unit_dev,
+            "unit_keys": unit,
+            "beta_min": self.beta_min,
+            "beta_max": self.beta_max,
+            "beta_in_open_unit_interval": beta_ok,
+            "d_min": self.d_min,
+            "d_max": self.d_max,
+            "d_in_box": d_ok,
+            "share_zero_residual": self.n_zero_residual / self.n if self.n else 0.0,
+            "share_newton_infeasible": self.n_newton_infeasible / self.n if self.n else 0.0,
+            "decay": self.decay,
+            "theorem_d7_hypotheses_hold": unit and beta_ok and d_ok and not self.decay,
+        }
+
+
+class AuditAccumulator:
+    """Per (layer, head) audit over replayed calls.
+
+    Args:
+        box: the preconditioner box ``(d_min, d_max)`` the theorem is checked against.
+        unit_tol: largest ``|‖k‖² − 1|`` still counted as a unit key.
+    """
+
+    def __init__(self, box: tuple[float, float] = (0.5, 2.0), unit_tol: float = 1e-3):
+        self.box = box
+        self.unit_tol = unit_tol
+        self.heads: dict[tuple[int, int], HeadAudit] = {}
+
+    def add(self, call: KernelCall, loss_before: torch.Tensor, finite: torch.Tensor) -> None:
+        """``loss_before`` and ``finite`` are ``[B, T, H]`` (replay's ``loss_before``, finiteness)."""
+        k2 = call.k.double().square().sum(-1)
+        beta = call.beta.double()
+        d = call.d.double() if call.d is not None else None
+        newton = beta < 1.0 / self.box[1]
+        for h in range(call.num_heads):
+            ok = finite[..., h]
+            if not bool(ok.any()):
+                continue
+            audit = HeadAudit(
+                n=int(ok.sum()),
+                max_unit_dev=float((k2[..., h][ok] - 1).abs().max()),
+                beta_min=float(beta[..., h][ok].min()),
+                beta_max=float(beta[..., h][ok].max()),
+                d_min=1.0 if d is None else float(d[..., h, :][ok].min()),
+                d_max=1.0 if d is None else float(d[..., h, :][ok].max()),
+                n_zero_residual=int((loss_before[..., h][ok] == 0).sum()),
+                n_newton_infeasible=int(newton[..., h][ok].sum()),
+                decay=call.g is not None,
+            )
+            self.heads.setdefault((call.layer, h), HeadAudit()).merge(audit)
+
+    def summary(self) -> dict:
+        by_layer: dict[int, HeadAudit] = {}
+        for (layer, _), a in self.heads.items():
+            by_layer.setdefault(layer, HeadAudit()).merge(a)
+        total = HeadAudit()
+        for a in by_layer.values():
+            total.merge(a)
+        fmt = lambda a: a.as_dict(self.box, self.unit_tol)  # noqa: E731
+        return {
+            "box": list(self.box),
+            "unit_tol": self.unit_tol,
+            **fmt(total),
+            "by_layer": {f"{k:03d}": fmt(a) for k, a in sorted(by_layer.items())},
+            "by_head": {f"{k[0]:03d}.{k[1]:03d}": fmt(a) for k, a in sorted(self.heads.items())},
+        }

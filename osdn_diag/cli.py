@@ -64,8 +64,11 @@ def _print_summary(summary: dict, run_dir) -> None:
     print(f"{'layer':>6s} {'q_geo':>8s} {'q_arith':>8s} {'n':>10s}")
     for layer, s in summary["by_layer"].items():
         print(f"{layer:>6s} {s['q_geo']:8.4f} {s['q_arith']:8.4f} {s['n']:10,d}")
-    fid = summary["fidelity"]
-    print(f"fidelity (replay vs kernel output, max relative error): {fid['max_rel_error']:.2e}")
+    if summary.get("counterfactual"):
+        print("fidelity: not applicable (counterfactual writes)")
+    else:
+        print(f"fidelity (replay vs kernel output, max relative error): "
+              f"{summary['fidelity']['max_rel_error']:.2e}")
     if summary.get("excluded_nonfinite"):
         print(f"excluded (non-finite inputs): {summary['excluded_nonfinite']:,} tokens")
 
@@ -87,6 +90,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
     out = _capture(args)
     _print_summary(_replay(args, out), out)
     print(f"report: {write_report([out])}")
+    return 0
+
+
+def _cmd_what_if(args: argparse.Namespace) -> int:
+    import torch
+
+    from .report import write_report
+    from .whatif import WhatIf, what_if_run
+
+    settings = WhatIf(eta=args.eta, d_min=args.d_min, d_max=args.d_max, retention=args.retention,
+                      beta_aware=args.beta_aware)
+    out = what_if_run(
+        args.dir, settings, out_dir=args.out, backend=args.backend,
+        dtype=torch.float64 if args.fp64 else torch.float32, device=args.device, progress=not args.quiet,
+    )
+    from .report.markdown import load_run
+
+    _print_summary(load_run(out)[1], out)
+    print("counterfactual: the replayed states follow OSDN's writes, not the model's own")
+    print(f"report: {write_report([args.dir, out], out, ['as captured', 'with OSDN d (what-if)'])}")
     return 0
 
 
@@ -166,6 +189,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay_args(rep)
     _add_common(rep)
     rep.set_defaults(func=_cmd_replay)
+
+    wi = sub.add_parser("what-if", help="replay a capture with OSDN's preconditioner (counterfactual)",
+                        description="Run OSDN's phase 1 over DIR's captured keys and gates and replay "
+                        "the writes with k̃ = d ⊙ k: the write ratios this model would have under OSDN, "
+                        "without retraining. The replayed states differ from the model's own.")
+    wi.add_argument("dir", metavar="DIR", help="a capture directory")
+    wi.add_argument("--eta", type=float, default=0.003, help="online step size η (0.003)")
+    wi.add_argument("--d-min", type=float, default=0.5, help="lower edge of the box (0.5)")
+    wi.add_argument("--d-max", type=float, default=2.0, help="upper edge of the box (2.0)")
+    wi.add_argument("--retention", type=float, default=1.0,
+                    help="constant preconditioner retention r in [0, 1] (1: plain OSDN)")
+    wi.add_argument("--beta-aware", action=argparse.BooleanOptionalAction, default=True,
+                    help="β' = β (beta-aware, default) or β' = 1 (the paper's 1.3B form)")
+    wi.add_argument("--out", metavar="OUT", help="where to write (default: DIR/what-if_...)")
+    wi.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
+    wi.add_argument("--fp64", action="store_true", help="replay in fp64")
+    _add_common(wi)
+    wi.set_defaults(func=_cmd_what_if)
 
     report = sub.add_parser("report", help="write report.md and plots for one or more runs",
                             description="Write report.md and plots/*.png: into RUN for one run, or "

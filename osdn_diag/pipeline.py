@@ -12,6 +12,7 @@ import json
 import os
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from .capture.record import KernelCall
 from .capture.store import CaptureReader, CaptureWriter, atomic_write_text, to_device
 from .metrics.audit import AuditAccumulator
 from .metrics.ratios import RatioAccumulator
@@ -177,6 +179,9 @@ def replay_run(
     device: str | torch.device | None = None,
     tolerance: float | None = None,
     progress: bool = True,
+    out_dir: str | os.PathLike | None = None,
+    transform: Callable[[KernelCall], KernelCall] | None = None,
+    extra: dict | None = None,
 ) -> dict:
     """Replay every captured call of ``run_dir`` and write ``residuals.parquet`` and ``summary.json``.
 
@@ -188,11 +193,16 @@ def replay_run(
         device: where to replay; default CUDA when available, else CPU.
         tolerance: fidelity tolerance (default per input dtype).
         progress: show a progress bar.
+        out_dir: where to write (default ``run_dir``).
+        transform: applied to every call before it is replayed (e.g. the what-if preconditioner).
+        extra: entries added to the summary.
 
     Returns the summary dictionary that was written to ``summary.json``.
     """
     run_dir = Path(run_dir)
     reader = CaptureReader(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
     prompts = {int(p["id"]): p for p in reader.manifest.get("prompts", [])}
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if backend == "auto":
@@ -206,7 +216,7 @@ def replay_run(
     fidelity: dict[int, float] = defaultdict(float)
     tolerances: dict[int, float] = {}
     nonfinite: dict[int, int] = defaultdict(int)
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{RESIDUALS}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{RESIDUALS}.", suffix=".tmp")
     os.close(fd)
     try:
         with pq.ParquetWriter(tmp, schema) as writer:
@@ -214,6 +224,8 @@ def replay_run(
             for path in _progress(shards, len(shards), progress, "replay", "call"):
                 stored = reader.load(path)
                 call = to_device(stored.call, device)
+                if transform is not None:
+                    call = transform(call)
                 res = replay_call(call, backend=backend, dtype=dtype, tolerance=tolerance)
                 fidelity[call.layer] = max(fidelity[call.layer], res.fidelity)
                 tolerances[call.layer] = res.tolerance
@@ -223,7 +235,7 @@ def replay_run(
                 post.add(call.layer, res.columns, tasks, res.sequence_lengths)
                 audit.add(call, res.grid["loss_before"], res.grid["finite"])
                 writer.write_table(_arrow_table(stored, res, prompts, schema, np_dtype))
-        os.replace(tmp, run_dir / RESIDUALS)
+        os.replace(tmp, out_dir / RESIDUALS)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -241,7 +253,8 @@ def replay_run(
     summary["nonfinite_heads_by_layer"] = {f"{k:03d}": v for k, v in sorted(nonfinite.items()) if v}
     summary["replay"] = {"backend": backend, "dtype": str(dtype).removeprefix("torch."),
                          "device": str(device)}
-    atomic_write_text(run_dir / SUMMARY, json.dumps(summary, indent=2))
+    summary.update(extra or {})
+    atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2))
     return summary
 
 

@@ -79,7 +79,7 @@ def _runs_table(runs) -> str:
             f"{len(layers)} ({', '.join(families)})",
             ", ".join(m.get("kernels", [])) or "?",
             f"{rep.get('backend', '?')}, {rep.get('dtype', '?')}",
-            f"{s['fidelity']['max_rel_error']:.1e}",
+            "counterfactual" if s.get("counterfactual") else f"{s['fidelity']['max_rel_error']:.1e}",
         ])
     return _table(header, rows)
 

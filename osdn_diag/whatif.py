@@ -1,0 +1,82 @@
+"""What-if: a captured model's write ratios under OSDN's preconditioner, without retraining.
+
+For every captured call, phase 1 (:func:`osdn_diag.math.phase1.osdn_phase1`) runs over the call's own
+keys and gates, and the writes are replayed with the write key ``d_t ⊙ k_t``. Reads, values, gates
+and the layer's decay are the model's own; the *states* are not — they follow the counterfactual
+writes, so the replay no longer reproduces the kernel's outputs (the fidelity check is off) and the
+numbers answer "how would these writes contract under OSDN", not "what would an OSDN model do".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .capture.record import KernelCall
+from .capture.store import atomic_write_text, read_manifest
+from .math.phase1 import osdn_phase1
+
+__all__ = ["WhatIf", "what_if_run"]
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The counterfactual preconditioner: Algorithm 1 with these settings (``retention`` is a
+    constant r applied every token; 1 is plain OSDN)."""
+
+    eta: float = 0.003
+    d_min: float = 0.5
+    d_max: float = 2.0
+    retention: float = 1.0
+    beta_aware: bool = True
+
+    def __post_init__(self):
+        if not 0.0 <= self.retention <= 1.0:
+            raise ValueError(f"argument 'retention': expected a value in [0, 1], got {self.retention}")
+
+    def name(self) -> str:
+        ba = "ba" if self.beta_aware else "nba"
+        return f"what-if_eta{self.eta:g}_box{self.d_min:g}-{self.d_max:g}_r{self.retention:g}_{ba}"
+
+    def __call__(self, call: KernelCall) -> KernelCall:
+        k = torch.nan_to_num(call.k)  # non-finite tokens are flagged by replay and left out anyway
+        beta = torch.nan_to_num(call.beta)
+        retention = None if self.retention == 1.0 else torch.full_like(beta, self.retention)
+        pre = osdn_phase1(
+            k, beta, retention=retention, eta=self.eta, d_min=self.d_min, d_max=self.d_max,
+            beta_aware=self.beta_aware, cu_seqlens=call.cu_seqlens,
+        )
+        return replace(call, d=pre.d.to(call.k.dtype), flags={**call.flags, "what_if": asdict(self)})
+
+
+def what_if_run(
+    run_dir: str | os.PathLike,
+    settings: WhatIf,
+    *,
+    out_dir: str | os.PathLike | None = None,
+    **replay_kw,
+) -> Path:
+    """Replay ``run_dir``'s capture with the counterfactual preconditioner into ``out_dir``
+    (default ``run_dir/<settings name>``), writing a manifest marked ``"counterfactual": true``,
+    ``residuals.parquet`` and ``summary.json``. Returns ``out_dir``."""
+    from .pipeline import replay_run
+
+    run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir)
+    out = Path(out_dir) if out_dir is not None else run_dir / settings.name()
+    replay_run(run_dir, out_dir=out, transform=settings, tolerance=float("inf"),
+               extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
+    spec = manifest.get("model", {}).get("spec", "?")
+    manifest = {
+        **manifest,
+        "model": {**manifest.get("model", {}), "spec": f"{spec} + OSDN d (what-if)"},
+        "counterfactual": True,
+        "what_if": asdict(settings),
+        "source_run": str(run_dir),
+    }
+    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2))
+    return out

@@ -54,7 +54,7 @@ def _replay(args: argparse.Namespace, run_dir) -> dict:
 
     return replay_run(
         run_dir, backend=args.backend, dtype=torch.float64 if args.fp64 else torch.float32,
-        device=args.device, tolerance=args.tolerance, progress=not args.quiet,
+        device=args.device, tolerance=args.tolerance, progress=not args.quiet, retained=args.retained,
     )
 
 
@@ -143,6 +143,9 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp64", action="store_true", help="replay in fp64 instead of fp32")
     p.add_argument("--tolerance", type=float,
                    help="largest accepted replay-vs-kernel output error (default by dtype)")
+    p.add_argument("--retained", action="store_true",
+                   help="also measure retained associations: how well the state at the end of the "
+                   "first copy and at the last token still retrieves every earlier write")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ from .capture.record import KernelCall
 from .capture.store import CaptureReader, CaptureWriter, atomic_write_text, to_device
 from .metrics.audit import AuditAccumulator
 from .metrics.ratios import RatioAccumulator
+from .metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
 from .replay import replay_call
 
 __all__ = ["RESIDUALS", "SUMMARY", "capture_run", "replay_run"]
@@ -182,6 +183,7 @@ def replay_run(
     out_dir: str | os.PathLike | None = None,
     transform: Callable[[KernelCall], KernelCall] | None = None,
     extra: dict | None = None,
+    retained: bool = False,
 ) -> dict:
     """Replay every captured call of ``run_dir`` and write ``residuals.parquet`` and ``summary.json``.
 
@@ -196,6 +198,7 @@ def replay_run(
         out_dir: where to write (default ``run_dir``).
         transform: applied to every call before it is replayed (e.g. the what-if preconditioner).
         extra: entries added to the summary.
+        retained: also measure retained associations (:mod:`osdn_diag.metrics.retention`).
 
     Returns the summary dictionary that was written to ``summary.json``.
     """
@@ -213,6 +216,7 @@ def replay_run(
 
     ratios, post = RatioAccumulator("residual_ratio"), RatioAccumulator("residual_ratio_post")
     audit = AuditAccumulator()
+    retention = RetentionAccumulator() if retained else None
     fidelity: dict[int, float] = defaultdict(float)
     tolerances: dict[int, float] = {}
     nonfinite: dict[int, int] = defaultdict(int)
@@ -234,6 +238,8 @@ def replay_run(
                 ratios.add(call.layer, res.columns, tasks, res.sequence_lengths)
                 post.add(call.layer, res.columns, tasks, res.sequence_lengths)
                 audit.add(call, res.grid["loss_before"], res.grid["finite"])
+                if retention is not None:
+                    _add_retention(retention, call, stored.prompts, prompts, res.sequence_lengths)
                 writer.write_table(_arrow_table(stored, res, prompts, schema, np_dtype))
         os.replace(tmp, out_dir / RESIDUALS)
     except BaseException:
@@ -253,9 +259,19 @@ def replay_run(
     summary["nonfinite_heads_by_layer"] = {f"{k:03d}": v for k, v in sorted(nonfinite.items()) if v}
     summary["replay"] = {"backend": backend, "dtype": str(dtype).removeprefix("torch."),
                          "device": str(device)}
+    if retention is not None:
+        summary["retained"] = retention.summary()
     summary.update(extra or {})
     atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2))
     return summary
+
+
+def _add_retention(acc, call, prompt_ids, prompts, lengths) -> None:
+    for seq, (pid, length) in enumerate(zip(prompt_ids, lengths)):
+        info = prompts.get(int(pid), {})
+        repeat = int(info.get("repeat_start", -1))
+        cols = retrieval_errors(call, seq, probe_positions(length, repeat))
+        acc.add(str(info.get("task", "")), cols, length, repeat)
 
 
 def repeat_boundaries(prompts) -> dict[str, float]:

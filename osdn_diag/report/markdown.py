@@ -101,6 +101,17 @@ def _audit_table(runs) -> str:
     return _table(header, rows)
 
 
+def _retained_table(retained) -> str:
+    header = ["model", "task", "at last token", "first copy, at last token", "by distance t − j"]
+    rows = []
+    for label, per_task in retained:
+        for task, r in per_task.items():
+            dist = ", ".join(f"[{lo},{hi}): {_f(e)}" for (lo, hi), e in zip(r["distance_bins"], r["mean_error"]))
+            rows.append([label, task, _f(r["mean_error_at_last_token"]),
+                         _f(r["mean_error_of_first_copy_at_last_token"]), dist])
+    return _table(header, rows)
+
+
 def write_report(
     run_dirs: list[str | os.PathLike],
     out_dir: str | os.PathLike | None = None,
@@ -161,6 +172,19 @@ def write_report(
             "condition β⟨d, k⊙k⟩ = 1 under unit keys. Per layer and head in summary.json.",
             "",
             _audit_table(runs),
+            "",
+        ]
+    retained = [(n, s["retained"]) for n, _, s in runs if s.get("retained")]
+    if retained:
+        parts += [
+            "## Retained associations",
+            "",
+            "Mean of ‖S_t k_j − v_j‖² / ‖v_j‖² over earlier writes j, by distance t − j (t: the end of "
+            "the first copy and the last token), and over all writes at the last token — 0 means the "
+            "association is intact, 1 as if never written. A low q_t with a high retrieval error means "
+            "local writes that overwrite memory.",
+            "",
+            _retained_table(retained),
             "",
         ]
     gated = [(n, m, s["post_decay"]) for n, m, s in runs if "post_decay" in s]

@@ -138,3 +138,11 @@ def test_local_model_directory(tmp_path):
                  "--out", str(out), "-q"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["source"] == "directory" and manifest["model"]["model_type"] == "delta_net"
+
+
+def test_run_with_retained_associations(tmp_path):
+    _run(tmp_path, "--twice", "--retained")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    r = summary["retained"]["random-twice"]
+    assert 0 <= r["mean_error_at_last_token"] and sum(r["n"]) > 0
+    assert "Retained associations" in (tmp_path / "report.md").read_text()

@@ -1,0 +1,58 @@
+"""Retained associations: exact on constructed streams."""
+
+from __future__ import annotations
+
+import torch
+
+from osdn_diag.capture import KernelCall
+from osdn_diag.metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
+
+
+def _call(k, v, beta):
+    return KernelCall(layer=0, layer_name="l", family="x", kernel="x", q=torch.zeros_like(k), k=k, v=v,
+                      beta=beta, o=torch.zeros_like(v), scale=1.0)
+
+
+def test_probes():
+    assert probe_positions(10, 5) == [4, 9]
+    assert probe_positions(10, -1) == [9]
+
+
+def test_counterexample_forgets_every_other_write():
+    """K = V = 1, k = 1, v_t = (−1)^t, exact writes: only writes of the last sign are retrievable."""
+    T = 9
+    k = torch.ones(1, T, 1, 1)
+    v = torch.tensor([(-1.0) ** t for t in range(T)]).reshape(1, T, 1, 1)
+    cols = retrieval_errors(_call(k, v, torch.ones(1, T, 1)), 0, [T - 1])
+    expect = torch.tensor([0.0 if (T - 1 - j) % 2 == 0 else 4.0 for j in range(T)])
+    assert torch.equal(cols["j"], torch.arange(T))
+    assert torch.allclose(cols["error"], expect)
+    acc = RetentionAccumulator()
+    acc.add("pm1", cols, T, -1)
+    s = acc.summary()["pm1"]
+    assert abs(s["mean_error_at_last_token"] - 16 / 9) < 1e-9
+    assert s["distance_bins"][0] == [0, 1] and s["mean_error"][0] == 0.0  # the last write itself
+    assert s["mean_error"][1] == 4.0  # distance 1
+
+
+def test_orthogonal_exact_writes_are_all_retained():
+    T = K = 6
+    k = torch.eye(K).reshape(1, T, 1, K)
+    v = torch.randn(1, T, 1, 3, generator=torch.Generator().manual_seed(0))
+    cols = retrieval_errors(_call(k, v, torch.ones(1, T, 1)), 0, [2, T - 1])
+    assert cols["error"].abs().max() < 1e-12
+    assert (cols["probe"] == 2).sum() == 3 and (cols["probe"] == T - 1).sum() == T
+
+
+def test_first_copy_statistic_and_zero_values():
+    T = 8
+    k = torch.nn.functional.normalize(torch.randn(1, T, 2, 4, generator=torch.Generator().manual_seed(1)), dim=-1)
+    v = torch.randn(1, T, 2, 3, generator=torch.Generator().manual_seed(2))
+    v[0, 2] = 0.0  # a zero value carries no association: skipped
+    cols = retrieval_errors(_call(k, v, torch.full((1, T, 2), 0.5)), 0, probe_positions(T, 4))
+    assert not ((cols["j"] == 2).any())
+    acc = RetentionAccumulator()
+    acc.add("t", cols, T, 4)
+    last = (cols["probe"] == T - 1) & (cols["j"] < 4)
+    s = acc.summary()["t"]
+    assert abs(s["mean_error_of_first_copy_at_last_token"] - float(cols["error"][last].double().mean())) < 1e-9

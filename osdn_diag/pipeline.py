@@ -21,13 +21,13 @@ import pyarrow.parquet as pq
 import torch
 
 from .capture.record import KernelCall
-from .capture.store import CaptureReader, CaptureWriter, atomic_write_text, to_device
+from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, to_device
 from .metrics.audit import AuditAccumulator
 from .metrics.ratios import RatioAccumulator
 from .metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
 from .replay import replay_call
 
-__all__ = ["RESIDUALS", "SUMMARY", "capture_run", "replay_run"]
+__all__ = ["RESIDUALS", "SUMMARY", "Replayer", "capture_run", "replay_run"]
 
 RESIDUALS = "residuals.parquet"
 SUMMARY = "summary.json"
@@ -172,33 +172,101 @@ def _tokenizer(directory: Path | None):
     return lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
 
+class Replayer:
+    """Replays captured calls one at a time and accumulates every statistic of the summary.
+
+    ``add(stored)`` returns the call's rows of the per-token table (a pyarrow Table); ``summary()``
+    returns the summary dictionary. Used by :func:`replay_run` (files) and :func:`osdn_diag.replay`
+    (in memory).
+    """
+
+    def __init__(
+        self,
+        prompts: dict[int, dict],
+        *,
+        backend: str = "auto",
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        tolerance: float | None = None,
+        transform: Callable[[KernelCall], KernelCall] | None = None,
+        retained: bool = False,
+    ):
+        self.prompts = prompts
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
+        self.dtype = dtype
+        self.tolerance = tolerance
+        self.transform = transform
+        self.schema = _schema(pa.float64() if dtype == torch.float64 else pa.float32())
+        self.np_dtype = "float64" if dtype == torch.float64 else "float32"
+        self.ratios = RatioAccumulator("residual_ratio")
+        self.post = RatioAccumulator("residual_ratio_post")
+        self.audit = AuditAccumulator()
+        self.retention = RetentionAccumulator() if retained else None
+        self.fidelity: dict[int, float] = defaultdict(float)
+        self.tolerances: dict[int, float] = {}
+        self.nonfinite: dict[int, int] = defaultdict(int)
+
+    def add(self, stored: StoredCall) -> pa.Table:
+        call = to_device(stored.call, self.device)
+        if self.transform is not None:
+            call = self.transform(call)
+        res = replay_call(call, backend=self.backend, dtype=self.dtype, tolerance=self.tolerance)
+        self.fidelity[call.layer] = max(self.fidelity[call.layer], res.fidelity)
+        self.tolerances[call.layer] = res.tolerance
+        self.nonfinite[call.layer] += res.nonfinite
+        tasks = [str(self.prompts.get(p, {}).get("task", "")) for p in stored.prompts]
+        self.ratios.add(call.layer, res.columns, tasks, res.sequence_lengths)
+        self.post.add(call.layer, res.columns, tasks, res.sequence_lengths)
+        self.audit.add(call, res.grid["loss_before"], res.grid["finite"])
+        if self.retention is not None:
+            _add_retention(self.retention, call, stored.prompts, self.prompts, res.sequence_lengths)
+        return _arrow_table(stored, res, self.prompts, self.schema, self.np_dtype)
+
+    def summary(self) -> dict:
+        boundary = repeat_boundaries(self.prompts.values())
+        summary = self.ratios.summary(boundary)
+        if self.post.cells:
+            summary["post_decay"] = self.post.summary(boundary)
+        summary["fidelity"] = {
+            "max_rel_error": max(self.fidelity.values(), default=0.0),
+            "by_layer": {f"{k:03d}": v for k, v in sorted(self.fidelity.items())},
+            "tolerance_by_layer": {f"{k:03d}": v for k, v in sorted(self.tolerances.items())},
+        }
+        summary["assumptions"] = self.audit.summary()
+        summary["nonfinite_heads_by_layer"] = {
+            f"{k:03d}": v for k, v in sorted(self.nonfinite.items()) if v
+        }
+        summary["replay"] = {
+            "backend": self.backend,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+        }
+        if self.retention is not None:
+            summary["retained"] = self.retention.summary()
+        return summary
+
+
 def replay_run(
     run_dir: str | os.PathLike,
     *,
-    backend: str = "auto",
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device | None = None,
-    tolerance: float | None = None,
     progress: bool = True,
     out_dir: str | os.PathLike | None = None,
-    transform: Callable[[KernelCall], KernelCall] | None = None,
     extra: dict | None = None,
-    retained: bool = False,
+    **replay_kw,
 ) -> dict:
     """Replay every captured call of ``run_dir`` and write ``residuals.parquet`` and ``summary.json``.
 
     Args:
         run_dir: a complete capture directory (``manifest.json`` with ``"complete": true``).
-        backend: ``"torch"``, ``"triton"`` (see :func:`osdn_diag.replay.replay_call`) or ``"auto"``
-            (Triton on CUDA, torch otherwise).
-        dtype: replay precision (fp32 or fp64).
-        device: where to replay; default CUDA when available, else CPU.
-        tolerance: fidelity tolerance (default per input dtype).
         progress: show a progress bar.
         out_dir: where to write (default ``run_dir``).
-        transform: applied to every call before it is replayed (e.g. the what-if preconditioner).
         extra: entries added to the summary.
-        retained: also measure retained associations (:mod:`osdn_diag.metrics.retention`).
+        replay_kw: :class:`Replayer` options — ``backend`` (``"torch"``, ``"triton"`` or ``"auto"``:
+            Triton on CUDA, torch otherwise), ``dtype`` (fp32 or fp64), ``device`` (default CUDA when
+            available), ``tolerance`` (fidelity; default per kernel and dtype), ``transform`` (applied
+            to every call before replay, e.g. the what-if preconditioner), ``retained`` (also measure
+            retained associations).
 
     Returns the summary dictionary that was written to ``summary.json``.
     """
@@ -207,60 +275,19 @@ def replay_run(
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = {int(p["id"]): p for p in reader.manifest.get("prompts", [])}
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "torch"
-    value_type = pa.float64() if dtype == torch.float64 else pa.float32()
-    np_dtype = "float64" if dtype == torch.float64 else "float32"
-    schema = _schema(value_type)
-
-    ratios, post = RatioAccumulator("residual_ratio"), RatioAccumulator("residual_ratio_post")
-    audit = AuditAccumulator()
-    retention = RetentionAccumulator() if retained else None
-    fidelity: dict[int, float] = defaultdict(float)
-    tolerances: dict[int, float] = {}
-    nonfinite: dict[int, int] = defaultdict(int)
+    replayer = Replayer(prompts, **replay_kw)
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{RESIDUALS}.", suffix=".tmp")
     os.close(fd)
     try:
-        with pq.ParquetWriter(tmp, schema) as writer:
+        with pq.ParquetWriter(tmp, replayer.schema) as writer:
             shards = reader.shards()
             for path in _progress(shards, len(shards), progress, "replay", "call"):
-                stored = reader.load(path)
-                call = to_device(stored.call, device)
-                if transform is not None:
-                    call = transform(call)
-                res = replay_call(call, backend=backend, dtype=dtype, tolerance=tolerance)
-                fidelity[call.layer] = max(fidelity[call.layer], res.fidelity)
-                tolerances[call.layer] = res.tolerance
-                nonfinite[call.layer] += res.nonfinite
-                tasks = [str(prompts.get(p, {}).get("task", "")) for p in stored.prompts]
-                ratios.add(call.layer, res.columns, tasks, res.sequence_lengths)
-                post.add(call.layer, res.columns, tasks, res.sequence_lengths)
-                audit.add(call, res.grid["loss_before"], res.grid["finite"])
-                if retention is not None:
-                    _add_retention(retention, call, stored.prompts, prompts, res.sequence_lengths)
-                writer.write_table(_arrow_table(stored, res, prompts, schema, np_dtype))
+                writer.write_table(replayer.add(reader.load(path)))
         os.replace(tmp, out_dir / RESIDUALS)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-    boundary = repeat_boundaries(prompts.values())
-    summary = ratios.summary(boundary)
-    if post.cells:
-        summary["post_decay"] = post.summary(boundary)
-    summary["fidelity"] = {
-        "max_rel_error": max(fidelity.values(), default=0.0),
-        "by_layer": {f"{k:03d}": v for k, v in sorted(fidelity.items())},
-        "tolerance_by_layer": {f"{k:03d}": v for k, v in sorted(tolerances.items())},
-    }
-    summary["assumptions"] = audit.summary()
-    summary["nonfinite_heads_by_layer"] = {f"{k:03d}": v for k, v in sorted(nonfinite.items()) if v}
-    summary["replay"] = {"backend": backend, "dtype": str(dtype).removeprefix("torch."),
-                         "device": str(device)}
-    if retention is not None:
-        summary["retained"] = retention.summary()
+    summary = replayer.summary()
     summary.update(extra or {})
     atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2))
     return summary

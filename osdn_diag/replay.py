@@ -27,7 +27,14 @@ from .capture.record import KernelCall
 from .math.closed_forms import residual_ratio
 from .math.recurrence import delta_rule_recurrence
 
-__all__ = ["CallReplay", "DEFAULT_TOLERANCE", "FidelityError", "default_tolerance", "replay_call"]
+__all__ = [
+    "CallReplay",
+    "DEFAULT_TOLERANCE",
+    "FidelityError",
+    "default_tolerance",
+    "replay",
+    "replay_call",
+]
 
 #: Largest accepted relative error ‖o_replay − o_kernel‖ / ‖o_kernel‖, by the kernel's input dtype.
 DEFAULT_TOLERANCE = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
@@ -187,3 +194,16 @@ def replay_call(
         tolerance=tol,
         grid={"loss_before": res.loss_before, "finite": finite},
     )
+
+
+def replay(capture, **kwargs):
+    """Replay what a capture recorded, in memory: see :func:`osdn_diag.results.replay`. (The module
+    is callable: ``osdn_diag.replay(cap)`` is this function.)"""
+    from .results import replay as _replay
+
+    return _replay(capture, **kwargs)
+
+
+from ._callable import make_callable  # noqa: E402
+
+make_callable(__name__, "replay")

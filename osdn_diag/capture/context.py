@@ -116,6 +116,8 @@ class Capture:
         self.calls: list[KernelCall] = []
         self._sink = sink or self.calls.append
         self._current: tuple[int, str] | None = None
+        self._forward = -1  # forward passes seen; a pass starts when layer indices stop increasing
+        self._last_layer: int | None = None
         self._patched: list[tuple[object, str, Callable]] = []
         self._hooks: list = []
         self.enabled = True
@@ -153,6 +155,9 @@ class Capture:
     # -- hooks ------------------------------------------------------------------------------------
     def _enter_layer(self, index: int, name: str):
         def hook(module, args):
+            if self._last_layer is None or index <= self._last_layer:
+                self._forward += 1
+            self._last_layer = index
             self._current = (index, name)
 
         return hook
@@ -173,6 +178,7 @@ class Capture:
                     call = site.adapter.record(kw, out, layer=index, layer_name=name, kernel=site.name)
                 call.flags["kernels"] = "reference" if use_reference else "fla"
                 call.flags["device"] = kw["q"].device.type
+                call.forward = self._forward
                 if self.offload:
                     from .store import to_device
 

@@ -47,6 +47,7 @@ class KernelCall:
     cu_seqlens: torch.Tensor | None = None
     input_dtype: str = "float32"
     flags: dict = field(default_factory=dict)
+    forward: int = 0  # which forward pass of the capture session made the call
 
     @property
     def num_heads(self) -> int:
@@ -90,6 +91,7 @@ class KernelCall:
             "scale": self.scale,
             "input_dtype": self.input_dtype,
             "flags": dict(self.flags),
+            "forward": self.forward,
         }
 
     @classmethod
@@ -102,5 +104,6 @@ class KernelCall:
             scale=float(meta["scale"]),
             input_dtype=str(meta.get("input_dtype", "float32")),
             flags=dict(meta.get("flags", {})),
+            forward=int(meta.get("forward", 0)),
             **{name: tensors.get(name) for name in TENSOR_FIELDS},
         )

@@ -1,0 +1,75 @@
+"""The in-memory Python API: replay what :func:`osdn_diag.capture` recorded.
+
+    with osdn_diag.capture(model) as cap:
+        model(input_ids)
+    res = osdn_diag.replay(cap)
+    res.summary["q_geo"]; res.to_pandas()      # one row per (prompt, layer, head, pos)
+
+Every sequence of every forward pass is one "prompt", numbered in order (give ``prompts`` to attach
+tasks and repeat positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from .capture.record import KernelCall
+from .capture.store import StoredCall
+from .pipeline import Replayer
+from .prompts import Prompt
+
+__all__ = ["Results", "replay"]
+
+
+@dataclass
+class Results:
+    """Replayed per-token table (pyarrow) and its summary (the ``summary.json`` dictionary)."""
+
+    table: pa.Table
+    summary: dict
+
+    def to_pandas(self):
+        try:
+            import pandas  # noqa: F401
+        except ImportError as err:
+            raise ImportError("Results.to_pandas() needs pandas: pip install pandas") from err
+        return self.table.to_pandas()
+
+
+def replay(
+    capture: Iterable[KernelCall],
+    *,
+    prompts: Sequence[Prompt] | None = None,
+    **replay_kw,
+) -> Results:
+    """Replay captured calls (a :class:`~osdn_diag.capture.context.Capture` or a list of
+    :class:`KernelCall`) in fp32; options as :class:`osdn_diag.pipeline.Replayer`."""
+    calls = list(getattr(capture, "calls", capture))
+    if not calls:
+        raise ValueError("argument 'capture': no calls were captured (did the model run inside it?)")
+    forwards = sorted({c.forward for c in calls})
+    offsets, infos, next_id = {}, {}, 0
+    for f in forwards:
+        first = next(c for c in calls if c.forward == f)
+        segments = first.segments()
+        offsets[f] = next_id
+        for i, (_, start, end) in enumerate(segments):
+            pid = next_id + i
+            p = prompts[pid] if prompts is not None and pid < len(prompts) else None
+            infos[pid] = {
+                "id": pid,
+                "task": p.task if p else "",
+                "length": end - start,
+                "repeat_start": p.repeat_start if p else -1,
+            }
+        next_id += len(segments)
+    replayer = Replayer(infos, **replay_kw)
+    tables = []
+    for call in calls:
+        n = len(call.segments())
+        ids = list(range(offsets[call.forward], offsets[call.forward] + n))
+        tables.append(replayer.add(StoredCall(batch=call.forward, prompts=ids, call=call)))
+    return Results(table=pa.concat_tables(tables), summary=replayer.summary())

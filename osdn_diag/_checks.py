@@ -56,6 +56,11 @@ def check_box(d_min: float | None, d_max: float | None) -> None:
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, total: int) -> list[int]:
     """Validate fla-style packed offsets ``[0, t_1, ..., T]`` and return them as Python ints."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(
+            "argument 'cu_seqlens': expected a 1-D integer tensor [0, t_1, ..., T], got "
+            f"{type(cu_seqlens).__name__}"
+        )
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
         raise ValueError(
             "argument 'cu_seqlens': expected a 1-D integer tensor [0, t_1, ..., T] with at least "

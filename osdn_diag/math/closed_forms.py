@@ -86,6 +86,12 @@ def regret(
 def log_bound(eps_T: torch.Tensor, regret_T: torch.Tensor, T: int) -> torch.Tensor:
     """Theorem D.7's right-hand side in log space: ``T · log(2 ε_T(d) + 2 R_T(d) / T)``.
 
-    ``-inf`` where the base is exactly 0; NaN where it is negative (the theorem's hypotheses fail).
+    ``-inf`` where the base is 0; NaN where it is negative (the theorem's hypotheses fail). The base is a
+    difference of O(1) terms (each ``h_t`` carries a ``−1/(2n_t)``), so a true 0 can round to a tiny
+    negative number: values within a few ulps of ``1 + 2ε_T + 2|R_T|/T`` below 0 count as 0, not as a
+    failed hypothesis.
     """
-    return T * torch.log(2.0 * eps_T + 2.0 * regret_T / T)
+    base = 2.0 * eps_T + 2.0 * regret_T / T
+    tol = 16 * torch.finfo(base.dtype).eps * (1.0 + 2.0 * eps_T.abs() + 2.0 * regret_T.abs() / T)
+    base = torch.where((base < 0) & (base >= -tol), torch.zeros_like(base), base)
+    return T * torch.log(base)

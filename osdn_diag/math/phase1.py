@@ -17,6 +17,7 @@ The step is exactly ``d − η ∇h_t(d)`` of :func:`osdn_diag.math.closed_forms
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +52,8 @@ def _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens):
     check_finite("k", k)
     check_finite("beta", beta)
     check_box(d_min, d_max)
-    if not (isinstance(eta, (int, float)) and eta >= 0):
-        raise ValueError(f"argument 'eta': expected a number >= 0, got {eta!r}")
+    if not (isinstance(eta, (int, float)) and math.isfinite(eta) and eta >= 0):
+        raise ValueError(f"argument 'eta': expected a finite number >= 0, got {eta!r}")
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"argument 'eps': expected a number > 0, got {eps!r}")
     offsets = [0, T] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
@@ -80,6 +81,11 @@ def _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens):
             )
         if d_min is None and bool((d0 <= 0).any()):
             raise ValueError("argument 'd0': expected positive entries")
+    elif d_min is not None and not d_min <= 1.0 <= d_max:
+        raise ValueError(
+            f"argument 'd0': the default d0 = 1 lies outside the box [{d_min}, {d_max}]; "
+            "pass a d0 inside it"
+        )
     return offsets, N
 
 
@@ -104,7 +110,8 @@ def osdn_phase1(
         beta: ``[B, T, H]`` write strengths.
         retention: ``None`` (r ≡ 1), ``[B, T, H]`` (APF: one scalar per head and token) or
             ``[B, T, H, K]`` (per channel); values in [0, 1].
-        d0: initial ``d``, ``[H, K]`` (shared by every sequence) or ``[N, H, K]``; ones when ``None``.
+        d0: initial ``d``, ``[H, K]`` (shared by every sequence) or ``[N, H, K]``; ones when ``None``
+            (then 1 must lie inside the box).
         eta: online step size η ≥ 0 (0 freezes ``d`` at ``d0``).
         d_min, d_max: the box ``[d_min, d_max]^K`` (``0 < d_min ≤ d_max``); both ``None`` disables the
             projection.

@@ -219,6 +219,16 @@ def _require(name: str, x: torch.Tensor | None, ndim: int, layout: str) -> torch
     return x
 
 
+def _write_key(d: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
+    """``d ⊙ k`` for the online-scaled wrappers, with ``k`` and ``d`` checked by name first (``d`` must
+    match ``k``'s shape exactly: a broadcastable ``d`` would silently change the model)."""
+    k = _require("k", k, 4, "[B, T, H, K]")
+    d = _require("d", d, 4, "[B, T, H, K]")
+    check_shape("d", d, list(k.shape), "[B, T, H, K]")
+    check_finite("d", d)
+    return d * k
+
+
 def deltanet(q, k, v, beta, **kw) -> RecurrenceResult:
     """DeltaNet: ``S_t = S_{t−1} + β_t u_t k_tᵀ`` (Table 3). Keyword arguments as
     :func:`delta_rule_recurrence` (``scale``, ``initial_state``, ``cu_seqlens``, ``dtype``)."""
@@ -228,8 +238,7 @@ def deltanet(q, k, v, beta, **kw) -> RecurrenceResult:
 def osdn(q, k, v, beta, d, **kw) -> RecurrenceResult:
     """OSDN given its preconditioner trajectory ``d: [B, T, H, K]``: write key ``d_t ⊙ k_t``, read key
     ``k_t`` (Eq. 2/5). ``d`` is the value *used at* token t (Algorithm 1's ``d_t``)."""
-    d = _require("d", d, 4, "[B, T, H, K]")
-    return delta_rule_recurrence(q, k, v, beta, write_key=d * k, **kw)
+    return delta_rule_recurrence(q, k, v, beta, write_key=_write_key(d, k), **kw)
 
 
 def gated_deltanet(q, k, v, beta, g, **kw) -> RecurrenceResult:
@@ -242,8 +251,7 @@ def gated_deltanet(q, k, v, beta, g, **kw) -> RecurrenceResult:
 def osgdn(q, k, v, beta, g, d, **kw) -> RecurrenceResult:
     """Online-scaled Gated DeltaNet (App. B.1): Gated DeltaNet with write key ``d_t ⊙ k_t``."""
     g = _require("g", g, 3, "[B, T, H]")
-    d = _require("d", d, 4, "[B, T, H, K]")
-    return delta_rule_recurrence(q, k, v, beta, write_key=d * k, g=g, **kw)
+    return delta_rule_recurrence(q, k, v, beta, write_key=_write_key(d, k), g=g, **kw)
 
 
 def _kda(q, k, v, beta, g, write_key, initial_state=None, **kw) -> RecurrenceResult:
@@ -271,5 +279,4 @@ def kda(q, k, v, beta, g, **kw) -> RecurrenceResult:
 
 def oskda(q, k, v, beta, g, d, **kw) -> RecurrenceResult:
     """Online-scaled KDA: the left (storage) key becomes ``d_t ⊙ k_t``; the read key stays ``k_t``."""
-    d = _require("d", d, 4, "[B, T, H, K]")
-    return _kda(q, k, v, beta, g, d * k, **kw)
+    return _kda(q, k, v, beta, g, _write_key(d, k), **kw)

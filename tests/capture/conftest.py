@@ -1,11 +1,8 @@
 """Fixtures for running flash-linear-attention's Triton kernels on the CPU, under Triton's interpreter.
 
-``@triton.jit`` decides when a kernel is *defined* (i.e. when fla is imported) whether it will be compiled
-or interpreted, so ``TRITON_INTERPRET=1`` has to be in the environment before triton or fla is imported.
-This conftest sets it when pytest loads it, which is before any test module of this folder is imported —
-but only on a machine without a CUDA GPU (CI and the developers' machines), so that a GPU run of the
-whole suite keeps compiled Triton for everything else. On a GPU machine, export ``TRITON_INTERPRET=1``
-yourself to run these tests.
+The root ``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` on machines without a CUDA GPU (CI and the
+developers' machines) before anything imports triton or fla. On a GPU machine, export
+``TRITON_INTERPRET=1`` yourself to run these tests.
 
 The tests skip (with the reason) when triton or fla is not installed, which only happens in partial dev
 setups: CI installs both (see ``osdn_diag/_interpret.py`` for the versions), and under ``CI=true`` a
@@ -18,18 +15,6 @@ import importlib.util
 import os
 
 import pytest
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-if not _has_cuda():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _in_ci() -> bool:

@@ -146,3 +146,25 @@ def test_run_with_retained_associations(tmp_path):
     r = summary["retained"]["random-twice"]
     assert 0 <= r["mean_error_at_last_token"] and sum(r["n"]) > 0
     assert "Retained associations" in (tmp_path / "report.md").read_text()
+
+
+def test_text_prompts_use_the_model_directorys_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from osdn_diag.models import load_model
+
+    model_dir = tmp_path / "model"
+    load_model("random:deltanet-tiny", seed=4).model.save_pretrained(model_dir)
+    words = ["[UNK]", "alpha", "beta", "gamma", "delta"]
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(model_dir)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"text": "alpha beta gamma", "query": "delta", "task": "words"}) + "\n")
+    out = tmp_path / "run"
+    assert main(["capture", str(model_dir), "--prompts", str(prompts), "--twice", "--out", str(out), "-q"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["prompts"] == [{"id": 0, "task": "words", "length": 7, "repeat_start": 3}]

@@ -7,19 +7,59 @@ import os
 from pathlib import Path
 
 from ..capture.store import atomic_write_text, read_manifest
-from .plots import plot_by_layer, plot_contraction
+from .plots import (
+    plot_by_layer,
+    plot_contraction,
+    plot_d_trajectory,
+    plot_eps_vs_q,
+    plot_layer_head,
+    plot_q_bars,
+    plot_retained,
+)
 
 __all__ = ["load_run", "write_report"]
 
 
+CONTRACT_COLUMNS = (
+    "prompt", "task", "layer", "head", "pos", "rel_pos", "repeat_start", "beta", "key_sqnorm",
+    "write_gain", "loss_before", "loss_after", "residual_ratio",
+)
+
+
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
-    """``(manifest, summary)`` of a finished run; errors name the file that is missing."""
+    """``(manifest, summary)`` of a finished run; errors name the file that is missing or wrong."""
+    import pyarrow.parquet as pq
+
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
     path = run_dir / "summary.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
+    table = run_dir / "residuals.parquet"
+    if not table.is_file():
+        raise FileNotFoundError(f"{table}: no per-token table — run `osdn-diag replay {run_dir}` first")
+    missing = [c for c in CONTRACT_COLUMNS if c not in pq.read_schema(table).names]
+    if missing:
+        raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
     return manifest, json.loads(path.read_text())
+
+
+def _prompt_shape(manifest: dict) -> list[tuple[str, int, int]]:
+    return [(p.get("task", ""), p.get("length", 0), p.get("repeat_start", -1)) for p in manifest.get("prompts", [])]
+
+
+def _check_comparable(paths, loaded) -> None:
+    """Runs side by side must measure the same prompts with the same position bins."""
+    ref_path, (ref_m, ref_s) = paths[0], loaded[0]
+    for path, (m, s) in zip(paths[1:], loaded[1:]):
+        if _prompt_shape(m) != _prompt_shape(ref_m):
+            raise ValueError(
+                f"runs {ref_path} and {path} used different prompts ({len(ref_m.get('prompts', []))} vs "
+                f"{len(m.get('prompts', []))} prompts, or different tasks/lengths): side-by-side "
+                "numbers would not be comparable"
+            )
+        if s["position_bins"]["edges"] != ref_s["position_bins"]["edges"]:
+            raise ValueError(f"runs {ref_path} and {path} use different relative-position bins")
 
 
 def _f(x, digits: int = 3) -> str:
@@ -101,6 +141,29 @@ def _audit_table(runs) -> str:
     return _table(header, rows)
 
 
+def _d_trajectory_plot(paths, names, manifests, target: Path) -> Path | None:
+    """Plot d of head 0 of the first captured layer that has one, over the first prompt (for a
+    what-if run, the counterfactual d, recomputed from the source capture)."""
+    from ..capture.store import CaptureReader
+    from ..whatif import WhatIf
+
+    for path, name, manifest in zip(paths, names, manifests):
+        transform = None
+        if manifest.get("counterfactual"):
+            path, transform = Path(manifest["source_run"]), WhatIf(**manifest["what_if"])
+        reader = CaptureReader(path)
+        for shard in reader.shards():
+            stored = reader.load(shard)
+            call = stored.call if transform is None else transform(stored.call)
+            if call.d is None:
+                continue
+            row, start, end = call.segments()[0]
+            d = call.d[row, start:end, 0].float().numpy()
+            title = f"{name}: layer {call.layer}, head 0, prompt {stored.prompts[0]}"
+            return plot_d_trajectory(d, title, target)
+    return None
+
+
 def _retained_table(retained) -> str:
     header = ["model", "task", "at last token", "first copy, at last token", "by distance t − j"]
     rows = []
@@ -127,12 +190,22 @@ def write_report(
         raise ValueError(f"argument 'labels': expected {len(run_dirs)} labels, got {len(labels)}")
     paths = [Path(r) for r in run_dirs]
     loaded = [load_run(p) for p in paths]
+    if not any(m.get("counterfactual") for m, _ in loaded):
+        _check_comparable(paths, loaded)
     names = labels or [_label(p, m) for p, (m, _) in zip(paths, loaded)]
     runs = [(name, m, s) for name, (m, s) in zip(names, loaded)]
     out = Path(out_dir) if out_dir is not None else paths[0]
 
-    plot_contraction([(n, s) for n, _, s in runs], out / "plots" / "contraction.png")
-    plot_by_layer([(n, s) for n, _, s in runs], out / "plots" / "by_layer.png")
+    plots = out / "plots"
+    pairs = [(n, s) for n, _, s in runs]
+    plot_contraction(pairs, plots / "contraction.png")
+    plot_q_bars(pairs, plots / "q_geo.png")
+    plot_by_layer(pairs, plots / "by_layer.png")
+    plot_layer_head(pairs, plots / "layer_head.png")
+    retained_runs = [(n, s["retained"]) for n, _, s in runs if s.get("retained")]
+    if retained_runs:
+        plot_retained(retained_runs, plots / "retained.png")
+    d_plot = _d_trajectory_plot(paths, names, [m for m, _ in loaded], plots / "d_trajectory.png")
 
     parts = [
         "# osdn-diag report",
@@ -152,7 +225,7 @@ def write_report(
         "",
         "## By relative position (Fig. 2a)",
         "",
-        "![contraction curve](plots/contraction.png)",
+        "![contraction curve](plots/contraction.png) ![overall q_geo](plots/q_geo.png)",
         "",
         _bins_table(runs),
         "",
@@ -161,7 +234,12 @@ def write_report(
     if boundaries:
         parts += ["The repeated context starts at relative position "
                   + ", ".join(f"{b:.2f} ({t})" for t, b in sorted(boundaries.items())) + ".", ""]
-    parts += ["## By layer", "", "![q_geo by layer](plots/by_layer.png)", "", _layer_table(runs), ""]
+    parts += ["## By layer and head", "", "![q_geo by layer](plots/by_layer.png)",
+              "![q_geo by layer and head](plots/layer_head.png)", "", _layer_table(runs), ""]
+    if d_plot is not None:
+        parts += ["## The preconditioner d", "", f"![d trajectory](plots/{d_plot.name})", "",
+                  "The write-key preconditioner of one head over the first prompt: eight channels and "
+                  "the mean over all channels.", ""]
     if any("assumptions" in s for _, _, s in runs):
         box = next(s["assumptions"]["box"] for _, _, s in runs if "assumptions" in s)
         parts += [
@@ -185,6 +263,8 @@ def write_report(
             "local writes that overwrite memory.",
             "",
             _retained_table(retained),
+            "",
+            "![retained associations](plots/retained.png)",
             "",
         ]
     gated = [(n, m, s["post_decay"]) for n, m, s in runs if "post_decay" in s]

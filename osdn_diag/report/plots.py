@@ -6,7 +6,15 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["plot_by_layer", "plot_contraction"]
+__all__ = [
+    "plot_by_layer",
+    "plot_contraction",
+    "plot_d_trajectory",
+    "plot_eps_vs_q",
+    "plot_layer_head",
+    "plot_q_bars",
+    "plot_retained",
+]
 
 
 def _pyplot():
@@ -19,15 +27,19 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> Path:
-    """Save through a temporary file and a rename: a crash never leaves a half-written image."""
+    """Save ``path`` (PNG) and the same figure as PDF beside it, each through a temporary file and a
+    rename: a crash never leaves a half-written image."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    for target in (path, path.with_suffix(".pdf")):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{target.name}.", suffix=target.suffix)
+        os.close(fd)
+        try:
+            fig.savefig(tmp, dpi=150, bbox_inches="tight")
+            os.replace(tmp, target)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    plt = _pyplot()
+    plt.close(fig)
     return path
 
 
@@ -53,9 +65,7 @@ def plot_contraction(runs: list[tuple[str, dict]], path: Path) -> Path:
     ax.set_title("Residual contraction by position")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    path = _save(fig, path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_by_layer(runs: list[tuple[str, dict]], path: Path) -> Path:
@@ -71,6 +81,95 @@ def plot_by_layer(runs: list[tuple[str, dict]], path: Path) -> Path:
     ax.set_title("Residual contraction by layer")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    path = _save(fig, path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
+
+
+def plot_q_bars(runs: list[tuple[str, dict]], path: Path) -> Path:
+    """Fig. 2(b): overall q_geo of each run."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(runs), 3.6))
+    labels = [label for label, _ in runs]
+    values = [s["q_geo"] for _, s in runs]
+    bars = ax.bar(range(len(runs)), values, color=[f"C{i}" for i in range(len(runs))])
+    for bar, v in zip(bars, values):
+        ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(runs)), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(r"$q_{geo}$ (all tokens, layers, heads)")
+    ax.set_title("Overall residual contraction")
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_layer_head(runs: list[tuple[str, dict]], path: Path) -> Path:
+    """q_geo of every (layer, head), one heat map per run."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.8), squeeze=False,
+                             constrained_layout=True)
+    grids = []
+    for _, s in runs:
+        keys = [tuple(int(x) for x in k.split(".")) for k in s["by_head"]]
+        grid = np.full((max(k[0] for k in keys) + 1, max(k[1] for k in keys) + 1), np.nan)
+        for (layer, head), key in zip(keys, s["by_head"]):
+            grid[layer, head] = s["by_head"][key]["q_geo"]
+        grids.append(grid)
+    vmin = min(np.nanmin(g) for g in grids)  # one colour scale, so the runs compare by eye
+    vmax = max(np.nanmax(g) for g in grids)
+    for ax, (label, _), grid in zip(axes[0], runs, grids):
+        L, H = grid.shape
+        im = ax.imshow(grid, aspect="auto", cmap="viridis", origin="lower", vmin=vmin, vmax=vmax)
+        ax.set_xticks(range(0, H, max(1, H // 8)))
+        ax.set_yticks(range(0, L, max(1, L // 12)))
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(label, fontsize=9)
+    fig.colorbar(im, ax=list(axes[0]), label=r"$q_{geo}$")
+    return _save(fig, path)
+
+
+def plot_eps_vs_q(runs: list[tuple[str, list[float], list[float]]], path: Path) -> Path:
+    """ε_T^diag of each (prompt, layer, head) stream against that stream's q_geo."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.6, 4.2))
+    for label, eps, q in runs:
+        ax.scatter(eps, q, s=8, alpha=0.6, label=label)
+    ax.set_xlabel(r"$\varepsilon_T^{diag}$ (best fixed diagonal comparator)")
+    ax.set_ylabel(r"$q_{geo}$ of the stream")
+    ax.set_title("Comparator gap against measured contraction")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_d_trajectory(d, title: str, path: Path, channels: int = 8) -> Path:
+    """``d: [T, K]`` of one head: the first ``channels`` coordinates, and the mean over all."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    t = range(d.shape[0])
+    for i in range(min(channels, d.shape[1])):
+        ax.plot(t, d[:, i], linewidth=0.8, alpha=0.7)
+    ax.plot(t, d.mean(1), color="k", linewidth=1.6, label="mean over channels")
+    ax.set_xlabel("position")
+    ax.set_ylabel(r"$d_t$")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_retained(runs: list[tuple[str, dict]], path: Path) -> Path:
+    """Mean retrieval error of earlier writes by distance t − j, per run and task."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for label, per_task in runs:
+        for task, r in per_task.items():
+            x = [max(lo, 0.5) for lo, _ in r["distance_bins"]]
+            ax.plot(x, r["mean_error"], marker="o", label=f"{label} · {task}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("distance t − j (bin start; 0 drawn at 1/2)")
+    ax.set_ylabel(r"mean $\|S_t k_j - v_j\|^2 / \|v_j\|^2$")
+    ax.set_title("Retained associations")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -38,17 +38,36 @@ def test_single_run_report(tmp_path):
     assert report == run / "report.md"
     assert "| model | q_geo ↓ | q_arith ↓ | mqar-twice q_geo ↓ | n |" in text
     assert "post-decay" in text and "0.50 (mqar-twice)" in text
-    for png in ("contraction.png", "by_layer.png"):
-        assert (run / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("contraction", "q_geo", "by_layer", "layer_head"):
+        assert (run / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (run / "plots" / f"{name}.pdf").read_bytes()[:5] == b"%PDF-"
+        assert f"plots/{name}.png" in text
 
 
 def test_side_by_side(tmp_path):
     a = _run(tmp_path / "a", 1, gated=False, task="t1")
-    b = _run(tmp_path / "b", 2, gated=False, task="t2")
+    b = _run(tmp_path / "b", 2, gated=False, task="t1")
     assert main(["report", str(a), str(b), "--out", str(tmp_path / "cmp"), "--labels", "DeltaNet", "OSDN"]) == 0
     text = (tmp_path / "cmp" / "report.md").read_text()
-    assert "| DeltaNet |" in text and "| OSDN |" in text and "t1 q_geo" in text and "t2 q_geo" in text
+    assert "| DeltaNet |" in text and "| OSDN |" in text and "t1 q_geo" in text
     assert "post-decay" not in text
+
+
+def test_runs_on_different_prompts_are_not_compared(tmp_path):
+    a = _run(tmp_path / "a", 1, gated=False, task="t1")
+    b = _run(tmp_path / "b", 2, gated=False, task="t2")
+    with pytest.raises(ValueError, match="different prompts"):
+        write_report([a, b], tmp_path / "cmp")
+
+
+def test_missing_column_is_named(tmp_path):
+    import pyarrow.parquet as pq
+
+    a = _run(tmp_path / "a", 1, gated=False, task="t1")
+    table = pq.read_table(a / "residuals.parquet").drop_columns(["write_gain"])
+    pq.write_table(table, a / "residuals.parquet")
+    with pytest.raises(ValueError, match="missing column\\(s\\) write_gain"):
+        write_report([a])
 
 
 def test_report_errors(tmp_path):

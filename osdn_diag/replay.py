@@ -68,7 +68,7 @@ class CallReplay:
     ``columns`` maps column names to 1-D CPU tensors of equal length; ``fidelity`` is the largest
     relative output error over the call's (sequence, head) pairs; ``nonfinite`` counts the
     (sequence, head) pairs whose inputs held NaN/Inf; ``grid`` keeps ``loss_before`` and the
-    token-level ``finite`` mask in the call's own ``[B, T, H]`` layout.
+    ``loss_after`` and the token-level ``finite`` mask in the call's own ``[B, T, H]`` layout.
     """
 
     columns: dict[str, torch.Tensor]
@@ -95,15 +95,17 @@ def _zero_nonfinite(x: torch.Tensor | None, bad: torch.Tensor) -> torch.Tensor |
     return torch.where(mask, torch.zeros((), dtype=x.dtype, device=x.device), x)
 
 
-def _replay_torch(call: KernelCall, dtype: torch.dtype, bad: torch.Tensor | None):
+def _recurrence_inputs(call: KernelCall, dtype: torch.dtype, bad: torch.Tensor | None) -> dict:
+    """The call as arguments of the recurrence (both backends take the same ones); tokens marked
+    ``bad`` (``[B, T, H]``, non-finite inputs) are replayed on zeros."""
     q, k, v, beta, g, d = call.q, call.k, call.v, call.beta, call.g, call.d
     init = call.initial_state
     if bad is not None:
         q, k, v, beta, g, d = (_zero_nonfinite(x, bad) for x in (q, k, v, beta, g, d))
         if init is not None:
             init = torch.nan_to_num(init, nan=0.0, posinf=0.0, neginf=0.0)
-    return delta_rule_recurrence(
-        q, k, v, beta,
+    return dict(
+        q=q, k=k, v=v, beta=beta,
         write_key=None if d is None else d.to(dtype) * k.to(dtype),
         g=g,
         scale=call.scale,
@@ -137,11 +139,11 @@ def replay_call(
     finite = _finite_mask(call)
     bad = None if bool(finite.all()) else ~finite
     if backend == "torch":
-        res = _replay_torch(call, dtype, bad)
+        res = delta_rule_recurrence(**_recurrence_inputs(call, dtype, bad))
     elif backend == "triton":
-        from .ops.replay import replay_triton
+        from .ops.replay import fused_replay
 
-        res = replay_triton(call, dtype=dtype, bad=bad)
+        res = fused_replay(**_recurrence_inputs(call, dtype, bad))
     else:
         raise ValueError(f"argument 'backend': expected 'torch' or 'triton', got {backend!r}")
 
@@ -192,7 +194,7 @@ def replay_call(
         nonfinite=nonfinite,
         sequence_lengths=[e - s for _, s, e in segments],
         tolerance=tol,
-        grid={"loss_before": res.loss_before, "finite": finite},
+        grid={"loss_before": res.loss_before, "loss_after": res.loss_after, "finite": finite},
     )
 
 

@@ -21,10 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..capture.record import KernelCall
 from ..math.recurrence import RecurrenceResult
 
-__all__ = ["fused_replay", "replay_triton"]
+__all__ = ["fused_replay"]
 
 
 @triton.jit
@@ -138,27 +137,4 @@ def fused_replay(
         loss_after=after,
         write_gain=gain,
         loss_before_decayed=None if g is None else before_dec,
-    )
-
-
-def replay_triton(call: KernelCall, *, dtype: torch.dtype, bad: torch.Tensor | None) -> RecurrenceResult:
-    """Replay a captured call with the fused kernel (the ``"triton"`` backend of
-    :func:`osdn_diag.replay.replay_call`). ``bad`` marks ``[B, T, H]`` tokens with non-finite inputs,
-    replayed on zeros."""
-    from ..replay import _zero_nonfinite  # local: replay imports this module lazily
-
-    q, k, v, beta, g, d = call.q, call.k, call.v, call.beta, call.g, call.d
-    init = call.initial_state
-    if bad is not None:
-        q, k, v, beta, g, d = (_zero_nonfinite(x, bad) for x in (q, k, v, beta, g, d))
-        if init is not None:
-            init = torch.nan_to_num(init, nan=0.0, posinf=0.0, neginf=0.0)
-    return fused_replay(
-        q, k, v, beta,
-        write_key=None if d is None else d.to(dtype) * k.to(dtype),
-        g=g,
-        scale=call.scale,
-        initial_state=init,
-        cu_seqlens=call.cu_seqlens,
-        dtype=dtype,
     )

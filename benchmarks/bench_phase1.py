@@ -1,0 +1,138 @@
+"""OSDN phase 1 (the Triton preconditioner sweep) against phase 2 (fla's ``chunk_delta_rule``) on the
+same shape, measured in the same run (GPU only).
+
+    python benchmarks/bench_phase1.py [--B 8 --T 4096 --H 8 --K 128] [--json FILE]
+
+Phase 1 is a sequential sweep over T (one program per sequence×head); phase 2 is fla's chunked delta
+rule with q, k, v bf16. The target is phase 1 ≤ 25 % of phase 2. Before timing, the kernel is checked
+against the fp64 reference (``osdn_phase1`` and torch.autograd through it) at the benchmark shape.
+Times are ``triton.testing.do_bench`` medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+
+
+def _bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in (("B", 8), ("T", 4096), ("H", 8), ("K", 128)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--eta", type=float, default=0.003)
+    p.add_argument("--T-grad", type=int, default=256, help="tokens in the gradient check")
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_phase1 needs a CUDA GPU")
+
+    from osdn_diag.math import osdn_phase1
+    from osdn_diag.ops.phase1 import osdn_precondition
+
+    dev, bf16 = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    B, T, H, K = a.B, a.T, a.H, a.K
+    rnd = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
+    k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1).to(bf16)
+    q = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1).to(bf16)
+    v = rnd(B, T, H, K).to(bf16)
+    beta = torch.rand(B, T, H, device=dev, generator=gen).to(bf16)
+    dwk = rnd(B, T, H, K).to(bf16)
+    kw = dict(eta=a.eta)
+
+    # Correctness against fp64 on the bf16-rounded inputs, same device: the forward at the full shape;
+    # the gradients on the first --T-grad tokens (autograd through the reference's per-token slice
+    # assignments costs O(T²) memory traffic).
+    with torch.no_grad():
+        ref = osdn_phase1(k.double(), beta.double(), **kw)
+        got = osdn_precondition(k, beta, **kw, return_trajectory=True)
+    errors = {
+        "write_key (bf16 out)": _rel(got.write_key, ref.write_key),
+        "d (fp32)": _rel(got.d, ref.d),
+        "d_final (fp32)": _rel(got.d_final, ref.d_final),
+    }
+    del ref, got
+    Tg = min(T, a.T_grad)
+    k64 = k[:, :Tg].double().requires_grad_(True)
+    b64 = beta[:, :Tg].double().requires_grad_(True)
+    ref_wk = osdn_phase1(k64, b64, **kw).write_key
+    ref_dk, ref_db = torch.autograd.grad(ref_wk, (k64, b64), grad_outputs=dwk[:, :Tg].double())
+    kg = k[:, :Tg].clone().requires_grad_(True)
+    bg = beta[:, :Tg].clone().requires_grad_(True)
+    dk, db = torch.autograd.grad(osdn_precondition(kg, bg, **kw), (kg, bg), grad_outputs=dwk[:, :Tg])
+    errors[f"grad k (bf16 out, T={Tg})"] = _rel(dk, ref_dk)
+    errors[f"grad beta (bf16 out, T={Tg})"] = _rel(db, ref_db)
+    del k64, b64, ref_wk, ref_dk, ref_db, dk, db
+    kg, bg = k.clone().requires_grad_(True), beta.clone().requires_grad_(True)
+
+    def phase1_bwd():
+        wk = osdn_precondition(kg, bg, **kw, validate=False)
+        torch.autograd.grad(wk, (kg, bg), grad_outputs=dwk)
+
+    rows = {
+        "phase1 fwd": _bench(lambda: osdn_precondition(k, beta, **kw, validate=False)),
+        "phase1 fwd, with argument checks": _bench(lambda: osdn_precondition(k, beta, **kw)),
+        "phase1 fwd + trajectory": _bench(
+            lambda: osdn_precondition(k, beta, **kw, validate=False, return_trajectory=True)
+        ),
+        "phase1 fwd+bwd": _bench(phase1_bwd),
+    }
+    phase2 = {}
+    try:
+        from fla.ops.delta_rule import chunk_delta_rule
+
+        phase2["fwd"] = _bench(lambda: chunk_delta_rule(q, k, v, beta))
+        qg, kg2, vg, bg2 = (x.clone().requires_grad_(True) for x in (q, k, v, beta))
+
+        def phase2_bwd():
+            o, _ = chunk_delta_rule(qg, kg2, vg, bg2)
+            torch.autograd.grad(o, (qg, kg2, vg, bg2), grad_outputs=v)
+
+        phase2["fwd+bwd"] = _bench(phase2_bwd)
+        rows["fla chunk_delta_rule fwd (phase 2)"] = phase2["fwd"]
+        rows["fla chunk_delta_rule fwd+bwd (phase 2)"] = phase2["fwd+bwd"]
+    except ImportError as e:
+        print(f"fla not importable ({e}): no phase-2 baseline")
+
+    print(f"\nOSDN phase 1, B={B} T={T} H={H} K={K} bf16, eta={a.eta}, {torch.cuda.get_device_name()}")
+    print("vs fp64 reference, relative error: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
+    print(f"{'what':42s} {'ms':>9s} {'vs phase 2':>11s}")
+    for name, ms in rows.items():
+        base = phase2.get("fwd+bwd" if "bwd" in name else "fwd")
+        ratio = f"{100 * ms / base:9.1f} %" if base and "phase 2" not in name else "          -"
+        print(f"{name:42s} {ms:9.3f} {ratio:>11s}")
+    result = {
+        "shape": dict(B=B, T=T, H=H, K=K, dtype="bf16", eta=a.eta),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "host": platform.node(),
+        "errors_vs_fp64": errors,
+        "ms": rows,
+        "ratio_phase1_over_phase2": {
+            "fwd": rows["phase1 fwd"] / phase2["fwd"] if phase2 else None,
+            "fwd+bwd": rows["phase1 fwd+bwd"] / phase2["fwd+bwd"] if phase2 else None,
+        },
+    }
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

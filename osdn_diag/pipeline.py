@@ -27,9 +27,10 @@ from .metrics.ratios import RatioAccumulator
 from .metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
 from .replay import replay_call
 
-__all__ = ["RESIDUALS", "SUMMARY", "Replayer", "capture_run", "replay_run"]
+__all__ = ["COMPARATOR", "RESIDUALS", "SUMMARY", "Replayer", "capture_run", "replay_run"]
 
 RESIDUALS = "residuals.parquet"
+COMPARATOR = "comparator.parquet"
 SUMMARY = "summary.json"
 
 _VALUE_COLUMNS = ("beta", "key_sqnorm", "write_gain", "loss_before", "loss_after", "residual_ratio")
@@ -190,6 +191,8 @@ class Replayer:
         tolerance: float | None = None,
         transform: Callable[[KernelCall], KernelCall] | None = None,
         retained: bool = False,
+        comparator: bool = True,
+        box: tuple[float, float] = (0.5, 2.0),
     ):
         self.prompts = prompts
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -203,6 +206,8 @@ class Replayer:
         self.post = RatioAccumulator("residual_ratio_post")
         self.audit = AuditAccumulator()
         self.retention = RetentionAccumulator() if retained else None
+        self.box = box
+        self.comparator_tables: list[pa.Table] | None = [] if comparator else None
         self.fidelity: dict[int, float] = defaultdict(float)
         self.tolerances: dict[int, float] = {}
         self.nonfinite: dict[int, int] = defaultdict(int)
@@ -221,6 +226,8 @@ class Replayer:
         self.audit.add(call, res.grid["loss_before"], res.grid["finite"])
         if self.retention is not None:
             _add_retention(self.retention, call, stored.prompts, self.prompts, res.sequence_lengths)
+        if self.comparator_tables is not None:
+            self.comparator_tables.append(self._theorem(stored, call, res))
         return _arrow_table(stored, res, self.prompts, self.schema, self.np_dtype)
 
     def summary(self) -> dict:
@@ -244,7 +251,53 @@ class Replayer:
         }
         if self.retention is not None:
             summary["retained"] = self.retention.summary()
+        if self.comparator_tables:
+            summary["comparator"] = comparator_summary(pa.concat_tables(self.comparator_tables), self.box)
         return summary
+
+    def _theorem(self, stored: StoredCall, call: KernelCall, res) -> pa.Table:
+        """Theorem D.7's quantities for every (sequence, head) stream of the call: one row each."""
+        from .math.closed_forms import residual_ratio
+        from .metrics.theorem import theorem_d7
+
+        H, K = call.num_heads, call.head_k_dim
+        segs = call.segments()
+        L = max((e - s for _, s, e in segs), default=0)
+        P = len(segs) * H
+        dev = call.k.device
+        k = torch.zeros(P, L, K, device=dev)
+        beta = torch.zeros(P, L, device=dev)
+        d = None if call.d is None else torch.ones(P, L, K, device=dev)
+        q = torch.ones(P, L, device=dev, dtype=torch.float64)
+        valid = torch.zeros(P, L, dtype=torch.bool, device=dev)
+        ratio = residual_ratio(res.grid["loss_after"], res.grid["loss_before"])
+        ok = res.grid["finite"] & (res.grid["loss_before"] > 0)
+        for i, (row, start, end) in enumerate(segs):
+            n, sl = end - start, slice(start, end)
+            for h in range(H):
+                p = i * H + h
+                k[p, :n] = call.k[row, sl, h].float()
+                beta[p, :n] = call.beta[row, sl, h].float()
+                if d is not None:
+                    d[p, :n] = call.d[row, sl, h].float()
+                    d[p, n:] = d[p, n - 1] if n else 1.0  # eps_at_final_d reads the last position
+                q[p, :n] = ratio[row, sl, h].double()
+                valid[p, :n] = ok[row, sl, h]
+        cols = theorem_d7(
+            torch.nan_to_num(k), torch.nan_to_num(beta), d, q, valid,
+            d_min=self.box[0], d_max=self.box[1], gated=call.g is not None,
+        )
+        seq = torch.arange(len(segs)).repeat_interleave(H)
+        prompt_ids = [stored.prompts[int(s)] for s in seq]
+        data = {
+            "prompt": pa.array(prompt_ids, pa.int32()),
+            "task": pa.array([str(self.prompts.get(p, {}).get("task", "")) for p in prompt_ids]),
+            "layer": pa.array([call.layer] * P, pa.int16()),
+            "head": pa.array(torch.arange(H).repeat(len(segs)).numpy(), pa.int16()),
+        }
+        for name, x in cols.items():
+            data[name] = pa.array(x.cpu().numpy())
+        return pa.table(data)
 
 
 def replay_run(
@@ -287,10 +340,55 @@ def replay_run(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if replayer.comparator_tables:
+        _atomic_parquet(pa.concat_tables(replayer.comparator_tables), out_dir / COMPARATOR)
     summary = replayer.summary()
     summary.update(extra or {})
     atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2))
     return summary
+
+
+def _atomic_parquet(table: pa.Table, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def comparator_summary(table: pa.Table, box: tuple[float, float]) -> dict:
+    """Aggregates of ``comparator.parquet``: means over problems, and the Theorem D.7 check over the
+    problems whose hypotheses hold (the bound's slack is reported only there)."""
+    cols = {name: torch.from_numpy(table.column(name).to_numpy(zero_copy_only=False)) for name in
+            ("eps_diag", "eps_at_ones", "eps_at_final_d", "regret", "slack", "kkt_residual", "gap",
+             "hypotheses_hold", "n_valid", "share_newton_infeasible")}
+    hold = cols["hypotheses_hold"].bool()
+    has = cols["n_valid"] > 0
+
+    def mean(x, sel):
+        x = x[sel].double()
+        return float(x.mean()) if x.numel() else None
+
+    slack = cols["slack"][hold].double()
+    return {
+        "box": list(box),
+        "problems": int(len(hold)),
+        "eps_diag_mean": mean(cols["eps_diag"], has),
+        "eps_diag_median": float(cols["eps_diag"][has].double().median()) if bool(has.any()) else None,
+        "eps_at_ones_mean": mean(cols["eps_at_ones"], has),
+        "eps_at_final_d_mean": mean(cols["eps_at_final_d"], has),
+        "regret_mean": mean(cols["regret"], has),
+        "share_newton_infeasible_mean": mean(cols["share_newton_infeasible"], has),
+        "max_kkt_residual": float(cols["kkt_residual"].max()) if len(hold) else None,
+        "max_gap": float(cols["gap"].max()) if len(hold) else None,
+        "hypotheses_hold": int(hold.sum()),
+        "bound_holds": int((slack >= -1e-6).sum()),
+        "slack_min": float(slack.min()) if slack.numel() else None,
+        "slack_mean": float(slack.mean()) if slack.numel() else None,
+    }
 
 
 def _add_retention(acc, call, prompt_ids, prompts, lengths) -> None:

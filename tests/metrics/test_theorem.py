@@ -1,0 +1,332 @@
+"""Theorem D.7 on replayed streams: the real phase-1 iterates (``osdn_phase1``), ratios measured by the
+``osdn`` reference recurrence, the bound over valid tokens (``u_t ≠ 0``) only.
+
+What is tested, precisely:
+
+* with unit keys and the hypotheses holding, ``slack ≥ 0`` up to rounding (the bound is AM–GM) and
+  ``log_bound = T_eff · log(mean_valid (1 − a_t)²)``, which is ``T_eff · log(mean_valid q_t)`` with the
+  measured ratios wherever the residual is macroscopic;
+* tokens with a zero residual are excluded: on a stream where they would break the bound, the bound over
+  the valid tokens holds and ``n_valid`` counts only the others;
+* the hypothesis flags flip for non-unit keys, a gated layer, β = 1, ``d`` outside the box, no valid token;
+* the regret at the minimiser ``d*`` of ε_T:
+  ``R_T(d*) − R_T(d) = Σ_t [(1 − a_t(d))² − (1 − a_t(d*))²] / (2n_t)``.
+  With unit keys (``n_t = 1``) this is ``T_eff (ε_T(d) − ε_T(d*)) ≥ 0``, so ``R_T(d*) ≥ R_T(d)`` for every
+  ``d`` in the box. With non-unit keys the ``1/n_t`` weights differ from ε_T's uniform ones and
+  ``R_T(d*) < R_T(d)`` is possible: a two-token example shows it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "math"))  # shared strategies
+from osdn_strategies import (  # noqa: E402
+    UNIT_KINDS,
+    betas,
+    dims,
+    floats_in,
+    keys,
+    preconditioners,
+    rng,
+    seeds,
+    states,
+    values,
+)
+from torch.testing import assert_close  # noqa: E402
+
+from osdn_diag.math import comparator_gap, osdn, osdn_phase1, regret, residual_ratio, write_gain  # noqa: E402
+from osdn_diag.metrics.comparator import comparator_gap_diag  # noqa: E402
+from osdn_diag.metrics.theorem import COLUMNS, theorem_d7  # noqa: E402
+
+F64 = torch.float64
+D_MIN, D_MAX = 0.5, 2.0
+# Replayed ratios are trusted where f_t(S_{t−1}) exceeds this (unit keys keep the state O(1)); below it a
+# "residual" may be rounding noise. This is the replay's notion of a valid token in these tests.
+LOSS_FLOOR = 1e-12
+
+
+def to_problems(x):
+    """``[B, T, H, ...]`` → ``[B·H, T, ...]`` (one problem per sequence and head)."""
+    B, T, H = x.shape[:3]
+    return x.transpose(1, 2).reshape(B * H, T, *x.shape[3:])
+
+
+@st.composite
+def replayed_streams(draw):
+    """Unit keys, β ∈ (0, 1), phase-1 trajectory in the box, values with some exactly-zero tokens and an
+    initial state that may be 0 (so some residuals are exactly 0)."""
+    D = draw(dims(T=(1, 16)))
+    B, T, H, K, V = D.B, D.T, D.H, D.K, D.V
+    k = draw(keys((B, T, H, K), kinds=UNIT_KINDS))
+    beta = draw(betas((B, T, H)))
+    eta = draw(floats_in(1e-3, 1.0, (1e-3, 1.0)), label="eta")
+    d0 = draw(st.one_of(st.none(), preconditioners((H, K), D_MIN, D_MAX)), label="d0")
+    ph1 = osdn_phase1(k, beta, d0=d0, eta=eta, d_min=D_MIN, d_max=D_MAX, beta_aware=draw(st.booleans()))
+    v = draw(values((B, T, H, V), zero_tokens=True))
+    S0 = draw(states((B, H, V, K)))
+    rec = osdn(k, k, v, beta, ph1.d, initial_state=S0)
+    q = residual_ratio(rec.loss_after, rec.loss_before)
+    valid = rec.loss_before > LOSS_FLOOR
+    a = write_gain(k, beta, ph1.d)
+    return {n: to_problems(x) for n, x in dict(k=k, beta=beta, d=ph1.d, q=q, valid=valid, a=a).items()}
+
+
+@given(replayed_streams())
+def test_slack_is_nonnegative_and_the_bound_is_am_gm(s):
+    out = theorem_d7(s["k"], s["beta"], s["d"], s["q"], s["valid"])
+    assert list(out) == list(COLUMNS)
+    has = out["n_valid"] > 0
+    assert torch.equal(out["hypotheses_hold"], has)
+    assert torch.equal(out["n_valid"], s["valid"].sum(1))
+    T_eff = out["n_valid"].clamp_min(1).to(F64)
+    m = s["valid"]
+
+    # AM–GM identity: 2ε_T(d*) + 2R_T(d*)/T_eff is the mean of (1 − a_t)² over the valid tokens ...
+    mean_sq = torch.where(m, (1 - s["a"]) ** 2, 0.0).sum(1) / T_eff
+    base = torch.exp(out["log_bound"] / T_eff)
+    assert_close(base[has], mean_sq[has], rtol=1e-9, atol=1e-12)
+    # ... and that is the mean of the measured ratios (Lemma 4.1).
+    mean_q = torch.where(m, s["q"], 0.0).sum(1) / T_eff
+    assert_close(base[has], mean_q[has], rtol=1e-8, atol=1e-10)
+
+    # Slack ≥ 0. Where the mean ratio is ~0 (a_t ≈ 1 everywhere) log space magnifies rounding without
+    # bound; judge those problems in linear space: geometric mean ≤ arithmetic mean + rounding.
+    ok = out["slack"] >= -1e-9
+    geo = torch.exp(out["log_prod_q"] / T_eff)
+    linear = (mean_sq < 1e-6) & (geo <= mean_sq + 1e-12)
+    assert (ok | linear | ~has).all(), (out["slack"], mean_sq)
+    assert (out["log_prod_q"][~has] == 0).all() and (out["slack"][~has] == 0).all()
+
+    # Certificates and the other columns.
+    assert (out["kkt_residual"] <= 1e-8).all() and (out["gap"] <= 1e-9).all()
+    assert (out["eps_diag"] <= out["eps_at_ones"] + 1e-12).all()
+    assert (out["eps_diag"] <= out["eps_at_final_d"] + 1e-12).all()
+    for i in torch.nonzero(has)[:, 0].tolist():
+        kv, bv, dv = s["k"][i][m[i]], s["beta"][i][m[i]], s["d"][i][m[i]]
+        at_ones = comparator_gap(torch.ones_like(kv[0]), kv, bv)
+        assert_close(out["eps_at_ones"][i], at_ones, rtol=1e-12, atol=1e-15)
+        assert_close(out["eps_at_final_d"][i], comparator_gap(s["d"][i, -1], kv, bv), rtol=1e-12, atol=1e-15)
+        d_star = comparator_gap_diag(s["k"][i : i + 1], s["beta"][i : i + 1], mask=m[i : i + 1]).d[0]
+        assert_close(out["regret"][i], regret(dv, d_star, kv, bv), rtol=1e-10, atol=1e-12)
+        share = (bv < 1 / D_MAX).double().mean()
+        assert_close(out["share_newton_infeasible"][i], share)
+
+
+@given(replayed_streams(), st.data())
+def test_regret_is_largest_at_the_minimiser_of_eps_with_unit_keys(s, data):
+    """R_T(d*) − R_T(d) = T_eff (ε_T(d) − ε_T(d*)) ≥ 0 for unit keys (n_t = 1 up to rounding)."""
+    out = theorem_d7(s["k"], s["beta"], s["d"], s["q"], s["valid"])
+    P, T, K = s["k"].shape
+    m = s["valid"]
+    u = torch.rand(P, K, generator=rng(data.draw(seeds), salt=11), dtype=F64)
+    d = D_MIN + (D_MAX - D_MIN) * u
+    for i in torch.nonzero(out["n_valid"] > 0)[:, 0].tolist():
+        kv, bv, dv = s["k"][i][m[i]], s["beta"][i][m[i]], s["d"][i][m[i]]
+        R_d = regret(dv, d[i], kv, bv)
+        assert out["regret"][i] >= R_d - 1e-9
+        lhs = out["regret"][i] - R_d
+        rhs = kv.shape[0] * (comparator_gap(d[i], kv, bv) - out["eps_diag"][i])
+        assert_close(lhs, rhs, rtol=1e-8, atol=1e-10)
+
+
+def test_regret_at_the_minimiser_can_be_smaller_with_non_unit_keys():
+    """K = 1, two tokens with ‖k‖² = 1 and 4, β = 1/2. ε_T ∝ (1 − d/2)² + (1 − 2d)² is least at
+    d* = 10/17; Σ h_t weighs the second token by 1/4 and is least at d = 4/5, so R_T(d*) < R_T(4/5)."""
+    k = torch.tensor([[[1.0], [2.0]]], dtype=F64)
+    beta = torch.full((1, 2), 0.5, dtype=F64)
+    traj = torch.ones(1, 2, 1, dtype=F64)
+    out = theorem_d7(k, beta, traj, torch.ones(1, 2, dtype=F64), torch.ones(1, 2, dtype=torch.bool))
+    d_star = torch.tensor([10 / 17], dtype=F64)
+    assert out["eps_diag"].item() == pytest.approx(comparator_gap(d_star, k[0], beta[0]).item(), rel=1e-12)
+    r_other = regret(traj[0], torch.tensor([0.8], dtype=F64), k[0], beta[0])
+    assert out["regret"].item() < r_other.item() - 1e-3
+    assert not out["hypotheses_hold"].item() and out["max_unit_dev"].item() == pytest.approx(3.0)
+
+
+# ----------------------------------------------------------------------------------- zero residuals
+
+
+def zero_residual_stream():
+    """K = V = 1, k = 1, β = 1/4, d_t = 2 (a_t = 1/2), S_0 = 0, v = (0, 0, 1, 1): the first two residuals
+    are exactly 0 (q = 1 by convention), the last two give q = (1 − 1/2)² = 1/4."""
+    T = 4
+    k = torch.ones(1, T, 1, 1, dtype=F64)
+    beta = torch.full((1, T, 1), 0.25, dtype=F64)
+    d = torch.full((1, T, 1, 1), 2.0, dtype=F64)
+    v = torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=F64).reshape(1, T, 1, 1)
+    rec = osdn(k, k, v, beta, d)
+    q = residual_ratio(rec.loss_after, rec.loss_before)
+    return to_problems(k), to_problems(beta), to_problems(d), to_problems(q), to_problems(rec.loss_before)
+
+
+def test_zero_residual_tokens_are_excluded():
+    k, beta, d, q, before = zero_residual_stream()
+    assert before[0].tolist() == [0.0, 0.0, 0.5, pytest.approx(0.125)]
+    assert_close(q[0], torch.tensor([1.0, 1.0, 0.25, 0.25], dtype=F64))
+    # The paper's convention (every token, q = 1 at u = 0) breaks the bound: 4 log(1/4) < 2 log(1/4).
+    everything = theorem_d7(k, beta, d, q, torch.ones_like(before, dtype=torch.bool))
+    assert everything["hypotheses_hold"].item() and everything["slack"].item() < -1.0
+    # Over the valid tokens it holds (with equality: the two ratios are equal).
+    out = theorem_d7(k, beta, d, q, before > 0)
+    assert out["n_valid"].item() == 2 and out["hypotheses_hold"].item()
+    assert out["slack"].item() == pytest.approx(0.0, abs=1e-12)
+    assert out["log_bound"].item() == pytest.approx(2 * math.log(0.25), rel=1e-12)
+    assert out["log_prod_q"].item() == pytest.approx(2 * math.log(0.25), rel=1e-12)
+
+
+def test_exact_zero_ratio_gives_minus_infinity_and_zero_slack():
+    """β = 1/2, d = 2: a_t = 1, q_t = 0 at every token. Π q = 0 = (mean q)^T: slack 0, not NaN."""
+    k = torch.ones(1, 3, 1, dtype=F64)
+    beta = torch.full((1, 3), 0.5, dtype=F64)
+    d = torch.full((1, 3, 1), 2.0, dtype=F64)
+    out = theorem_d7(k, beta, d, torch.zeros(1, 3, dtype=F64), torch.ones(1, 3, dtype=torch.bool))
+    assert torch.isneginf(out["log_prod_q"]).all() and torch.isneginf(out["log_bound"]).all()
+    assert out["slack"].item() == 0.0 and out["eps_diag"].item() == 0.0
+
+
+# ---------------------------------------------------------------------------------- hypothesis flags
+
+
+def _base_case():
+    g = torch.Generator().manual_seed(0)
+    P, T, K = 3, 12, 4
+    k = torch.nn.functional.normalize(torch.randn(P, T, K, generator=g, dtype=F64), dim=-1)
+    beta = 0.1 + 0.8 * torch.rand(P, T, generator=g, dtype=F64)
+    d = D_MIN + (D_MAX - D_MIN) * torch.rand(P, T, K, generator=g, dtype=F64)
+    q = ((1 - write_gain(k, beta, d)) ** 2).clone()
+    valid = torch.ones(P, T, dtype=torch.bool)
+    valid[:, 0] = False
+    return dict(k=k, beta=beta, d_traj=d, q=q, valid=valid)
+
+
+def _run(case, **kw):
+    c = dict(case)
+    return theorem_d7(c.pop("k"), c.pop("beta"), c.pop("d_traj"), c.pop("q"), c.pop("valid"), **kw)
+
+
+def test_flags_hold_on_the_base_case():
+    out = _run(_base_case())
+    assert out["hypotheses_hold"].all() and out["d_in_box"].all()
+    assert (out["n_valid"] == 11).all() and (out["slack"] >= -1e-12).all()
+    assert (out["max_unit_dev"] < 1e-12).all()
+
+
+def test_non_unit_keys_flip_the_flag():
+    case = _base_case()
+    case["k"] = case["k"].clone()
+    case["k"][1, 5] *= 1.1  # ‖k‖² = 1.21
+    out = _run(case)
+    assert out["hypotheses_hold"].tolist() == [True, False, True]
+    assert out["max_unit_dev"][1].item() == pytest.approx(0.21)
+    assert _run(case, unit_tol=0.25)["hypotheses_hold"].all()
+    case["k"][2, 0] *= 1.1  # on an invalid token: ignored
+    assert _run(case)["hypotheses_hold"][2]
+
+
+def test_gated_flips_the_flag():
+    assert not _run(_base_case(), gated=True)["hypotheses_hold"].any()
+    mixed = _run(_base_case(), gated=torch.tensor([False, True, False]))
+    assert mixed["hypotheses_hold"].tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("value", [1.0, 0.0, 1.5])
+def test_beta_outside_the_open_unit_interval_flips_the_flag(value):
+    case = _base_case()
+    case["beta"] = case["beta"].clone()
+    case["beta"][0, 3] = value
+    case["beta"][2, 0] = value  # invalid token: ignored
+    out = _run(case)
+    assert out["hypotheses_hold"].tolist() == [False, True, True]
+    assert (out["beta_max"][0] if value >= 1 else out["beta_min"][0]).item() == value
+
+
+@pytest.mark.parametrize("value", [0.49, 2.01])
+def test_d_outside_the_box_flips_the_flag(value):
+    case = _base_case()
+    case["d_traj"] = case["d_traj"].clone()
+    case["d_traj"][1, 7, 2] = value
+    case["d_traj"][2, 0, 2] = value  # invalid token: ignored
+    out = _run(case)
+    assert out["d_in_box"].tolist() == [True, False, True]
+    assert out["hypotheses_hold"].tolist() == [True, False, True]
+
+
+def test_no_valid_token():
+    case = _base_case()
+    case["valid"] = case["valid"].clone()
+    case["valid"][1] = False
+    case["q"] = case["q"].clone()
+    case["q"][1] = float("nan")  # never read
+    out = _run(case)
+    assert out["hypotheses_hold"].tolist() == [True, False, True]
+    assert out["n_valid"][1] == 0
+    zeros = ("eps_diag", "eps_at_ones", "eps_at_final_d", "regret", "log_prod_q", "log_bound", "slack", "gap")
+    for name in zeros:
+        assert out[name][1].item() == 0.0, name
+    for name in ("max_unit_dev", "beta_min", "beta_max", "share_newton_infeasible"):
+        assert math.isnan(out[name][1].item()), name
+
+
+def test_plain_deltanet_trajectory_and_chunking():
+    case = _base_case()
+    ones = dict(case, d_traj=torch.ones_like(case["d_traj"]))
+    a, b = _run(ones), _run(dict(case, d_traj=None))
+    c = _run(ones, block_elems=12 * 4)  # one problem per chunk
+    for name in COLUMNS:
+        assert torch.equal(a[name], b[name]), name
+        assert_close(c[name], a[name], rtol=1e-12, atol=1e-15, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(q=-1.0), "q"),
+        (dict(q=float("nan")), "q"),
+        (dict(k=float("inf")), "k"),
+        (dict(beta=float("nan")), "beta"),
+        (dict(d_traj=float("nan")), "d_traj"),
+    ],
+)
+def test_bad_values_at_valid_tokens_name_the_argument(change, name):
+    case = _base_case()
+    (arg, value), = change.items()
+    case[arg] = case[arg].clone()
+    case[arg][0, 0] = value  # invalid token: fine
+    _run(case)
+    case[arg][0, 1] = value
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        _run(case)
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(k=torch.ones(3, 12)), "k"),
+        (dict(beta=torch.ones(3, 11, dtype=F64)), "beta"),
+        (dict(q=torch.ones(3, 12, 1, dtype=F64)), "q"),
+        (dict(d_traj=torch.ones(3, 12, 5, dtype=F64)), "d_traj"),
+        (dict(valid=torch.ones(3, 12)), "valid"),
+        (dict(valid=torch.ones(3, 11, dtype=torch.bool)), "valid"),
+    ],
+)
+def test_bad_shapes_name_the_argument(change, name):
+    case = dict(_base_case(), **change)
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        _run(case)
+
+
+def test_bad_options_name_the_argument():
+    with pytest.raises(ValueError, match="'d_min'"):
+        _run(_base_case(), d_min=0.0)
+    with pytest.raises(ValueError, match="'gated'"):
+        _run(_base_case(), gated=torch.tensor([1.0, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="'unit_tol'"):
+        _run(_base_case(), unit_tol=-1.0)

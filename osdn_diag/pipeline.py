@@ -362,7 +362,7 @@ def _atomic_parquet(table: pa.Table, path: Path) -> None:
 def comparator_summary(table: pa.Table, box: tuple[float, float]) -> dict:
     """Aggregates of ``comparator.parquet``: means over problems, and the Theorem D.7 check over the
     problems whose hypotheses hold (the bound's slack is reported only there)."""
-    cols = {name: torch.from_numpy(table.column(name).to_numpy(zero_copy_only=False)) for name in
+    cols = {name: torch.tensor(table.column(name).to_numpy(zero_copy_only=False)) for name in
             ("eps_diag", "eps_at_ones", "eps_at_final_d", "regret", "slack", "kkt_residual", "gap",
              "hypotheses_hold", "n_valid", "share_newton_infeasible")}
     hold = cols["hypotheses_hold"].bool()

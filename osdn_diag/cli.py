@@ -116,7 +116,14 @@ def _cmd_what_if(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import write_report
 
-    print(f"report: {write_report(args.runs, args.out, args.labels)}")
+    d_head = None
+    if args.d_head:
+        try:
+            layer, head = (int(x) for x in args.d_head.split("."))
+        except ValueError:
+            raise SystemExit(f"--d-head: expected LAYER.HEAD (e.g. 3.1), got {args.d_head!r}") from None
+        d_head = (layer, head)
+    print(f"report: {write_report(args.runs, args.out, args.labels, d_head)}")
     return 0
 
 
@@ -217,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("runs", nargs="+", metavar="RUN", help="run directories (with summary.json)")
     report.add_argument("--out", metavar="DIR", help="where to write (required for several runs)")
     report.add_argument("--labels", nargs="+", metavar="LABEL", help="one label per run")
+    report.add_argument("--d-head", metavar="LAYER.HEAD",
+                        help="the head whose preconditioner trajectory is plotted (default: the first "
+                        "layer with a d, head 0)")
     report.set_defaults(func=_cmd_report)
     return parser
 

@@ -142,9 +142,10 @@ def _audit_table(runs) -> str:
     return _table(header, rows)
 
 
-def _d_trajectory_plot(paths, names, manifests, target: Path) -> Path | None:
-    """Plot d of head 0 of the first captured layer that has one, over the first prompt (for a
-    what-if run, the counterfactual d, recomputed from the source capture)."""
+def _d_trajectory_plot(paths, names, manifests, target: Path, head: tuple[int, int] | None) -> Path | None:
+    """Plot d over the first prompt for ``head = (layer, head)`` — by default head 0 of the first
+    captured layer that has a d (for a what-if run, the counterfactual d, recomputed from the source
+    capture)."""
     from ..capture.store import CaptureReader
     from ..whatif import WhatIf
 
@@ -155,12 +156,17 @@ def _d_trajectory_plot(paths, names, manifests, target: Path) -> Path | None:
         reader = CaptureReader(path)
         for shard in reader.shards():
             stored = reader.load(shard)
+            if head is not None and stored.call.layer != head[0]:
+                continue
             call = stored.call if transform is None else transform(stored.call)
             if call.d is None:
                 continue
+            h = 0 if head is None else head[1]
+            if h >= call.num_heads:
+                raise ValueError(f"argument 'd_head': layer {call.layer} has {call.num_heads} heads, not {h + 1}")
             row, start, end = call.segments()[0]
-            d = call.d[row, start:end, 0].float().numpy()
-            title = f"{name}: layer {call.layer}, head 0, prompt {stored.prompts[0]}"
+            d = call.d[row, start:end, h].float().numpy()
+            title = f"{name}: layer {call.layer}, head {h}, prompt {stored.prompts[0]}"
             return plot_d_trajectory(d, title, target)
     return None
 
@@ -210,9 +216,11 @@ def write_report(
     run_dirs: list[str | os.PathLike],
     out_dir: str | os.PathLike | None = None,
     labels: list[str] | None = None,
+    d_head: tuple[int, int] | None = None,
 ) -> Path:
     """Write ``report.md`` and ``plots/`` for one run (into the run directory by default) or for
-    several runs side by side (``out_dir`` required). Returns the path of ``report.md``."""
+    several runs side by side (``out_dir`` required). ``d_head = (layer, head)`` picks the head whose
+    d trajectory is plotted. Returns the path of ``report.md``."""
     if not run_dirs:
         raise ValueError("argument 'run_dirs': give at least one run directory")
     if len(run_dirs) > 1 and out_dir is None:
@@ -237,7 +245,7 @@ def write_report(
     if retained_runs:
         plot_retained(retained_runs, plots / "retained.png")
     eps_plot = _eps_vs_q_plot(paths, names, plots / "eps_vs_q.png")
-    d_plot = _d_trajectory_plot(paths, names, [m for m, _ in loaded], plots / "d_trajectory.png")
+    d_plot = _d_trajectory_plot(paths, names, [m for m, _ in loaded], plots / "d_trajectory.png", d_head)
 
     parts = [
         "# osdn-diag report",
@@ -271,7 +279,7 @@ def write_report(
     if d_plot is not None:
         parts += ["## The preconditioner d", "", f"![d trajectory](plots/{d_plot.name})", "",
                   "The write-key preconditioner of one head over the first prompt: eight channels and "
-                  "the mean over all channels.", ""]
+                  "the mean over all channels (`osdn-diag report --d-head LAYER.HEAD` picks the head).", ""]
     if any("assumptions" in s for _, _, s in runs):
         box = next(s["assumptions"]["box"] for _, _, s in runs if "assumptions" in s)
         parts += [

@@ -79,3 +79,27 @@ def test_report_errors(tmp_path):
     (a / "summary.json").unlink()
     with pytest.raises(FileNotFoundError, match="summary.json"):
         write_report([a])
+
+
+def test_d_trajectory_of_a_chosen_head(tmp_path):
+    from osdn_diag.math import osdn, osdn_phase1
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K = 1, 16, 2, 4
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    q, v, beta = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen), torch.rand(B, T, H, generator=gen)
+    d = osdn_phase1(k, beta, eta=0.5).d
+    w = CaptureWriter(tmp_path / "r")
+    w.begin({"prompts": [{"id": 0, "task": "t", "length": T, "repeat_start": -1}]})
+    for layer in range(2):
+        w.write(0, [0], KernelCall(layer=layer, layer_name=f"l{layer}", family="osdn", kernel="x", q=q, k=k,
+                                   v=v, beta=beta, d=d, o=osdn(q, k, v, beta, d).o, scale=K**-0.5))
+    w.finish()
+    replay_run(tmp_path / "r", progress=False)
+    assert main(["report", str(tmp_path / "r"), "--d-head", "1.1"]) == 0
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "plots/d_trajectory.png" in text and (tmp_path / "r" / "plots" / "d_trajectory.png").is_file()
+    with pytest.raises(ValueError, match="'d_head': layer 1 has 2 heads"):
+        write_report([tmp_path / "r"], d_head=(1, 5))
+    with pytest.raises(SystemExit, match="LAYER.HEAD"):
+        main(["report", str(tmp_path / "r"), "--d-head", "x"])

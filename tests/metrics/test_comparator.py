@@ -95,6 +95,7 @@ SCENARIOS = {
     "T = 1": dict(T=1, K=5),
     "beta near 0": dict(beta_range=(1e-6, 1e-3)),
     "beta near 1": dict(beta_range=(1 - 1e-3, 1 - 1e-6)),
+    "all beta = 0 (G = 0)": dict(beta_range=(0.0, 0.0)),
     "some invalid tokens": dict(p_invalid=0.4),
     "K = 16, T = 200": dict(K=16, T=200, P=3),
 }

@@ -74,22 +74,35 @@ def _print_summary(summary: dict, run_dir) -> None:
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
+    from .distributed import init_from_env
+
+    ranks = init_from_env()
     out = _capture(args)
-    print(f"capture written to {out}")
+    if ranks.is_main:
+        print(f"capture written to {out}")
     return 0
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    _print_summary(_replay(args, args.dir), args.dir)
+    from .distributed import init_from_env
+
+    ranks = init_from_env()
+    summary = _replay(args, args.dir)
+    if ranks.is_main:
+        _print_summary(summary, args.dir)
     return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from .distributed import init_from_env
     from .report import write_report
 
+    ranks = init_from_env()
     out = _capture(args)
-    _print_summary(_replay(args, out), out)
-    print(f"report: {write_report([out])}")
+    summary = _replay(args, out)
+    if ranks.is_main:
+        _print_summary(summary, out)
+        print(f"report: {write_report([out])}")
     return 0
 
 

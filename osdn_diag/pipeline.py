@@ -113,33 +113,49 @@ def capture_run(
     ``dtype`` defaults to bf16 on CUDA (fla's chunk kernels refuse fp32 DeltaNet inputs) and fp32 on
     the CPU. Returns ``out_dir``.
     """
-    from . import runtime
+    from . import distributed, runtime
     from .capture.context import capture
     from .models import load_model
     from .prompts import load_prompts
 
     if batch_size < 1:
         raise ValueError(f"argument 'batch_size': expected >= 1, got {batch_size}")
-    device = runtime.prepare(device)
+    ranks = distributed.current()
+    device = runtime.prepare(device or ranks.device())
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     out_dir = Path(out_dir)
     writer = CaptureWriter(out_dir)
-    writer.begin({"versions": _versions(), "model": {"spec": model_spec}, "prompts_source": prompts_spec})
+    if ranks.is_main:
+        writer.begin({"versions": _versions(), "model": {"spec": model_spec}, "prompts_source": prompts_spec})
+    ranks.barrier()
     loaded = load_model(model_spec, device=device, dtype=dtype, seed=seed)
     tokenize = _tokenizer(loaded.directory)
     prompts = load_prompts(
         prompts_spec, vocab_size=loaded.config["vocab_size"], tokenize=tokenize, twice=twice,
         num_prompts=num_prompts, length=length, seed=seed,
     )
-    batches = list(_batches(prompts, batch_size))
+    batches = [(i, b) for i, b in _batches(prompts, batch_size) if ranks.owns(i)]
     with capture(loaded.model, kernels=kernels) as cap, torch.inference_mode():
-        for batch_idx, batch in _progress(batches, len(batches), progress, "capture", "batch"):
+        for batch_idx, batch in _progress(batches, len(batches), progress and ranks.is_main, "capture", "batch"):
             ids, mask = _inputs(batch, device)
             loaded.model(input_ids=ids, attention_mask=mask, use_cache=False)
             for call in cap.calls:
                 writer.write(batch_idx, [p.id for p in batch], call)
             cap.calls.clear()
-        kernels_used = sorted({layer["flags"].get("kernels", kernels) for layer in writer.layers.values()})
+    for layers in ranks.gather(writer.layers):  # a rank may have had no batch: take every rank's
+        for index, entry in layers.items():
+            writer.layers.setdefault(index, entry)
+    kernels_used = sorted({layer["flags"].get("kernels", kernels) for layer in writer.layers.values()})
+    ranks.barrier()  # every rank's shards are on disk before the manifest says complete
+    if ranks.is_main:
+        _finish_capture(writer, loaded, prompts, model_spec, device, dtype, kernels_used, batch_size,
+                        twice, seed, ranks.world)
+    ranks.barrier()  # and no rank goes on before it does
+    return out_dir
+
+
+def _finish_capture(writer, loaded, prompts, model_spec, device, dtype, kernels_used, batch_size,
+                    twice, seed, world) -> None:
     writer.finish(
         {
             "model": {
@@ -158,9 +174,9 @@ def capture_run(
             "dtype": str(dtype).removeprefix("torch."),
             "kernels": kernels_used,
             "batch_size": batch_size,
+            "world_size": world,
         }
     )
-    return out_dir
 
 
 def _tokenizer(directory: Path | None):
@@ -229,6 +245,27 @@ class Replayer:
         if self.comparator_tables is not None:
             self.comparator_tables.append(self._theorem(stored, call, res))
         return _arrow_table(stored, res, self.prompts, self.schema, self.np_dtype)
+
+    def merge(self, other: Replayer) -> None:
+        """Add another replayer's statistics (e.g. another rank's): exact, by sufficient statistics."""
+        self.ratios.merge(other.ratios)
+        self.post.merge(other.post)
+        self.audit.merge(other.audit)
+        if self.retention is not None and other.retention is not None:
+            self.retention.merge(other.retention)
+        for layer, err in other.fidelity.items():
+            self.fidelity[layer] = max(self.fidelity[layer], err)
+        self.tolerances.update(other.tolerances)
+        for layer, n in other.nonfinite.items():
+            self.nonfinite[layer] += n
+        if self.comparator_tables is not None and other.comparator_tables:
+            self.comparator_tables.extend(other.comparator_tables)
+
+    def state(self) -> dict:
+        """What :meth:`merge` needs, picklable (sent between ranks)."""
+        return {name: getattr(self, name) for name in (
+            "ratios", "post", "audit", "retention", "fidelity", "tolerances", "nonfinite",
+            "comparator_tables")}
 
     def summary(self) -> dict:
         boundary = repeat_boundaries(self.prompts.values())
@@ -321,31 +358,65 @@ def replay_run(
             to every call before replay, e.g. the what-if preconditioner), ``retained`` (also measure
             retained associations).
 
-    Returns the summary dictionary that was written to ``summary.json``.
+    Returns the summary dictionary that was written to ``summary.json`` (on rank 0 of several
+    processes; ``{}`` on the others, see :mod:`osdn_diag.distributed`).
     """
+    from . import distributed
+
+    ranks = distributed.current()
     run_dir = Path(run_dir)
     reader = CaptureReader(run_dir)
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = {int(p["id"]): p for p in reader.manifest.get("prompts", [])}
+    replay_kw.setdefault("device", ranks.device())
     replayer = Replayer(prompts, **replay_kw)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{RESIDUALS}.", suffix=".tmp")
+    target = out_dir / RESIDUALS
+    if ranks.world > 1:  # a partitioned table: one part per rank
+        if ranks.is_main:
+            _remove(target)
+            target.mkdir()
+        ranks.barrier()
+        target = target / f"part-{ranks.rank:05d}.parquet"
+    elif target.is_dir():  # left by an earlier run with several processes
+        _remove(target)
+    shards = [p for p in reader.shards() if ranks.owns(int(p.parent.name.removeprefix("batch_")))]
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
         with pq.ParquetWriter(tmp, replayer.schema) as writer:
-            shards = reader.shards()
-            for path in _progress(shards, len(shards), progress, "replay", "call"):
+            for path in _progress(shards, len(shards), progress and ranks.is_main, "replay", "call"):
                 writer.write_table(replayer.add(reader.load(path)))
-        os.replace(tmp, out_dir / RESIDUALS)
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    states = ranks.gather(replayer.state())
+    if not ranks.is_main:
+        ranks.barrier()
+        return {}
+    for state in states[1:]:
+        other = Replayer.__new__(Replayer)
+        other.__dict__.update(state)
+        replayer.merge(other)
     if replayer.comparator_tables:
         _atomic_parquet(pa.concat_tables(replayer.comparator_tables), out_dir / COMPARATOR)
     summary = replayer.summary()
     summary.update(extra or {})
+    if ranks.world > 1:
+        summary["world_size"] = ranks.world
     atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2))
+    ranks.barrier()
     return summary
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        for part in path.iterdir():
+            part.unlink()
+        path.rmdir()
+    elif path.exists():
+        path.unlink()
 
 
 def _atomic_parquet(table: pa.Table, path: Path) -> None:

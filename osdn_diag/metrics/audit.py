@@ -106,6 +106,10 @@ class AuditAccumulator:
             )
             self.heads.setdefault((call.layer, h), HeadAudit()).merge(audit)
 
+    def merge(self, other: AuditAccumulator) -> None:
+        for key, audit in other.heads.items():
+            self.heads.setdefault(key, HeadAudit()).merge(audit)
+
     def summary(self) -> dict:
         by_layer: dict[int, HeadAudit] = {}
         for (layer, _), a in self.heads.items():

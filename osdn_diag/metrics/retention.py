@@ -68,14 +68,18 @@ def retrieval_errors(call: KernelCall, seq: int, probes: list[int]) -> dict[str,
     return {name: torch.cat(parts) for name, parts in cols.items()}
 
 
+def _cell() -> list:
+    return [0.0, 0]
+
+
 class RetentionAccumulator:
     """Mean retrieval error by distance ``t − j`` (bins ``[0, 1), [1, 2), [2, 4), …``) and at the
     last token, per task; sufficient statistics only (sums and counts)."""
 
     def __init__(self):
-        self.by_distance: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0])
-        self.at_last: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-        self.first_copy_at_last: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        self.by_distance: dict[tuple[str, int], list[float]] = defaultdict(_cell)
+        self.at_last: dict[str, list[float]] = defaultdict(_cell)
+        self.first_copy_at_last: dict[str, list[float]] = defaultdict(_cell)
 
     @staticmethod
     def distance_bin(d: torch.Tensor) -> torch.Tensor:
@@ -96,6 +100,13 @@ class RetentionAccumulator:
             first = last & (cols["j"] < repeat_start)
             self.first_copy_at_last[task][0] += float(err[first].sum())
             self.first_copy_at_last[task][1] += int(first.sum())
+
+    def merge(self, other: RetentionAccumulator) -> None:
+        for mine, theirs in ((self.by_distance, other.by_distance), (self.at_last, other.at_last),
+                             (self.first_copy_at_last, other.first_copy_at_last)):
+            for key, (total, n) in theirs.items():
+                mine[key][0] += total
+                mine[key][1] += n
 
     def summary(self) -> dict:
         mean = lambda c: c[0] / c[1] if c[1] else math.nan  # noqa: E731

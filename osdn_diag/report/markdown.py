@@ -37,9 +37,10 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
     table = run_dir / "residuals.parquet"
-    if not table.is_file():
+    if not table.exists():
         raise FileNotFoundError(f"{table}: no per-token table — run `osdn-diag replay {run_dir}` first")
-    missing = [c for c in CONTRACT_COLUMNS if c not in pq.read_schema(table).names]
+    names = pq.ParquetDataset(table).schema.names  # a file, or a directory of parts
+    missing = [c for c in CONTRACT_COLUMNS if c not in names]
     if missing:
         raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
     return manifest, json.loads(path.read_text())

@@ -1,0 +1,55 @@
+"""Two processes (torchrun, gloo on the CPU) give the summary and table of one process."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from osdn_diag.cli import main
+
+ARGS = ["random:gated-deltanet-tiny", "--prompts", "random", "--twice", "--num-prompts", "5",
+        "--length", "16", "-q"]
+
+
+def _close(a, b, path="summary"):
+    """Equal up to floating-point summation order (relative 1e-9)."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), path
+        for key in a:
+            _close(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and not (math.isnan(a) and math.isnan(b)):
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (path, a, b)
+    elif not isinstance(a, float):
+        assert a == b, (path, a, b)
+
+
+def test_two_ranks_equal_one(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["run", *ARGS, "--out", str(one)]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "osdn_diag", "run", *ARGS, "--out", str(two)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((two / "manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["world_size"] == 2
+    assert sorted(p.name for p in (two / "residuals.parquet").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+    a = json.loads((one / "summary.json").read_text())
+    b = json.loads((two / "summary.json").read_text())
+    assert b.pop("world_size") == 2
+    _close(a, b)
+    keys = [("prompt", "ascending"), ("layer", "ascending"), ("head", "ascending"), ("pos", "ascending")]
+    ta = pq.read_table(one / "residuals.parquet").sort_by(keys).to_pydict()
+    tb = pq.read_table(two / "residuals.parquet").sort_by(keys).to_pydict()  # the parts read as one
+    assert ta == tb
+    ca = pq.read_table(one / "comparator.parquet").sort_by(keys[:3]).to_pydict()
+    cb = pq.read_table(two / "comparator.parquet").sort_by(keys[:3]).to_pydict()
+    _close(ca, cb, "comparator")

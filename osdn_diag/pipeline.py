@@ -27,7 +27,15 @@ from .metrics.ratios import RatioAccumulator
 from .metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
 from .replay import replay_call
 
-__all__ = ["COMPARATOR", "RESIDUALS", "SUMMARY", "Replayer", "capture_run", "replay_run"]
+__all__ = [
+    "COMPARATOR",
+    "CONTRACT_COLUMNS",
+    "RESIDUALS",
+    "SUMMARY",
+    "Replayer",
+    "capture_run",
+    "replay_run",
+]
 
 RESIDUALS = "residuals.parquet"
 COMPARATOR = "comparator.parquet"
@@ -35,6 +43,8 @@ SUMMARY = "summary.json"
 
 _VALUE_COLUMNS = ("beta", "key_sqnorm", "write_gain", "loss_before", "loss_after", "residual_ratio")
 _GATED_COLUMNS = ("loss_before_decayed", "residual_ratio_post")
+#: The per-token table's columns that the interface contract guarantees.
+CONTRACT_COLUMNS = ("prompt", "task", "layer", "head", "pos", "rel_pos", "repeat_start", *_VALUE_COLUMNS)
 
 
 def _schema(value_type: pa.DataType) -> pa.Schema:

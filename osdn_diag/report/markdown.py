@@ -21,15 +21,11 @@ from .plots import (
 __all__ = ["load_run", "write_report"]
 
 
-CONTRACT_COLUMNS = (
-    "prompt", "task", "layer", "head", "pos", "rel_pos", "repeat_start", "beta", "key_sqnorm",
-    "write_gain", "loss_before", "loss_after", "residual_ratio",
-)
-
-
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     """``(manifest, summary)`` of a finished run; errors name the file that is missing or wrong."""
     import pyarrow.parquet as pq
+
+    from ..pipeline import CONTRACT_COLUMNS
 
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)

@@ -11,6 +11,7 @@ import torch
 
 from osdn_diag.cli import main
 
+# Spelled out here (not imported) so that the test fails if the contract's columns change.
 CONTRACT_COLUMNS = {
     "prompt", "task", "layer", "head", "pos", "rel_pos", "repeat_start", "beta", "key_sqnorm",
     "write_gain", "loss_before", "loss_after", "residual_ratio",

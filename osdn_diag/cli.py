@@ -190,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     prove.add_argument("-q", "--quiet", action="store_true", help="no per-claim progress lines")
     prove.set_defaults(func=_cmd_prove)
 
-    run = sub.add_parser("run", help="capture, replay and summarise, in one go",
+    run = sub.add_parser("run", help="capture, replay and report, in one go",
                          description="Hook MODEL's delta-rule kernels on every prompt, replay every "
-                         "write in fp32, and write residuals.parquet and summary.json to DIR.")
+                         "write in fp32, and write residuals.parquet, comparator.parquet, "
+                         "summary.json and report.md (with plots/) to DIR.")
     _add_capture_args(run)
     _add_replay_args(run)
     _add_common(run)
@@ -245,9 +246,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; errors propagate (for use from Python and tests)."""
     args = build_parser().parse_args(argv)
     return args.func(args)
 
 
+def entry(argv: list[str] | None = None) -> int:
+    """The console script: like :func:`main`, but an error about the user's input (a file, a layer,
+    an argument) is printed as one line and exits with status 2; ``OSDN_DIAG_DEBUG=1`` shows the
+    traceback instead."""
+    import os
+
+    from .capture.store import IncompleteRunError
+    from .replay import FidelityError
+
+    try:
+        return main(argv)
+    except (ValueError, FileNotFoundError, IncompleteRunError, FidelityError) as err:
+        if os.environ.get("OSDN_DIAG_DEBUG") == "1":
+            raise
+        print(f"osdn-diag: error: {err}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(entry())

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from .record import TENSOR_FIELDS, KernelCall
 
 __all__ = [
+    "IncompleteRunError",
     "CaptureReader",
     "CaptureWriter",
     "StoredCall",
@@ -37,6 +38,10 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+
+
+class IncompleteRunError(RuntimeError):
+    """A run directory whose manifest does not say ``"complete": true``."""
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -59,7 +64,7 @@ def read_manifest(run_dir: str | os.PathLike, *, require_complete: bool = True) 
         raise FileNotFoundError(f"{path}: no manifest.json — is {run_dir} a capture directory?")
     manifest = json.loads(path.read_text())
     if require_complete and manifest.get("complete") is not True:
-        raise RuntimeError(
+        raise IncompleteRunError(
             f"{path}: the capture is incomplete (\"complete\" is not true): the run that wrote it was "
             "interrupted or failed; run it again"
         )

@@ -169,3 +169,11 @@ def test_text_prompts_use_the_model_directorys_tokenizer(tmp_path):
     assert main(["capture", str(model_dir), "--prompts", str(prompts), "--twice", "--out", str(out), "-q"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["prompts"] == [{"id": 0, "task": "words", "length": 7, "repeat_start": 3}]
+
+
+def test_console_errors_are_one_line(tmp_path, capsys):
+    from osdn_diag.cli import entry
+
+    assert entry(["run", "random:nope", "--prompts", "random", "--out", str(tmp_path / "x"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("osdn-diag: error: MODEL 'random:nope': unknown preset") and "Traceback" not in err

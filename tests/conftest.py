@@ -15,8 +15,10 @@ Set ``HYPOTHESIS_PROFILE=dev`` for a quick local run (25 examples), ``thorough``
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -45,3 +47,46 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _require_fla(what: str) -> None:
+    """Skip (fail under CI=true, where a lost install step must not pass unnoticed) without fla."""
+    missing = [name for name in ("triton", "fla") if importlib.util.find_spec(name) is None]
+    if missing:
+        msg = (f"{what}: {' and '.join(missing)} not installed; they need triton>=3.8, "
+               "flash-linear-attention==0.6.0 and fla-core==0.6.0")
+        if _in_ci():
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def fla_interpreter() -> None:
+    """fla 0.6.0 patched to run under Triton's interpreter (CPU tensors). On a CUDA machine the tests
+    that use it skip unless ``TRITON_INTERPRET=1`` was exported before pytest started."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(
+            "fla interpreter tests: TRITON_INTERPRET is "
+            f"{os.environ.get('TRITON_INTERPRET')!r} on this CUDA machine; export TRITON_INTERPRET=1 "
+            "(before pytest starts) to run them"
+        )
+    _require_fla("fla interpreter tests")
+    from osdn_diag._interpret import enable_fla_interpreter
+
+    # Raises RuntimeError naming what it found when the versions are wrong or fla was imported
+    # before TRITON_INTERPRET was set: a broken environment, so an error rather than a skip.
+    enable_fla_interpreter()
+
+
+@pytest.fixture(scope="session")
+def fla_kernels() -> None:
+    """fla 0.6.0 ready to run on the test device: compiled on CUDA, interpreted on a CPU."""
+    _require_fla("fla kernel tests")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from osdn_diag._interpret import enable_fla_interpreter
+
+        enable_fla_interpreter()

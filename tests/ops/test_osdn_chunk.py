@@ -3,53 +3,21 @@ write key) against the fp64 reference :func:`osdn_diag.math.recurrence.delta_rul
 torch.autograd through it.
 
 CPU: fla's kernels under Triton's interpreter (the root conftest sets ``TRITON_INTERPRET=1`` on machines
-without CUDA; the module-scoped ``fla_interpreter`` fixture below is the logic of
-``tests/capture/conftest.py``). fp32 only: the interpreter's bf16 dots are wrong. Shapes are tiny.
+without CUDA; its ``fla_kernels`` fixture prepares fla), compiled kernels on a GPU. fp32 only: the
+interpreter's bf16 dots are wrong. Shapes are tiny.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from osdn_diag.math.recurrence import delta_rule_recurrence  # noqa: E402
+from osdn_diag.math.recurrence import delta_rule_recurrence
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
-@pytest.fixture(scope="module")
-def fla_interpreter() -> None:
-    """fla 0.6.0 ready to run: under the interpreter on CPU (as ``tests/capture/conftest.py``), compiled
-    on a CUDA machine."""
-    missing = [name for name in ("triton", "fla") if importlib.util.find_spec(name) is None]
-    if missing:
-        msg = (
-            f"osdn_chunk tests: {' and '.join(missing)} not installed; they need triton>=3.8, "
-            "flash-linear-attention==0.6.0 and fla-core==0.6.0"
-        )
-        if _in_ci():
-            pytest.fail(msg, pytrace=False)
-        pytest.skip(msg)
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return  # compiled kernels on the GPU
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("osdn_chunk tests: no CUDA and TRITON_INTERPRET is not '1'")
-    from osdn_diag._interpret import enable_fla_interpreter
-
-    enable_fla_interpreter()
 
 
 def _inputs(seed, B, T, H, K, V, *, gated, h0, N=None):
@@ -117,7 +85,7 @@ CASES = [
 
 @pytest.mark.parametrize("gated", [False, True], ids=["osdn", "osgdn"])
 @pytest.mark.parametrize("B,T,H,K,V,cu_seqlens,h0", CASES)
-def test_forward_matches_reference(fla_interpreter, B, T, H, K, V, cu_seqlens, h0, gated):
+def test_forward_matches_reference(fla_kernels, B, T, H, K, V, cu_seqlens, h0, gated):
     N = None if cu_seqlens is None else len(cu_seqlens) - 1
     ins = _inputs(1, B, T, H, K, V, gated=gated, h0=h0, N=N)
     with torch.no_grad():
@@ -131,7 +99,7 @@ def test_forward_matches_reference(fla_interpreter, B, T, H, K, V, cu_seqlens, h
 
 @pytest.mark.parametrize("gated", [False, True], ids=["osdn", "osgdn"])
 @pytest.mark.parametrize("B,T,H,K,V,cu_seqlens,h0", CASES)
-def test_backward_matches_autograd_reference(fla_interpreter, B, T, H, K, V, cu_seqlens, h0, gated):
+def test_backward_matches_autograd_reference(fla_kernels, B, T, H, K, V, cu_seqlens, h0, gated):
     N = None if cu_seqlens is None else len(cu_seqlens) - 1
     ins = _inputs(2, B, T, H, K, V, gated=gated, h0=h0, N=N)
     x, o, ht = _run_kernel(ins, cu_seqlens, grad=True)
@@ -150,7 +118,7 @@ def test_backward_matches_autograd_reference(fla_interpreter, B, T, H, K, V, cu_
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["osdn", "osgdn"])
-def test_backward_without_final_state(fla_interpreter, gated):
+def test_backward_without_final_state(fla_kernels, gated):
     """``output_final_state=False``: no ``dht`` reaches the kernel (fla's ``dht=None`` path)."""
     ins = _inputs(4, 1, 80, 2, 16, 16, gated=gated, h0=True)
     x, o, ht = _run_kernel(ins, None, output_final_state=False, grad=True)
@@ -166,7 +134,7 @@ def test_backward_without_final_state(fla_interpreter, gated):
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["osdn", "osgdn"])
-def test_swapped_keys_give_a_different_answer(fla_interpreter, gated):
+def test_swapped_keys_give_a_different_answer(fla_kernels, gated):
     """Read and write keys are not interchangeable: passing them the other way round is OSDN with the
     roles swapped, a different recurrence — the kernel must follow the reference's assignment."""
     ins = _inputs(6, 1, 100, 2, 16, 16, gated=gated, h0=True)
@@ -181,7 +149,7 @@ def test_swapped_keys_give_a_different_answer(fla_interpreter, gated):
     assert _rel(ht_sw, ref.final_state) > 1e-2
 
 
-def test_symmetric_keys_equal_deltanet(fla_interpreter):
+def test_symmetric_keys_equal_deltanet(fla_kernels):
     """With ``write_key = k`` the asymmetric path is plain DeltaNet: it matches the reference without a
     write key (guards against a block that silently ignores one of the two keys)."""
     ins = _inputs(7, 1, 70, 2, 16, 16, gated=False, h0=True)
@@ -193,7 +161,7 @@ def test_symmetric_keys_equal_deltanet(fla_interpreter):
     assert _rel(ht, res.final_state) <= FWD_TOL
 
 
-def test_phase1_then_phase2_end_to_end(fla_interpreter):
+def test_phase1_then_phase2_end_to_end(fla_kernels):
     """Phase 1 (Triton) feeding phase 2 (fla blocks): output and gradients to ``k`` (through both the
     read key and the write key ``d ⊙ k``) and ``β`` match the fp64 references chained the same way."""
     ops_phase1 = pytest.importorskip("osdn_diag.ops.phase1", reason="needs triton")

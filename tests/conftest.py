@@ -25,27 +25,14 @@ from hypothesis import HealthCheck, settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-settings.register_profile(
-    "ci",
-    max_examples=200,
-    deadline=None,
-    derandomize=False,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "dev",
-    max_examples=25,
-    deadline=None,
-    derandomize=False,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "thorough",
-    max_examples=2000,
-    deadline=None,
-    derandomize=False,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+for name, examples in (("ci", 200), ("dev", 25), ("thorough", 2000)):
+    settings.register_profile(
+        name,
+        max_examples=examples,
+        deadline=None,
+        derandomize=False,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

@@ -43,6 +43,18 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _finish(fig, ax, path: Path, *, xlabel: str, ylabel: str, title: str, legend: bool = True,
+            title_size: float | None = None) -> Path:
+    """Labels, grid and legend every line plot here shares; then save."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def plot_contraction(runs: list[tuple[str, dict]], path: Path) -> Path:
     """Fig. 2(a): geometric mean of q_t by relative-position bin, one line per run; the dashed line
     marks where the repeated context starts (mean over prompts that repeat)."""
@@ -59,13 +71,10 @@ def plot_contraction(runs: list[tuple[str, dict]], path: Path) -> Path:
         ax.axvline(b, color="0.4", linestyle="--", linewidth=1)
     if boundaries:
         ax.text(min(boundaries), ax.get_ylim()[1], " repeat starts", va="top", fontsize=8, color="0.3")
-    ax.set_xlabel("relative position in prompt")
-    ax.set_ylabel(r"$q_{geo}$ = geometric mean of $f_t(S_t)/f_t(S_{t-1})$")
     ax.set_xlim(0, 1)
-    ax.set_title("Residual contraction by position")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, path, xlabel="relative position in prompt",
+                   ylabel=r"$q_{geo}$ = geometric mean of $f_t(S_t)/f_t(S_{t-1})$",
+                   title="Residual contraction by position")
 
 
 def plot_by_layer(runs: list[tuple[str, dict]], path: Path) -> Path:
@@ -76,12 +85,7 @@ def plot_by_layer(runs: list[tuple[str, dict]], path: Path) -> Path:
         layers = sorted(summary["by_layer"], key=int)
         ax.plot([int(layer) for layer in layers], [summary["by_layer"][layer]["q_geo"] for layer in layers],
                 marker="o", label=label)
-    ax.set_xlabel("layer")
-    ax.set_ylabel(r"$q_{geo}$")
-    ax.set_title("Residual contraction by layer")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, path, xlabel="layer", ylabel=r"$q_{geo}$", title="Residual contraction by layer")
 
 
 def plot_q_bars(runs: list[tuple[str, dict]], path: Path) -> Path:
@@ -134,12 +138,8 @@ def plot_eps_vs_q(runs: list[tuple[str, list[float], list[float]]], path: Path) 
     fig, ax = plt.subplots(figsize=(5.6, 4.2))
     for label, eps, q in runs:
         ax.scatter(eps, q, s=8, alpha=0.6, label=label)
-    ax.set_xlabel(r"$\varepsilon_T^{diag}$ (best fixed diagonal comparator)")
-    ax.set_ylabel(r"$q_{geo}$ of the stream")
-    ax.set_title("Comparator gap against measured contraction")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, path, xlabel=r"$\varepsilon_T^{diag}$ (best fixed diagonal comparator)",
+                   ylabel=r"$q_{geo}$ of the stream", title="Comparator gap against measured contraction")
 
 
 def plot_d_trajectory(d, title: str, path: Path, channels: int = 8) -> Path:
@@ -150,12 +150,7 @@ def plot_d_trajectory(d, title: str, path: Path, channels: int = 8) -> Path:
     for i in range(min(channels, d.shape[1])):
         ax.plot(t, d[:, i], linewidth=0.8, alpha=0.7)
     ax.plot(t, d.mean(1), color="k", linewidth=1.6, label="mean over channels")
-    ax.set_xlabel("position")
-    ax.set_ylabel(r"$d_t$")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, path, xlabel="position", ylabel=r"$d_t$", title=title, title_size=9)
 
 
 def plot_retained(runs: list[tuple[str, dict]], path: Path) -> Path:
@@ -167,9 +162,5 @@ def plot_retained(runs: list[tuple[str, dict]], path: Path) -> Path:
             x = [max(lo, 0.5) for lo, _ in r["distance_bins"]]
             ax.plot(x, r["mean_error"], marker="o", label=f"{label} · {task}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("distance t − j (bin start; 0 drawn at 1/2)")
-    ax.set_ylabel(r"mean $\|S_t k_j - v_j\|^2 / \|v_j\|^2$")
-    ax.set_title("Retained associations")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, path, xlabel="distance t − j (bin start; 0 drawn at 1/2)",
+                   ylabel=r"mean $\|S_t k_j - v_j\|^2 / \|v_j\|^2$", title="Retained associations")

@@ -14,6 +14,10 @@ describes the recurrence the kernel actually ran:
   ``r = log(A_t + eps) − log_atk_scale``, ``d_t = x^{−r/(1+|r|)}``, write key ``d_t ⊙ k̂``;
 * state layouts: every record holds the state ``V×K``; grouped value heads (``HV > H``) are expanded
   so that value head ``i`` reads key head ``i // (HV/H)``.
+* the package's own OSDN / OSGDN layers (:mod:`osdn_diag.layers`): phase 1
+  (``osdn_precondition``) is intercepted too, so the record holds the exact ``d_t`` the phase-1
+  kernel produced for every token (not ``k̃ / k``), and phase 2 (``chunk_osdn``) is recorded like any
+  other delta-rule kernel.
 
 Each adapter can also *compute* the kernel's outputs with the reference recurrence, in the kernel's
 own output format, so capture can stand in for the Triton kernel on a machine without a GPU.
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 from ..math.recurrence import delta_rule_recurrence
 from .record import KernelCall
 
-__all__ = ["ADAPTERS", "Adapter", "KernelSite", "l2norm"]
+__all__ = ["ADAPTERS", "Adapter", "KernelSite", "OSDNAdapter", "Phase1Site", "l2norm"]
 
 L2NORM_EPS = 1e-6
 
@@ -235,6 +239,72 @@ class PrecondAdapter(Adapter):
         )
 
 
+class OSDNAdapter(Adapter):
+    """``chunk_osdn`` (phase 2 of the OSDN / OSGDN layers): read key ``k``, write key ``k̃ = d ⊙ k``.
+
+    The layer passes keys already activated and normalised, β already squashed and ``g`` as a log
+    decay, so nothing is reproduced here except ``d``: capture hands the adapter the phase-1
+    trajectory of the same layer call under :data:`PHASE1_D`. Without one (``chunk_osdn`` called on
+    its own) ``d`` is recovered as ``k̃ / k`` where ``k ≠ 0`` (1 elsewhere) and the record is flagged
+    ``d_source = "write_key/k"``.
+    """
+
+    def __init__(self, family: str):
+        self.family = family
+
+    def state_is_v_first(self, kw):
+        return True  # chunk_osdn's state is [N, H, V, K]
+
+    def canonical(self, kw):
+        k = kw["k"].float()
+        d = kw.get(PHASE1_D)
+        if d is None:
+            wk = kw["write_key"].float()
+            d = torch.where(k != 0, wk / torch.where(k != 0, k, 1.0), torch.ones_like(k))
+        g = kw.get("g")
+        return Canonical(
+            q=kw["q"].float(), k=k, v=kw["v"].float(), beta=kw["beta"].float(),
+            g=None if g is None else g.float(), d=d.float(), scale=_scale(kw, k.shape[-1]),
+            initial_state=self._initial_state(kw), cu_seqlens=kw.get("cu_seqlens"),
+        )
+
+    def flags(self, kw):
+        return {"d_source": "phase1" if kw.get(PHASE1_D) is not None else "write_key/k"}
+
+    def reference(self, kw):
+        c = self.canonical(kw)
+        res = delta_rule_recurrence(
+            c.q, c.k, c.v, c.beta, write_key=kw["write_key"].float(), g=c.g, scale=c.scale,
+            initial_state=c.initial_state, cu_seqlens=c.cu_seqlens, dtype=torch.float32,
+        )
+        final = res.final_state.contiguous() if kw.get("output_final_state", False) else None
+        return res.o.to(kw["v"].dtype), final
+
+
+#: The keyword under which capture passes a layer call's phase-1 ``d`` trajectory to :class:`OSDNAdapter`.
+PHASE1_D = "_osdn_phase1_d"
+
+
+class Phase1Site:
+    """Marks ``osdn_precondition`` at an OSDN layer's call site: capture runs it with the trajectory
+    on (returning what the caller asked for) and keeps ``d`` for the layer's phase-2 record."""
+
+    family = "osdn_phase1"
+
+    @staticmethod
+    def reference(kw: dict):
+        """Phase 1 by the reference sweep (fp32), in the kernel's return format (with trajectory)."""
+        from ..math.phase1 import Phase1Result, osdn_phase1
+
+        k = kw["k"]
+        res = osdn_phase1(
+            k, kw["beta"], retention=kw.get("retention"), d0=kw.get("d0"), eta=kw["eta"],
+            d_min=kw["d_min"], d_max=kw["d_max"], beta_aware=kw["beta_aware"], eps=kw["eps"],
+            cu_seqlens=kw.get("cu_seqlens"),
+        )
+        return Phase1Result(write_key=res.write_key.to(k.dtype), d=res.d, d_final=res.d_final)
+
+
 def precond_accumulator(k, g_atk, beta_atk, A0, cu_seqlens):
     """``A_t = exp(g_atk_t) A_{t−1} + β_atk_t k_t⊙k_t`` on the heads of ``g_atk`` (``[B, T, Ha]``), for
     normalised keys ``k: [B, T, H, K]``. Returns ``(A_t for every t [B, T, Ha, K], final [N, Ha, K])``."""
@@ -290,4 +360,6 @@ ADAPTERS: tuple[KernelSite, ...] = (
                PrecondAdapter("precond_gated_delta_rule")),
     KernelSite("fla.layers.precond_kda", "chunk_precond_kda", PrecondAdapter("precond_kda", _KDA)),
     KernelSite("fla.layers.precond_kda", "fused_recurrent_precond_kda", PrecondAdapter("precond_kda", _KDA)),
+    KernelSite("osdn_diag.layers.osdn", "osdn_precondition", Phase1Site()),
+    KernelSite("osdn_diag.layers.osdn", "chunk_osdn", OSDNAdapter("osdn")),
 )

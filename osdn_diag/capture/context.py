@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from .adapters import ADAPTERS, KernelSite
+from .adapters import ADAPTERS, PHASE1_D, KernelSite, Phase1Site
 from .record import KernelCall
 
 __all__ = ["SUPPORTED_FLA", "SUPPORTED_LAYERS", "Capture", "capture"]
@@ -38,6 +38,7 @@ SUPPORTED_LAYERS = (
     ("fla.layers.kda", "KimiDeltaAttention"),
     ("fla.layers.precond_gated_deltanet", "PrecondGatedDeltaNet"),
     ("fla.layers.precond_kda", "PrecondKDA"),
+    ("osdn_diag.layers.osdn", "OSDN"),
 )
 
 
@@ -119,6 +120,7 @@ class Capture:
         self._forward = -1  # forward passes seen; a pass starts when layer indices stop increasing
         self._last_layer: int | None = None
         self._patched: list[tuple[object, str, Callable]] = []
+        self._phase1_d: tuple[tuple[int, str] | None, torch.Tensor] | None = None
         self._hooks: list = []
         self.enabled = True
 
@@ -151,6 +153,7 @@ class Capture:
             handle.remove()
         self._hooks.clear()
         self._current = None
+        self._phase1_d = None
 
     # -- hooks ------------------------------------------------------------------------------------
     def _enter_layer(self, index: int, name: str):
@@ -165,12 +168,22 @@ class Capture:
     def _leave_layer(self, module, args, output):
         self._current = None
 
+    def _use_reference(self, x: torch.Tensor) -> bool:
+        return self.kernels == "reference" or (self.kernels == "auto" and x.device.type != "cuda")
+
     def _wrap(self, site: KernelSite, original: Callable) -> Callable:
+        if isinstance(site.adapter, Phase1Site):
+            return self._wrap_phase1(site, original)
+
         def kernel(*args, **kwargs):
             kw = _bind(original, args, kwargs)
-            use_reference = self.kernels == "reference" or (
-                self.kernels == "auto" and kw["q"].device.type != "cuda"
-            )
+            use_reference = self._use_reference(kw["q"])
+            if self._phase1_d is not None:
+                # The d of this layer call's phase 1 (OSDN layers), handed to the adapter.
+                owner, d = self._phase1_d
+                self._phase1_d = None
+                if owner == self._current:
+                    kw[PHASE1_D] = d
             out = site.adapter.reference(kw) if use_reference else original(*args, **kwargs)
             if self.enabled and self._current is not None:
                 index, name = self._current
@@ -189,6 +202,23 @@ class Capture:
         kernel.__wrapped__ = original
         kernel.__name__ = getattr(original, "__name__", site.name)
         return kernel
+
+    def _wrap_phase1(self, site: KernelSite, original: Callable) -> Callable:
+        """Phase 1 of an OSDN layer: run it with the trajectory kept, remember ``d`` for the phase-2
+        record of the same layer call, and return what the caller asked for."""
+
+        def phase1(*args, **kwargs):
+            kw = _bind(original, args, kwargs)
+            wanted = bool(kw.get("return_trajectory", False))
+            kw["return_trajectory"] = True
+            res = site.adapter.reference(kw) if self._use_reference(kw["k"]) else original(**kw)
+            if self.enabled and self._current is not None:
+                self._phase1_d = (self._current, res.d.detach())
+            return res if wanted else res.write_key
+
+        phase1.__wrapped__ = original
+        phase1.__name__ = getattr(original, "__name__", site.name)
+        return phase1
 
 
 def capture(

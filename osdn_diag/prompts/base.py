@@ -116,7 +116,8 @@ def random_suite(*, num_prompts: int, length: int, vocab_size: int, seed: int, t
     return prompts
 
 
-#: Built-in suites: name -> builder(num_prompts, length, vocab_size, seed, twice).
+#: Built-in suites: name -> builder(num_prompts, length, vocab_size, seed, twice). The MQAR suites
+#: (``mqar``, ``mqar-pair``) are added at the end of this module.
 SUITES: dict[str, Callable[..., list[Prompt]]] = {"random": random_suite}
 
 
@@ -139,3 +140,9 @@ def load_prompts(
             f"PROMPTS {spec!r}: neither a built-in suite ({', '.join(SUITES)}) nor an existing JSONL file"
         )
     return read_jsonl(path, tokenize=tokenize, twice=twice, vocab_size=vocab_size)
+
+
+# Imported last: mqar.py imports Prompt from this module, which is defined by now.
+from .mqar import mqar_pair_suite, mqar_suite  # noqa: E402
+
+SUITES.update({"mqar": mqar_suite, "mqar-pair": mqar_pair_suite})

@@ -145,27 +145,67 @@ def capture_run(
         num_prompts=num_prompts, length=length, seed=seed,
     )
     batches = [(i, b) for i, b in _batches(prompts, batch_size) if ranks.owns(i)]
+    hits: dict[int, tuple[int, int]] = {}  # prompt id -> (answers right, queries), recall prompts only
     with capture(loaded.model, kernels=kernels) as cap, torch.inference_mode():
         for batch_idx, batch in _progress(batches, len(batches), progress and ranks.is_main, "capture", "batch"):
             ids, mask = _inputs(batch, device)
-            loaded.model(input_ids=ids, attention_mask=mask, use_cache=False)
+            out = loaded.model(input_ids=ids, attention_mask=mask, use_cache=False)
             for call in cap.calls:
                 writer.write(batch_idx, [p.id for p in batch], call)
             cap.calls.clear()
+            hits.update(_recall_hits(batch, getattr(out, "logits", None)))
     for layers in ranks.gather(writer.layers):  # a rank may have had no batch: take every rank's
         for index, entry in layers.items():
             writer.layers.setdefault(index, entry)
+    for part in ranks.gather(hits):
+        hits.update(part)
     kernels_used = sorted({layer["flags"].get("kernels", kernels) for layer in writer.layers.values()})
     ranks.barrier()  # every rank's shards are on disk before the manifest says complete
     if ranks.is_main:
         _finish_capture(writer, loaded, prompts, model_spec, device, dtype, kernels_used, batch_size,
-                        twice, seed, ranks.world)
+                        twice, seed, ranks.world, hits)
     ranks.barrier()  # and no rank goes on before it does
     return out_dir
 
 
+def _recall_hits(batch, logits: torch.Tensor | None) -> dict[int, tuple[int, int]]:
+    """``{prompt id: (correct answers, queries)}`` for the recall prompts of a batch (those whose
+    ``meta`` names ``answer_positions`` and ``answers``): the argmax at each query position against
+    the answer that follows it."""
+    out = {}
+    for row, p in enumerate(batch):
+        pos, ans = p.meta.get("answer_positions"), p.meta.get("answers")
+        if logits is None or not pos:
+            continue
+        pred = logits[row, torch.as_tensor(pos, device=logits.device)].argmax(-1).cpu()
+        out[p.id] = (int((pred == torch.as_tensor(ans)).sum()), len(pos))
+    return out
+
+
+def recall_table(manifest: dict) -> dict[str, dict]:
+    """Recall accuracy per task from a capture manifest: ``{task: {"accuracy", "correct", "queries",
+    "prompts"}}`` (query-weighted), for the prompts that carry answers; empty when none do."""
+    per_task: dict[str, list[int]] = {}
+    for p in manifest.get("prompts", []):
+        if "recall_correct" in p:
+            acc = per_task.setdefault(p["task"], [0, 0, 0])
+            acc[0] += int(p["recall_correct"])
+            acc[1] += int(p["recall_queries"])
+            acc[2] += 1
+    return {
+        task: {"accuracy": c / q if q else float("nan"), "correct": c, "queries": q, "prompts": n}
+        for task, (c, q, n) in per_task.items()
+    }
+
+
 def _finish_capture(writer, loaded, prompts, model_spec, device, dtype, kernels_used, batch_size,
-                    twice, seed, world) -> None:
+                    twice, seed, world, hits) -> None:
+    entries = []
+    for p in prompts:
+        entry = p.manifest_entry()
+        if p.id in hits:
+            entry["recall_correct"], entry["recall_queries"] = hits[p.id]
+        entries.append(entry)
     writer.finish(
         {
             "model": {
@@ -177,7 +217,7 @@ def _finish_capture(writer, loaded, prompts, model_spec, device, dtype, kernels_
                 "num_heads": loaded.config.get("num_heads"),
                 "vocab_size": loaded.config.get("vocab_size"),
             },
-            "prompts": [p.manifest_entry() for p in prompts],
+            "prompts": entries,
             "twice": twice,
             "seed": seed,
             "device": str(device),
@@ -412,6 +452,9 @@ def replay_run(
     if replayer.comparator_tables:
         _atomic_parquet(pa.concat_tables(replayer.comparator_tables), out_dir / COMPARATOR)
     summary = replayer.summary()
+    recall = recall_table(reader.manifest)
+    if recall:
+        summary["recall"] = recall
     summary.update(extra or {})
     if ranks.world > 1:
         summary["world_size"] = ranks.world

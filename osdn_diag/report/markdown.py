@@ -122,6 +122,21 @@ def _runs_table(runs) -> str:
     return _table(header, rows)
 
 
+def _recall_table(runs) -> str | None:
+    """Recall accuracy per task (the paper's Table 7 layout: single vs twice), for runs whose prompts
+    carry answers; ``None`` when none do."""
+    tasks = sorted({t for _, _, s in runs for t in s.get("recall", {})})
+    if not tasks:
+        return None
+    header = ["model", *[f"{t} accuracy ↑" for t in tasks], "queries"]
+    rows = []
+    for label, _, s in runs:
+        rec = s.get("recall", {})
+        queries = sum(r["queries"] for r in rec.values())
+        rows.append([label, *[_f(rec.get(t, {}).get("accuracy")) for t in tasks], f"{queries:,}"])
+    return _table(header, rows)
+
+
 def _audit_table(runs) -> str:
     header = ["model", "max abs(‖k‖² − 1)", "β range", "d range", "zero residuals",
               "β < 1/d_max", "state decay", "Thm D.7 hypotheses"]
@@ -260,6 +275,19 @@ def write_report(
         "",
         _contraction_table(runs),
         "",
+    ]
+    recall = _recall_table(runs)
+    if recall:
+        parts += [
+            "## Recall accuracy (the paper's Table 7 layout)",
+            "",
+            "Argmax of the next-token logits at every query, against the value the context paired "
+            "with that key (the same forward pass that was captured).",
+            "",
+            recall,
+            "",
+        ]
+    parts += [
         "## By relative position (Fig. 2a)",
         "",
         "![contraction curve](plots/contraction.png) ![overall q_geo](plots/q_geo.png)",

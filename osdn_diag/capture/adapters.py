@@ -362,4 +362,6 @@ ADAPTERS: tuple[KernelSite, ...] = (
     KernelSite("fla.layers.precond_kda", "fused_recurrent_precond_kda", PrecondAdapter("precond_kda", _KDA)),
     KernelSite("osdn_diag.layers.osdn", "osdn_precondition", Phase1Site()),
     KernelSite("osdn_diag.layers.osdn", "chunk_osdn", OSDNAdapter("osdn")),
+    KernelSite("osdn_diag.layers.osgdn", "osdn_precondition", Phase1Site()),
+    KernelSite("osdn_diag.layers.osgdn", "chunk_osdn", OSDNAdapter("osgdn")),
 )

@@ -39,6 +39,7 @@ SUPPORTED_LAYERS = (
     ("fla.layers.precond_gated_deltanet", "PrecondGatedDeltaNet"),
     ("fla.layers.precond_kda", "PrecondKDA"),
     ("osdn_diag.layers.osdn", "OSDN"),
+    ("osdn_diag.layers.osgdn", "OSGDN"),
 )
 
 

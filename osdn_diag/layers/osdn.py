@@ -42,9 +42,9 @@ from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_
 from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
 from fla.modules.activations import elu_p1
 
-from .._checks import check_box
 from ..ops.osdn_chunk import chunk_osdn
 from ..ops.phase1 import osdn_precondition
+from ._common import check_osdn_args
 
 if TYPE_CHECKING:
     from fla.models.cache_utils import Cache
@@ -111,14 +111,7 @@ class OSDN(nn.Module):
         super().__init__()
 
         # OSDN arguments first: a bad box / step size is a ValueError naming the argument.
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not math.isfinite(eta) or eta < 0:
-            raise ValueError(f"argument 'eta': expected a finite number >= 0, got {eta!r}")
-        for name, val in (("d_min", d_min), ("d_max", d_max)):
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
-                raise ValueError(f"argument {name!r}: expected a finite number, got {val!r}")
-        check_box(d_min, d_max)  # 'd_min' > 0, 'd_max' >= d_min
-        if not (isinstance(phase1_eps, (int, float)) and phase1_eps > 0):
-            raise ValueError(f"argument 'phase1_eps': expected a number > 0, got {phase1_eps!r}")
+        check_osdn_args(eta=eta, d_min=d_min, d_max=d_max, phase1_eps=phase1_eps)
         if mode == 'fused_chunk':
             raise NotImplementedError("fused_chunk is deprecated in fla; use `chunk`.")
         if mode not in ('chunk', 'fused_recurrent'):

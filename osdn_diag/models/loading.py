@@ -4,6 +4,7 @@
   weights (never a pickle: ``.bin`` checkpoints are refused). Nothing is downloaded.
 * ``random:PRESET`` — a randomly initialised model of a named shape (:data:`PRESETS`), seeded, for
   benchmarks and tests.
+* ``builtin:NAME`` — a small trained model shipped with the package (:mod:`osdn_diag.models.builtin`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
 class LoadedModel:
     model: torch.nn.Module
     spec: str
-    source: str  # "directory" | "random"
+    source: str  # "directory" | "random" | "builtin"
     config: dict
     directory: Path | None = None
 
@@ -62,9 +63,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> LoadedModel:
-    """Load ``spec`` (a directory or ``random:PRESET``) onto ``device`` in ``dtype``, in eval mode."""
+    """Load ``spec`` (a directory, ``random:PRESET`` or ``builtin:NAME``) onto ``device`` in ``dtype``,
+    in eval mode."""
     models = _fla()
     from transformers import AutoModelForCausalLM
+
+    from . import register
+
+    register()  # the OSDN / OSGDN model types, for directories that hold one
 
     if spec.startswith("random:"):
         name = spec.removeprefix("random:")
@@ -80,7 +86,13 @@ def load_model(
             model = AutoModelForCausalLM.from_config(config)
         source, directory = "random", None
     else:
-        directory = Path(spec)
+        builtin = spec.startswith("builtin:")
+        if builtin:
+            from .builtin import builtin_path
+
+            directory = builtin_path(spec.removeprefix("builtin:"))
+        else:
+            directory = Path(spec)
         if not (directory / "config.json").is_file():
             raise FileNotFoundError(
                 f"MODEL {spec!r}: expected a Hugging Face model directory with config.json "
@@ -93,7 +105,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             directory, use_safetensors=True, local_files_only=True, dtype=dtype
         )
-        source = "directory"
+        source = "builtin" if builtin else "directory"
         config = json.loads((directory / "config.json").read_text())
     model = model.to(device=device, dtype=dtype).eval()
     cfg = model.config.to_dict() if source == "random" else config

@@ -107,3 +107,28 @@ def test_chunk_osdn_alone_recovers_d_from_the_write_key():
     torch.testing.assert_close(c.d[0, 4, 1], torch.ones(8))
     mask = k != 0
     torch.testing.assert_close(c.d[mask], d[mask])
+
+
+@pytest.mark.parametrize("kernels", ["fla", "reference"])
+def test_osgdn_record_holds_gate_and_phase1_d_per_value_head(kernels):
+    from osdn_diag.layers import OSGDN
+
+    torch.manual_seed(0)
+    # Grouped value heads: 4 value heads read 2 key heads; phase 1 runs per value head.
+    layer = OSGDN(hidden_size=32, num_heads=2, num_v_heads=4, head_dim=16, expand_v=1.0, eta=0.8)
+    x = torch.randn(2, 45, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = layer(x)[0]
+        with capture(layer, kernels=kernels) as cap:
+            got = layer(x)[0]
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5)
+    (call,) = cap.calls
+    assert call.family == "osgdn" and call.gated and call.num_heads == 4
+    assert call.flags["d_source"] == "phase1"
+    with torch.no_grad():
+        q, k, v, beta, g, r, _ = layer.project(x)
+    torch.testing.assert_close(call.g, g.float())
+    ref = osdn_phase1(call.k.double(), call.beta.double(), eta=layer.eta, d_min=layer.d_min,
+                      d_max=layer.d_max, eps=layer.phase1_eps)
+    torch.testing.assert_close(call.d.double(), ref.d, rtol=1e-5, atol=1e-6)
+    assert replay_call(call).fidelity <= 1e-5

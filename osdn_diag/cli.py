@@ -126,6 +126,21 @@ def _cmd_what_if(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import time
+
+    from .demo import format_rows, run_demo
+
+    start = time.perf_counter()
+    report, rows = run_demo(args.out, num_prompts=args.num_prompts, models=args.models,
+                            device=args.device, seed=args.seed, progress=not args.quiet)
+    print(f"\n{format_rows(rows)}")
+    print(f"\nq: residual ratio per write (lower = stronger contraction); acc: recall accuracy. "
+          f"{time.perf_counter() - start:.0f} s.")
+    print(f"report: {report}")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import write_report
 
@@ -142,9 +157,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _add_capture_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
-                   help="a local Hugging Face directory of an fla model, or random:PRESET")
+                   help="a local Hugging Face directory of an fla or OSDN model, builtin:NAME "
+                   "(a trained model shipped with the package) or random:PRESET")
     p.add_argument("--prompts", required=True, metavar="P",
-                   help="a built-in suite (random) or a JSONL file of {input_ids|text, task} rows")
+                   help="a built-in suite (random, mqar, mqar-pair) or a JSONL file of "
+                   "{input_ids|text, task} rows")
     p.add_argument("--out", required=True, metavar="DIR", help="the run directory to write")
     p.add_argument("--twice", action="store_true", help="repeat each context before its query (JRT)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts of a built-in suite (8)")
@@ -231,6 +248,20 @@ def build_parser() -> argparse.ArgumentParser:
     wi.add_argument("--fp64", action="store_true", help="replay in fp64")
     _add_common(wi)
     wi.set_defaults(func=_cmd_what_if)
+
+    demo = sub.add_parser("demo", help="the diagnostic on the built-in trained models, offline",
+                          description="Capture and replay the built-in MQAR-trained DeltaNet, OSDN and "
+                          "OSDN-APF models on MQAR and MQAR-twice prompts and write one report "
+                          "comparing them (contraction table, recall accuracy, contraction curve). "
+                          "Runs on the CPU when there is no GPU.")
+    demo.add_argument("--out", default="osdn-demo", metavar="DIR", help="where to write (./osdn-demo)")
+    demo.add_argument("--num-prompts", type=int, default=16,
+                      help="MQAR contexts per model, each asked single and twice (16)")
+    demo.add_argument("--models", nargs="+", metavar="NAME",
+                      help="built-in model names (default: mqar-deltanet mqar-osdn mqar-osdn-apf)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the prompt suite (0)")
+    _add_common(demo)
+    demo.set_defaults(func=_cmd_demo)
 
     report = sub.add_parser("report", help="write report.md and plots for one or more runs",
                             description="Write report.md and plots/*.png: into RUN for one run, or "

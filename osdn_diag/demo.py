@@ -1,0 +1,115 @@
+"""``osdn-diag demo``: the whole diagnostic on the built-in trained models, offline.
+
+For every built-in model (DeltaNet, OSDN, OSDN-APF trained on MQAR, :mod:`osdn_diag.models.builtin`)
+the demo captures the paired MQAR / MQAR-twice suite at the shape the model was trained on, replays
+every write, and then writes one report comparing the models: the residual-contraction table
+(Table 8 layout), recall accuracy single vs twice (Table 7 layout) and the contraction curve over
+relative position (Fig. 2). It runs on the GPU when there is one, else on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["DEMO_MODELS", "DemoRow", "format_rows", "run_demo"]
+
+#: The built-in models the demo compares, in report order, with their labels.
+DEMO_MODELS: dict[str, str] = {
+    "mqar-deltanet": "DeltaNet",
+    "mqar-osdn": "OSDN",
+    "mqar-osdn-apf": "OSDN-APF",
+}
+
+
+@dataclass
+class DemoRow:
+    label: str
+    run_dir: Path
+    q_geo: float
+    q_arith: float
+    q_geo_by_task: dict[str, float]
+    accuracy_by_task: dict[str, float]
+    fidelity: float
+
+
+def run_demo(
+    out_dir: str | os.PathLike = "osdn-demo",
+    *,
+    num_prompts: int = 16,
+    models: list[str] | None = None,
+    device: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    root: Path | None = None,
+) -> tuple[Path, list[DemoRow]]:
+    """Run the demo into ``out_dir`` (one run directory per model and ``report/``).
+
+    Args:
+        num_prompts: MQAR contexts per model; each is asked once as MQAR and once as MQAR-twice.
+        models: built-in model names (default: :data:`DEMO_MODELS` that are installed).
+        root: where the built-in models live (default: the package's own).
+
+    Returns ``(report.md path, one row per model)``.
+    """
+    from .models.builtin import builtin_names, builtin_task
+    from .pipeline import capture_run, replay_run
+    from .report import write_report
+
+    if num_prompts < 1:
+        raise ValueError(f"argument 'num_prompts': expected >= 1, got {num_prompts}")
+    available = builtin_names(root)
+    names = list(models) if models else [m for m in DEMO_MODELS if m in available]
+    if not names:
+        raise ValueError(
+            "no built-in models to run the demo on (expected "
+            + ", ".join(DEMO_MODELS) + f"; found {', '.join(available) or 'none'})"
+        )
+    out_dir = Path(out_dir)
+    run_dirs, labels = [], []
+    for name in names:
+        task = builtin_task(name, root)
+        if task.get("suite") != "mqar":
+            raise ValueError(f"built-in model {name!r}: task.json names suite {task.get('suite')!r}, expected 'mqar'")
+        spec = f"builtin:{name}" if root is None else str(root / name)
+        run_dir = out_dir / name
+        if progress:
+            print(f"[{name}] capture + replay of {num_prompts} MQAR and {num_prompts} MQAR-twice prompts")
+        # N pairs -> a suite "length" of 4N (the suite's own rule); every prompt of one variant has one
+        # length, so a batch per variant packs nothing.
+        capture_run(
+            spec, "mqar-pair", run_dir, device=device, num_prompts=num_prompts,
+            length=4 * int(task["num_pairs"]), seed=seed, batch_size=num_prompts, progress=progress,
+        )
+        replay_run(run_dir, progress=progress, device=device)
+        run_dirs.append(run_dir)
+        labels.append(DEMO_MODELS.get(name, name))
+    report = write_report(run_dirs, out_dir / "report", labels)
+    return report, [_row(label, d) for label, d in zip(labels, run_dirs)]
+
+
+def _row(label: str, run_dir: Path) -> DemoRow:
+    from .report.markdown import load_run
+
+    _, s = load_run(run_dir)
+    return DemoRow(
+        label=label, run_dir=run_dir, q_geo=s["q_geo"], q_arith=s["q_arith"],
+        q_geo_by_task={t: v["q_geo"] for t, v in s["by_task"].items()},
+        accuracy_by_task={t: v["accuracy"] for t, v in s.get("recall", {}).items()},
+        fidelity=s["fidelity"]["max_rel_error"],
+    )
+
+
+def format_rows(rows: list[DemoRow]) -> str:
+    """A short fixed-width table of the demo's headline numbers."""
+    tasks = sorted({t for r in rows for t in r.q_geo_by_task})
+    head = f"{'model':10s} {'q_geo':>7s} {'q_arith':>7s}" + "".join(f" {'q_geo ' + t:>16s}" for t in tasks)
+    head += "".join(f" {'acc ' + t:>15s}" for t in tasks)
+    lines = [head]
+    for r in rows:
+        line = f"{r.label:10s} {r.q_geo:7.4f} {r.q_arith:7.4f}"
+        line += "".join(f" {r.q_geo_by_task.get(t, float('nan')):16.4f}" for t in tasks)
+        line += "".join(f" {r.accuracy_by_task.get(t, float('nan')):15.3f}" for t in tasks)
+        lines.append(line)
+    return "\n".join(lines)

@@ -276,9 +276,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """The command line prints its own progress: transformers' weight-loading bars and its
+    deprecation notices about fla's keyword names would only bury it."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers comes with fla
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command; errors propagate (for use from Python and tests)."""
     args = build_parser().parse_args(argv)
+    if args.command != "prove":
+        _quiet_libraries()
     return args.func(args)
 
 

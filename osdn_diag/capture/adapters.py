@@ -96,7 +96,7 @@ class Adapter:
 
     def record(self, kw: dict, out, *, layer: int, layer_name: str, kernel: str) -> KernelCall:
         c = self.canonical(kw)
-        o = out[0] if isinstance(out, tuple) else out
+        o = self.output(out)
         return KernelCall(
             layer=layer,
             layer_name=layer_name,
@@ -110,6 +110,10 @@ class Adapter:
             input_dtype=str(kw["q"].dtype).removeprefix("torch."),
             flags=self.flags(kw),
         )
+
+    def output(self, out) -> torch.Tensor:
+        """The kernel's output tensor ``o`` from its return value."""
+        return out[0] if isinstance(out, tuple) else out
 
     def flags(self, kw: dict) -> dict:
         names = (
@@ -249,11 +253,15 @@ class OSDNAdapter(Adapter):
     ``d_source = "write_key/k"``.
     """
 
-    def __init__(self, family: str):
-        self.family = family
+    family = "osdn"  # "osgdn" for a gated call, see record()
 
     def state_is_v_first(self, kw):
         return True  # chunk_osdn's state is [N, H, V, K]
+
+    def record(self, kw, out, **where):
+        call = super().record(kw, out, **where)
+        call.family = "osgdn" if kw.get("g") is not None else "osdn"
+        return call
 
     def canonical(self, kw):
         k = kw["k"].float()
@@ -283,6 +291,48 @@ class OSDNAdapter(Adapter):
 
 #: The keyword under which capture passes a layer call's phase-1 ``d`` trajectory to :class:`OSDNAdapter`.
 PHASE1_D = "_osdn_phase1_d"
+
+
+class FusedOSDNAdapter(OSDNAdapter):
+    """``fused_recurrent_osdn``: both OSDN phases in one kernel. Capture asks it for the ``d``
+    trajectory (``return_trajectory``, see :attr:`trajectory`), so the record holds the exact ``d``
+    the kernel wrote with, and hands the caller back only what it asked for."""
+
+    trajectory = True
+
+    def canonical(self, kw):
+        return super().canonical({**kw, "write_key": None})
+
+    def flags(self, kw):
+        return {"d_source": "fused kernel"}
+
+    def output(self, out):
+        return out.o
+
+    def reference(self, kw):
+        """Phase 1 then phase 2 by the references (fp32), in the kernel's return format."""
+        from ..math.phase1 import osdn_phase1
+        from ..ops.osdn_recurrent import FusedRecurrentResult
+
+        k = kw["k"]
+        p1 = osdn_phase1(
+            k, kw["beta"], retention=kw.get("retention"), d0=kw.get("d0"), eta=kw["eta"],
+            d_min=kw["d_min"], d_max=kw["d_max"], beta_aware=kw["beta_aware"], eps=kw["eps"],
+            cu_seqlens=kw.get("cu_seqlens"),
+        )
+        g = kw.get("g")
+        h0 = kw.get("initial_state")
+        res = delta_rule_recurrence(
+            kw["q"].float(), k.float(), kw["v"].float(), kw["beta"].float(), write_key=p1.write_key,
+            g=None if g is None else g.float(), scale=_scale(kw, k.shape[-1]),
+            initial_state=None if h0 is None else h0.float(), cu_seqlens=kw.get("cu_seqlens"),
+            dtype=torch.float32,
+        )
+        return FusedRecurrentResult(
+            o=res.o.to(kw["v"].dtype),
+            final_state=res.final_state.contiguous() if kw.get("output_final_state") else None,
+            d_final=p1.d_final, d=p1.d if kw.get("return_trajectory") else None,
+        )
 
 
 class Phase1Site:
@@ -360,8 +410,8 @@ ADAPTERS: tuple[KernelSite, ...] = (
                PrecondAdapter("precond_gated_delta_rule")),
     KernelSite("fla.layers.precond_kda", "chunk_precond_kda", PrecondAdapter("precond_kda", _KDA)),
     KernelSite("fla.layers.precond_kda", "fused_recurrent_precond_kda", PrecondAdapter("precond_kda", _KDA)),
-    KernelSite("osdn_diag.layers.osdn", "osdn_precondition", Phase1Site()),
-    KernelSite("osdn_diag.layers.osdn", "chunk_osdn", OSDNAdapter("osdn")),
-    KernelSite("osdn_diag.layers.osgdn", "osdn_precondition", Phase1Site()),
-    KernelSite("osdn_diag.layers.osgdn", "chunk_osdn", OSDNAdapter("osgdn")),
+    # The OSDN / OSGDN layers call their kernels through osdn_diag.layers._common.
+    KernelSite("osdn_diag.layers._common", "osdn_precondition", Phase1Site()),
+    KernelSite("osdn_diag.layers._common", "chunk_osdn", OSDNAdapter()),
+    KernelSite("osdn_diag.layers._common", "fused_recurrent_osdn", FusedOSDNAdapter()),
 )

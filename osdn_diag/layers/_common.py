@@ -1,17 +1,33 @@
-"""Argument checks shared by the OSDN-style layers (:class:`~osdn_diag.layers.OSDN`,
-:class:`~osdn_diag.layers.OSGDN`) and their model configs.
+"""What the OSDN-style layers (:class:`~osdn_diag.layers.OSDN`, :class:`~osdn_diag.layers.OSGDN`)
+share: their argument checks and their state update.
 
-They run before any module is built, so that a bad box or step size is a ``ValueError`` naming the
-argument rather than a failure deep inside phase 1.
+The checks run before any module is built, so that a bad box or step size is a ``ValueError`` naming
+the argument rather than a failure deep inside phase 1.
+
+The state update picks one of two paths, as fla's layers pick between their chunk and
+fused-recurrent kernels: short inputs at inference (decoding, ``q_len <= FUSED_MAX_LEN``, or
+``mode='fused_recurrent'``) take :func:`~osdn_diag.ops.osdn_recurrent.fused_recurrent_osdn`, both
+phases in one launch; everything else — and anything that needs a gradient — takes phase 1
+(:func:`~osdn_diag.ops.phase1.osdn_precondition`) then the chunked phase 2
+(:func:`~osdn_diag.ops.osdn_chunk.chunk_osdn`). Capture intercepts the three kernels by their names
+in this module.
 """
 
 from __future__ import annotations
 
 import math
 
-from .._checks import check_box
+import torch
 
-__all__ = ["check_osdn_args"]
+from .._checks import check_box
+from ..ops.osdn_chunk import chunk_osdn
+from ..ops.osdn_recurrent import fused_recurrent_osdn
+from ..ops.phase1 import osdn_precondition
+
+__all__ = ["FUSED_MAX_LEN", "check_osdn_args", "osdn_state_update"]
+
+#: Inputs up to this many tokens (per sequence) take the fused recurrent kernel at inference.
+FUSED_MAX_LEN = 64
 
 
 def _is_number(x: object) -> bool:
@@ -33,3 +49,46 @@ def check_osdn_args(*, eta: object, d_min: object, d_max: object, phase1_eps: ob
     check_box(d_min, d_max)  # 'd_min' > 0, 'd_max' >= d_min
     if not (isinstance(phase1_eps, (int, float)) and phase1_eps > 0):
         raise ValueError(f"argument 'phase1_eps': expected a number > 0, got {phase1_eps!r}")
+
+
+def osdn_state_update(layer, q, k, v, beta, *, g, retention, d0, initial_state, cu_seqlens,
+                      q_len: int, use_cache: bool):
+    """Both OSDN phases for ``layer`` (which holds ``eta, d_min, d_max, beta_aware, phase1_eps,
+    mode, training, head_k_dim``).
+
+    Args:
+        q, k: ``[B, T, H, K]`` normalised; v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
+        g: ``[B, T, H]`` log decay or ``None``; retention: ``[B, T, H]`` or ``None``.
+        d0: the initial preconditioner (``[H, K]``, ``[N, H, K]`` or ``None``: ones).
+        initial_state: ``[N, H, V, K]`` or ``None``.
+        q_len: the length of the padded input (the fused path's threshold applies to it).
+
+    Returns ``(o [B, T, H, V], final_state [N, H, V, K] | None, d_final [N, H, K] | None)``, the last
+    two only with ``use_cache``.
+    """
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, beta, g, retention, d0)
+    )
+    fused = not layer.training and not needs_grad and (
+        layer.mode == "fused_recurrent" or q_len <= FUSED_MAX_LEN
+    )
+    phase1 = dict(eta=layer.eta, d_min=layer.d_min, d_max=layer.d_max, beta_aware=layer.beta_aware,
+                  eps=layer.phase1_eps)
+    scale = layer.head_k_dim ** -0.5
+    if fused:
+        res = fused_recurrent_osdn(
+            q, k, v, beta, g=g, retention=retention, d0=d0, **phase1, scale=scale,
+            initial_state=initial_state, output_final_state=use_cache, cu_seqlens=cu_seqlens,
+            validate=False,
+        )
+        return res.o, res.final_state, (res.d_final if use_cache else None)
+    p1 = osdn_precondition(
+        k, beta, retention=retention, d0=d0, **phase1, cu_seqlens=cu_seqlens,
+        return_trajectory=use_cache, validate=False,
+    )
+    write_key, d_final = (p1.write_key, p1.d_final) if use_cache else (p1, None)
+    o, final_state = chunk_osdn(
+        q, k, v, beta, write_key, g=g, scale=scale, initial_state=initial_state,
+        output_final_state=use_cache, cu_seqlens=cu_seqlens,
+    )
+    return o, final_state, d_final

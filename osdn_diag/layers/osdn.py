@@ -22,9 +22,10 @@ Extra constructor arguments (beyond DeltaNet's):
 
 Cache: the layer's ``recurrent_state`` in fla's cache is the pair ``(S [N, H, V, K], d [N, H, K])``
 — the state *and* the preconditioner after the last token — so a prefill followed by another call
-with ``past_key_values`` continues both. There is no separate decode kernel: every call, whatever
-its length, runs the two chunked phases (``mode`` is accepted and checked for compatibility with
-DeltaNet's signature, but both modes take that path).
+with ``past_key_values`` continues both. Like fla's layers, short inputs at inference (decoding,
+``q_len <= 64``, or ``mode='fused_recurrent'``) take a fused recurrent kernel that runs both phases
+in one launch; training and longer inputs take the two chunked phases
+(:func:`osdn_diag.layers._common.osdn_state_update`).
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_
 from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
 from fla.modules.activations import elu_p1
 
-from ..ops.osdn_chunk import chunk_osdn
-from ..ops.phase1 import osdn_precondition
-from ._common import check_osdn_args
+from ._common import check_osdn_args, osdn_state_update
 
 if TYPE_CHECKING:
     from fla.models.cache_utils import Cache
@@ -296,18 +295,9 @@ class OSDN(nn.Module):
             S0, d_prev = last_state['recurrent_state']
             d0 = d_prev
 
-        # Phase 1: write keys (and the preconditioner after the last token, for the cache).
-        p1 = osdn_precondition(
-            k, beta, retention=retention, d0=d0, eta=self.eta, d_min=self.d_min, d_max=self.d_max,
-            beta_aware=self.beta_aware, eps=self.phase1_eps, cu_seqlens=cu_seqlens,
-            return_trajectory=bool(use_cache), validate=False,
-        )
-        write_key, d_final = (p1.write_key, p1.d_final) if use_cache else (p1, None)
-
-        # Phase 2: the chunked delta rule writing with k̃ and reading with k.
-        o, S_final = chunk_osdn(
-            q, k, v, beta, write_key, scale=self.head_k_dim ** -0.5, initial_state=S0,
-            output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
+        o, S_final, d_final = osdn_state_update(
+            self, q, k, v, beta, g=None, retention=retention, d0=d0, initial_state=S0,
+            cu_seqlens=cu_seqlens, q_len=q_len, use_cache=bool(use_cache),
         )
 
         update_layer_cache(

@@ -59,9 +59,7 @@ from torch.nn import functional as F
 from fla.layers.gated_deltanet import GatedDeltaNet
 from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_states, update_layer_cache
 
-from ..ops.osdn_chunk import chunk_osdn
-from ..ops.phase1 import osdn_precondition
-from ._common import check_osdn_args
+from ._common import check_osdn_args, osdn_state_update
 from .osdn import APF_INIT_RETENTION, l2_normalize
 
 if TYPE_CHECKING:
@@ -242,18 +240,10 @@ class OSGDN(GatedDeltaNet):
         if last_state is not None and last_state.get('recurrent_state') is not None:
             S0, d0 = last_state['recurrent_state']
 
-        # Phase 1 on the keys as each value head's state sees them (see the module docstring).
-        p1 = osdn_precondition(
-            k, beta, retention=retention, d0=d0, eta=self.eta, d_min=self.d_min, d_max=self.d_max,
-            beta_aware=self.beta_aware, eps=self.phase1_eps, cu_seqlens=cu_seqlens,
-            return_trajectory=bool(use_cache), validate=False,
-        )
-        write_key, d_final = (p1.write_key, p1.d_final) if use_cache else (p1, None)
-
-        # Phase 2: decay with exp(g), write with k̃, read with k.
-        o, S_final = chunk_osdn(
-            q, k, v, beta, write_key, g=g, scale=self.head_k_dim ** -0.5, initial_state=S0,
-            output_final_state=bool(use_cache), cu_seqlens=cu_seqlens,
+        # Both phases on the keys as each value head's state sees them (see the module docstring).
+        o, S_final, d_final = osdn_state_update(
+            self, q, k, v, beta, g=g, retention=retention, d0=d0, initial_state=S0,
+            cu_seqlens=cu_seqlens, q_len=q_len, use_cache=bool(use_cache),
         )
 
         update_layer_cache(

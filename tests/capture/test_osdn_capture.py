@@ -101,7 +101,7 @@ def test_chunk_osdn_alone_recovers_d_from_the_write_key():
     d = 0.5 + 1.5 * torch.rand(1, 9, 2, 8, generator=g)
     kw = {"q": k, "k": k, "v": torch.randn(1, 9, 2, 8, generator=g), "beta": torch.rand(1, 9, 2, generator=g),
           "write_key": d * k}
-    adapter = OSDNAdapter("osdn")
+    adapter = OSDNAdapter()
     c = adapter.canonical(kw)
     assert adapter.flags(kw) == {"d_source": "write_key/k"}
     torch.testing.assert_close(c.d[0, 4, 1], torch.ones(8))
@@ -132,3 +132,48 @@ def test_osgdn_record_holds_gate_and_phase1_d_per_value_head(kernels):
                       d_max=layer.d_max, eps=layer.phase1_eps)
     torch.testing.assert_close(call.d.double(), ref.d, rtol=1e-5, atol=1e-6)
     assert replay_call(call).fidelity <= 1e-5
+
+
+@pytest.mark.parametrize("kernels", ["fla", "reference"])
+@pytest.mark.parametrize("gated", [False, True], ids=["osdn", "osgdn"])
+def test_fused_recurrent_path_records_its_own_d(kernels, gated):
+    """Short inputs at inference take the fused kernel: same output as the chunked path, and the
+    record holds the d the fused kernel wrote with."""
+    from osdn_diag.layers import OSGDN
+
+    if gated:
+        torch.manual_seed(0)
+        layer = OSGDN(hidden_size=32, num_heads=2, head_dim=16, expand_v=1.0, eta=0.8, apf=True)
+    else:
+        layer = _layer(apf=True)
+    x = _x(2, 30)[..., : layer.hidden_size]
+    with torch.no_grad():
+        chunked = layer.train()(x)[0]  # training mode: always the chunked phases
+        layer.eval()
+        with capture(layer, kernels=kernels) as cap:
+            fused = layer(x)[0]
+    torch.testing.assert_close(fused, chunked, rtol=1e-5, atol=1e-5)
+    (call,) = cap.calls
+    assert call.kernel == "fused_recurrent_osdn" and call.flags["d_source"] == "fused kernel"
+    assert call.family == ("osgdn" if gated else "osdn") and call.gated == gated
+    with torch.no_grad():
+        proj = layer.project(x)
+    k, beta, r = proj[1], proj[3], proj[-2]
+    ref = osdn_phase1(k.double(), beta.double(), retention=r.double(), eta=layer.eta,
+                      d_min=layer.d_min, d_max=layer.d_max, eps=layer.phase1_eps)
+    torch.testing.assert_close(call.d.double(), ref.d, rtol=1e-5, atol=1e-6)
+    assert replay_call(call).fidelity <= 1e-5
+
+
+def test_decode_through_the_fused_path_equals_one_pass():
+    from fla.models.utils import Cache
+
+    layer = _layer(layer_idx=0, apf=True).eval()
+    x = _x(1, 100)
+    with torch.no_grad():
+        whole = layer(x)[0]  # 100 tokens: the chunked path
+        cache = Cache()
+        parts = [layer(x[:, :90], past_key_values=cache, use_cache=True)[0]]  # chunked prefill
+        for t in range(90, 100):  # then one token at a time: the fused kernel
+            parts.append(layer(x[:, t : t + 1], past_key_values=cache, use_cache=True)[0])
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=1e-5, atol=1e-5)

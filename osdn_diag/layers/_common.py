@@ -16,15 +16,21 @@ in this module.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
+from einops import rearrange
+from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_states, update_layer_cache
 
 from .._checks import check_box
 from ..ops.osdn_chunk import chunk_osdn
 from ..ops.osdn_recurrent import fused_recurrent_osdn
 from ..ops.phase1 import osdn_precondition
 
-__all__ = ["FUSED_MAX_LEN", "check_osdn_args", "osdn_state_update"]
+if TYPE_CHECKING:
+    from fla.models.utils import Cache
+
+__all__ = ["FUSED_MAX_LEN", "OSDNLayerMixin", "check_osdn_args", "osdn_state_update"]
 
 #: Inputs up to this many tokens (per sequence) take the fused recurrent kernel at inference.
 FUSED_MAX_LEN = 64
@@ -92,3 +98,70 @@ def osdn_state_update(layer, q, k, v, beta, *, g, retention, d0, initial_state, 
         output_final_state=use_cache, cu_seqlens=cu_seqlens,
     )
     return o, final_state, d_final
+
+
+class OSDNLayerMixin:
+    """``initial_d`` and ``forward`` of the OSDN-style layers, which differ only in their input side.
+
+    A layer provides ``_update_inputs(hidden_states, conv_states, use_cache, cu_seqlens)`` →
+    ``(q, k, v, beta, g, retention, conv_states)`` (``g = None`` when ungated) and
+    ``_state_heads``, the number of heads that carry a state (value heads).
+    """
+
+    def initial_d(self) -> torch.Tensor | None:
+        """The initial preconditioner ``[heads, K]``: learned ``d0`` clamped into the box, ones
+        (clamped into the box) or ``None`` (phase 1's own default, ones, when 1 lies in the box)."""
+        if self.learn_d0:
+            return self.d0.float().clamp(self.d_min, self.d_max)
+        if not (self.d_min <= 1.0 <= self.d_max):
+            return torch.full((self._state_heads, self.head_k_dim), min(max(1.0, self.d_min), self.d_max),
+                              device=self.q_proj.weight.device, dtype=torch.float32)
+        return None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = False,
+        output_attentions: bool | None = False,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None, Cache | None]:
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                "argument 'attention_mask': expected a 0-1 matrix [batch_size, seq_len] for padding "
+                f"(0 = padding); got shape {tuple(attention_mask.shape)}"
+            )
+        batch_size, q_len, _ = hidden_states.shape
+        last_state = get_layer_cache(self, past_key_values)
+        cu_seqlens = kwargs.get('cu_seqlens')
+        hidden_states, indices, cu_seqlens = unpad_hidden_states(hidden_states, cu_seqlens, attention_mask, q_len)
+
+        conv_states = last_state['conv_state'] if (last_state is not None and self.use_short_conv) else None
+        q, k, v, beta, g, retention, conv_states = self._update_inputs(
+            hidden_states, conv_states, use_cache, cu_seqlens
+        )
+        S0, d0 = None, self.initial_d()
+        if last_state is not None and last_state.get('recurrent_state') is not None:
+            S0, d0 = last_state['recurrent_state']  # the state and d after the previous call
+
+        o, S_final, d_final = osdn_state_update(
+            self, q, k, v, beta, g=g, retention=retention, d0=d0, initial_state=S0,
+            cu_seqlens=cu_seqlens, q_len=q_len, use_cache=bool(use_cache),
+        )
+        update_layer_cache(
+            self,
+            past_key_values,
+            recurrent_state=(S_final, d_final) if use_cache else None,
+            conv_state=conv_states if self.use_short_conv else None,
+            offset=q_len,
+        )
+
+        if self.use_gate:
+            gate = rearrange(self.g_proj(hidden_states), '... (h d) -> ... h d', d=self.head_v_dim)
+            o = self.o_norm(o, gate)
+        else:
+            o = self.o_norm(o)
+        o = self.o_proj(rearrange(o, 'b t h d -> b t (h d)'))
+        o = repad_hidden_states(o, indices, batch_size, q_len)
+        return o, None, past_key_values

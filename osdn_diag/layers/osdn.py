@@ -32,21 +32,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 from einops import rearrange
 from torch.nn import functional as F
 
-from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_states, update_layer_cache
 from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
 from fla.modules.activations import elu_p1
 
-from ._common import check_osdn_args, osdn_state_update
-
-if TYPE_CHECKING:
-    from fla.models.cache_utils import Cache
+from ._common import OSDNLayerMixin, check_osdn_args
 
 __all__ = ["OSDN", "l2_normalize", "sum_norm"]
 
@@ -63,7 +58,7 @@ def sum_norm(x: torch.Tensor) -> torch.Tensor:
     return F.normalize(x, p=1, dim=-1, eps=1e-6).to(x)
 
 
-class OSDN(nn.Module):
+class OSDN(OSDNLayerMixin, nn.Module):
     r"""Online-scaled DeltaNet layer (fla DeltaNet-compatible constructor and forward signature).
 
     Args (DeltaNet's): mode, d_model, hidden_size, expand_k, expand_v, num_heads, use_beta, use_gate,
@@ -255,65 +250,10 @@ class OSDN(nn.Module):
         retention = self.r_proj(hidden_states).float().sigmoid() if self.apf else None
         return q, k, v, beta, retention, conv_states
 
-    def initial_d(self, N: int | None = None) -> torch.Tensor | None:
-        """The initial preconditioner: learned ``d0`` clamped into the box, ones (clamped) or ``None``
-        (phase 1's own default, ones, when 1 lies inside the box)."""
-        if self.learn_d0:
-            return self.d0.float().clamp(self.d_min, self.d_max)
-        if not (self.d_min <= 1.0 <= self.d_max):
-            ref = self.q_proj.weight
-            return torch.full((self.num_heads, self.head_k_dim), min(max(1.0, self.d_min), self.d_max),
-                              device=ref.device, dtype=torch.float32)
-        return None
+    @property
+    def _state_heads(self) -> int:
+        return self.num_heads
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        use_cache: bool | None = False,
-        output_attentions: bool | None = False,
-        **kwargs,
-    ) -> tuple[torch.Tensor, None, Cache | None]:
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(
-                "argument 'attention_mask': expected a 0-1 matrix [batch_size, seq_len] for padding "
-                f"(0 = padding); got shape {tuple(attention_mask.shape)}"
-            )
-        batch_size, q_len, _ = hidden_states.shape
-
-        last_state = get_layer_cache(self, past_key_values)
-
-        cu_seqlens = kwargs.get('cu_seqlens')
-        hidden_states, indices, cu_seqlens = unpad_hidden_states(hidden_states, cu_seqlens, attention_mask, q_len)
-
-        conv_states = last_state['conv_state'] if (last_state is not None and self.use_short_conv) else None
+    def _update_inputs(self, hidden_states, conv_states, use_cache, cu_seqlens):
         q, k, v, beta, retention, conv_states = self.project(hidden_states, conv_states, use_cache, cu_seqlens)
-
-        S0, d0 = None, self.initial_d()
-        if last_state is not None and last_state.get('recurrent_state') is not None:
-            S0, d_prev = last_state['recurrent_state']
-            d0 = d_prev
-
-        o, S_final, d_final = osdn_state_update(
-            self, q, k, v, beta, g=None, retention=retention, d0=d0, initial_state=S0,
-            cu_seqlens=cu_seqlens, q_len=q_len, use_cache=bool(use_cache),
-        )
-
-        update_layer_cache(
-            self,
-            past_key_values,
-            recurrent_state=(S_final, d_final) if use_cache else None,
-            conv_state=conv_states if self.use_short_conv else None,
-            offset=q_len,
-        )
-
-        if self.use_gate:
-            g = rearrange(self.g_proj(hidden_states), '... (h d) -> ... h d', d=self.head_v_dim)
-            o = self.o_norm(o, g)
-        else:
-            o = self.o_norm(o)
-        o = rearrange(o, 'b t h d -> b t (h d)')
-        o = self.o_proj(o)
-        o = repad_hidden_states(o, indices, batch_size, q_len)
-        return o, None, past_key_values
+        return q, k, v, beta, None, retention, conv_states

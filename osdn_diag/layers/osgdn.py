@@ -49,7 +49,6 @@ the same values).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -57,18 +56,14 @@ from einops import rearrange
 from torch.nn import functional as F
 
 from fla.layers.gated_deltanet import GatedDeltaNet
-from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_states, update_layer_cache
 
-from ._common import check_osdn_args, osdn_state_update
+from ._common import OSDNLayerMixin, check_osdn_args
 from .osdn import APF_INIT_RETENTION, l2_normalize
-
-if TYPE_CHECKING:
-    from fla.models.cache_utils import Cache
 
 __all__ = ["OSGDN"]
 
 
-class OSGDN(GatedDeltaNet):
+class OSGDN(OSDNLayerMixin, GatedDeltaNet):
     r"""Online-scaled Gated DeltaNet layer (fla GatedDeltaNet-compatible constructor and forward).
 
     Args (GatedDeltaNet's): hidden_size, expand_v, head_dim, num_heads, num_v_heads, mode, use_gate,
@@ -202,64 +197,9 @@ class OSGDN(GatedDeltaNet):
         retention = self.r_proj(hidden_states).float().sigmoid() if self.apf else None
         return q, k, v, beta, g, retention, conv_states
 
-    def initial_d(self) -> torch.Tensor | None:
-        """The initial preconditioner ``[HV, K]``: learned ``d0`` clamped into the box, ones (clamped)
-        or ``None`` (phase 1's own default, ones, when 1 lies inside the box)."""
-        if self.learn_d0:
-            return self.d0.float().clamp(self.d_min, self.d_max)
-        if not (self.d_min <= 1.0 <= self.d_max):
-            return torch.full((self.num_v_heads, self.head_k_dim), min(max(1.0, self.d_min), self.d_max),
-                              device=self.q_proj.weight.device, dtype=torch.float32)
-        return None
+    @property
+    def _state_heads(self) -> int:
+        return self.num_v_heads
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
-        use_cache: bool | None = False,
-        output_attentions: bool | None = False,
-        **kwargs,
-    ) -> tuple[torch.Tensor, None, Cache | None]:
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(
-                "argument 'attention_mask': expected a 0-1 matrix [batch_size, seq_len] for padding "
-                f"(0 = padding); got shape {tuple(attention_mask.shape)}"
-            )
-        batch_size, q_len, _ = hidden_states.shape
-
-        last_state = get_layer_cache(self, past_key_values)
-
-        cu_seqlens = kwargs.get('cu_seqlens')
-        hidden_states, indices, cu_seqlens = unpad_hidden_states(hidden_states, cu_seqlens, attention_mask, q_len)
-
-        conv_states = last_state['conv_state'] if (last_state is not None and self.use_short_conv) else None
-        q, k, v, beta, g, retention, conv_states = self.project(hidden_states, conv_states, use_cache, cu_seqlens)
-
-        S0, d0 = None, self.initial_d()
-        if last_state is not None and last_state.get('recurrent_state') is not None:
-            S0, d0 = last_state['recurrent_state']
-
-        # Both phases on the keys as each value head's state sees them (see the module docstring).
-        o, S_final, d_final = osdn_state_update(
-            self, q, k, v, beta, g=g, retention=retention, d0=d0, initial_state=S0,
-            cu_seqlens=cu_seqlens, q_len=q_len, use_cache=bool(use_cache),
-        )
-
-        update_layer_cache(
-            self,
-            past_key_values,
-            recurrent_state=(S_final, d_final) if use_cache else None,
-            conv_state=conv_states if self.use_short_conv else None,
-            offset=q_len,
-        )
-
-        if self.use_gate:
-            gate = rearrange(self.g_proj(hidden_states), '... (h d) -> ... h d', d=self.head_v_dim)
-            o = self.o_norm(o, gate)
-        else:
-            o = self.o_norm(o)
-        o = rearrange(o, 'b t h d -> b t (h d)')
-        o = self.o_proj(o)
-        o = repad_hidden_states(o, indices, batch_size, q_len)
-        return o, None, past_key_values
+    def _update_inputs(self, hidden_states, conv_states, use_cache, cu_seqlens):
+        return self.project(hidden_states, conv_states, use_cache, cu_seqlens)

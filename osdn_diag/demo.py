@@ -66,12 +66,30 @@ def run_demo(
             "no built-in models to run the demo on (expected "
             + ", ".join(DEMO_MODELS) + f"; found {', '.join(available) or 'none'})"
         )
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise ValueError(
+            f"MODEL 'builtin:{unknown[0]}': no such built-in model; available: "
+            + (", ".join(f"builtin:{n}" for n in available) or "none")
+        )
+    # Every model's task is read and checked before anything runs: the suite below asks N queries
+    # of N pairs, and the report compares runs only on identical prompts.
+    tasks = {name: builtin_task(name, root) for name in names}
+    for name, task in tasks.items():
+        if task.get("suite") != "mqar":
+            raise ValueError(f"built-in model {name!r}: task.json names suite {task.get('suite')!r}, expected 'mqar'")
+        if task.get("num_queries", task["num_pairs"]) != task["num_pairs"]:
+            raise ValueError(f"built-in model {name!r}: the demo asks every key (num_queries = num_pairs); "
+                             f"task.json has {task['num_queries']} queries of {task['num_pairs']} pairs")
+    shapes = {(t["num_pairs"], t.get("vocab_size")) for t in tasks.values()}
+    if len(shapes) > 1:
+        raise ValueError("the demo compares models on the same prompts; these were trained on different "
+                         "MQAR shapes: " + ", ".join(f"{n}: {t['num_pairs']} pairs, vocabulary "
+                                                     f"{t.get('vocab_size')}" for n, t in tasks.items()))
     out_dir = Path(out_dir)
     run_dirs, labels = [], []
     for name in names:
-        task = builtin_task(name, root)
-        if task.get("suite") != "mqar":
-            raise ValueError(f"built-in model {name!r}: task.json names suite {task.get('suite')!r}, expected 'mqar'")
+        task = tasks[name]
         spec = f"builtin:{name}" if root is None else str(root / name)
         run_dir = out_dir / name
         if progress:

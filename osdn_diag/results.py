@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from .capture.record import KernelCall
 from .capture.store import StoredCall
-from .pipeline import Replayer
+from .replayer import Replayer
 from .prompts import Prompt
 
 __all__ = ["Results", "replay"]
@@ -46,7 +46,7 @@ def replay(
     **replay_kw,
 ) -> Results:
     """Replay captured calls (a :class:`~osdn_diag.capture.context.Capture` or a list of
-    :class:`KernelCall`) in fp32; options as :class:`osdn_diag.pipeline.Replayer`."""
+    :class:`KernelCall`) in fp32; options as :class:`osdn_diag.replayer.Replayer`."""
     calls = list(getattr(capture, "calls", capture))
     if not calls:
         raise ValueError("argument 'capture': no calls were captured (did the model run inside it?)")

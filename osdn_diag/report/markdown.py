@@ -25,7 +25,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     """``(manifest, summary)`` of a finished run; errors name the file that is missing or wrong."""
     import pyarrow.parquet as pq
 
-    from ..pipeline import CONTRACT_COLUMNS
+    from ..replayer import CONTRACT_COLUMNS
 
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)

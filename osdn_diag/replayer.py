@@ -1,0 +1,281 @@
+"""Replay of captured calls into the per-token table and the run's statistics.
+
+:class:`Replayer` takes stored calls one at a time: it replays each (:func:`osdn_diag.replay.replay_call`),
+returns the call's rows of the per-token table — one row per (prompt, layer, head, position) with the
+columns of the interface contract (DESIGN.md): ``prompt, task, layer, head, pos, rel_pos,
+repeat_start, beta, key_sqnorm, write_gain, loss_before, loss_after, residual_ratio``, plus
+``loss_before_decayed`` and ``residual_ratio_post`` (null for ungated layers) and ``finite`` — and
+keeps every accumulator of the summary (ratios, audit, comparator, retention). Run directories use it
+through :func:`osdn_diag.pipeline.replay_run`, in-memory captures through :func:`osdn_diag.replay`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from .capture.record import KernelCall
+from .capture.store import StoredCall, to_device
+from .metrics.audit import AuditAccumulator
+from .metrics.ratios import RatioAccumulator
+from .metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
+from .replay import replay_call
+
+__all__ = ["CONTRACT_COLUMNS", "Replayer", "comparator_summary", "repeat_boundaries"]
+
+_VALUE_COLUMNS = ("beta", "key_sqnorm", "write_gain", "loss_before", "loss_after", "residual_ratio")
+_GATED_COLUMNS = ("loss_before_decayed", "residual_ratio_post")
+#: The per-token table's columns that the interface contract guarantees.
+CONTRACT_COLUMNS = ("prompt", "task", "layer", "head", "pos", "rel_pos", "repeat_start", *_VALUE_COLUMNS)
+
+
+def _schema(value_type: pa.DataType) -> pa.Schema:
+    return pa.schema(
+        [
+            ("prompt", pa.int32()),
+            ("task", pa.string()),
+            ("layer", pa.int16()),
+            ("head", pa.int16()),
+            ("pos", pa.int32()),
+            ("rel_pos", pa.float32()),
+            ("repeat_start", pa.int32()),
+            *[(c, value_type) for c in _VALUE_COLUMNS + _GATED_COLUMNS],
+            ("finite", pa.bool_()),
+        ]
+    )
+
+
+
+class Replayer:
+    """Replays captured calls one at a time and accumulates every statistic of the summary.
+
+    ``add(stored)`` returns the call's rows of the per-token table (a pyarrow Table); ``summary()``
+    returns the summary dictionary. Used by :func:`replay_run` (files) and :func:`osdn_diag.replay`
+    (in memory).
+    """
+
+    def __init__(
+        self,
+        prompts: dict[int, dict],
+        *,
+        backend: str = "auto",
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        tolerance: float | None = None,
+        transform: Callable[[KernelCall], KernelCall] | None = None,
+        retained: bool = False,
+        comparator: bool = True,
+        box: tuple[float, float] = (0.5, 2.0),
+    ):
+        self.prompts = prompts
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
+        self.dtype = dtype
+        self.tolerance = tolerance
+        self.transform = transform
+        self.schema = _schema(pa.float64() if dtype == torch.float64 else pa.float32())
+        self.np_dtype = "float64" if dtype == torch.float64 else "float32"
+        self.ratios = RatioAccumulator("residual_ratio")
+        self.post = RatioAccumulator("residual_ratio_post")
+        self.audit = AuditAccumulator()
+        self.retention = RetentionAccumulator() if retained else None
+        self.box = box
+        self.comparator_tables: list[pa.Table] | None = [] if comparator else None
+        self.fidelity: dict[int, float] = defaultdict(float)
+        self.tolerances: dict[int, float] = {}
+        self.nonfinite: dict[int, int] = defaultdict(int)
+
+    def add(self, stored: StoredCall) -> pa.Table:
+        call = to_device(stored.call, self.device)
+        if self.transform is not None:
+            call = self.transform(call)
+        res = replay_call(call, backend=self.backend, dtype=self.dtype, tolerance=self.tolerance)
+        self.fidelity[call.layer] = max(self.fidelity[call.layer], res.fidelity)
+        self.tolerances[call.layer] = res.tolerance
+        self.nonfinite[call.layer] += res.nonfinite
+        tasks = [str(self.prompts.get(p, {}).get("task", "")) for p in stored.prompts]
+        self.ratios.add(call.layer, res.columns, tasks, res.sequence_lengths)
+        self.post.add(call.layer, res.columns, tasks, res.sequence_lengths)
+        self.audit.add(call, res.grid["loss_before"], res.grid["finite"])
+        if self.retention is not None:
+            _add_retention(self.retention, call, stored.prompts, self.prompts, res.sequence_lengths)
+        if self.comparator_tables is not None:
+            self.comparator_tables.append(self._theorem(stored, call, res))
+        return _arrow_table(stored, res, self.prompts, self.schema, self.np_dtype)
+
+    def merge(self, other: Replayer) -> None:
+        """Add another replayer's statistics (e.g. another rank's): exact, by sufficient statistics."""
+        self.ratios.merge(other.ratios)
+        self.post.merge(other.post)
+        self.audit.merge(other.audit)
+        if self.retention is not None and other.retention is not None:
+            self.retention.merge(other.retention)
+        for layer, err in other.fidelity.items():
+            self.fidelity[layer] = max(self.fidelity[layer], err)
+        self.tolerances.update(other.tolerances)
+        for layer, n in other.nonfinite.items():
+            self.nonfinite[layer] += n
+        if self.comparator_tables is not None and other.comparator_tables:
+            self.comparator_tables.extend(other.comparator_tables)
+
+    def state(self) -> dict:
+        """What :meth:`merge` needs, picklable (sent between ranks)."""
+        return {name: getattr(self, name) for name in (
+            "ratios", "post", "audit", "retention", "fidelity", "tolerances", "nonfinite",
+            "comparator_tables")}
+
+    def summary(self) -> dict:
+        boundary = repeat_boundaries(self.prompts.values())
+        summary = self.ratios.summary(boundary)
+        if self.post.cells:
+            summary["post_decay"] = self.post.summary(boundary)
+        summary["fidelity"] = {
+            "max_rel_error": max(self.fidelity.values(), default=0.0),
+            "by_layer": {f"{k:03d}": v for k, v in sorted(self.fidelity.items())},
+            "tolerance_by_layer": {f"{k:03d}": v for k, v in sorted(self.tolerances.items())},
+        }
+        summary["assumptions"] = self.audit.summary()
+        summary["nonfinite_heads_by_layer"] = {
+            f"{k:03d}": v for k, v in sorted(self.nonfinite.items()) if v
+        }
+        summary["replay"] = {
+            "backend": self.backend,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+        }
+        if self.retention is not None:
+            summary["retained"] = self.retention.summary()
+        if self.comparator_tables:
+            summary["comparator"] = comparator_summary(pa.concat_tables(self.comparator_tables), self.box)
+        return summary
+
+    def _theorem(self, stored: StoredCall, call: KernelCall, res) -> pa.Table:
+        """Theorem D.7's quantities for every (sequence, head) stream of the call: one row each."""
+        from .math.closed_forms import residual_ratio
+        from .metrics.theorem import theorem_d7
+
+        H, K = call.num_heads, call.head_k_dim
+        segs = call.segments()
+        L = max((e - s for _, s, e in segs), default=0)
+        P = len(segs) * H
+        dev = call.k.device
+        k = torch.zeros(P, L, K, device=dev)
+        beta = torch.zeros(P, L, device=dev)
+        d = None if call.d is None else torch.ones(P, L, K, device=dev)
+        q = torch.ones(P, L, device=dev, dtype=torch.float64)
+        valid = torch.zeros(P, L, dtype=torch.bool, device=dev)
+        ratio = residual_ratio(res.grid["loss_after"], res.grid["loss_before"])
+        ok = res.grid["finite"] & (res.grid["loss_before"] > 0)
+        for i, (row, start, end) in enumerate(segs):
+            n, sl = end - start, slice(start, end)
+            for h in range(H):
+                p = i * H + h
+                k[p, :n] = call.k[row, sl, h].float()
+                beta[p, :n] = call.beta[row, sl, h].float()
+                if d is not None:
+                    d[p, :n] = call.d[row, sl, h].float()
+                    d[p, n:] = d[p, n - 1] if n else 1.0  # eps_at_final_d reads the last position
+                q[p, :n] = ratio[row, sl, h].double()
+                valid[p, :n] = ok[row, sl, h]
+        cols = theorem_d7(
+            torch.nan_to_num(k), torch.nan_to_num(beta), d, q, valid,
+            d_min=self.box[0], d_max=self.box[1], gated=call.g is not None,
+        )
+        seq = torch.arange(len(segs)).repeat_interleave(H)
+        prompt_ids = [stored.prompts[int(s)] for s in seq]
+        data = {
+            "prompt": pa.array(prompt_ids, pa.int32()),
+            "task": pa.array([str(self.prompts.get(p, {}).get("task", "")) for p in prompt_ids]),
+            "layer": pa.array([call.layer] * P, pa.int16()),
+            "head": pa.array(torch.arange(H).repeat(len(segs)).numpy(), pa.int16()),
+        }
+        for name, x in cols.items():
+            data[name] = pa.array(x.cpu().numpy())
+        return pa.table(data)
+
+
+def comparator_summary(table: pa.Table, box: tuple[float, float]) -> dict:
+    """Aggregates of ``comparator.parquet``: means over problems, and the Theorem D.7 check over the
+    problems whose hypotheses hold (the bound's slack is reported only there)."""
+    cols = {name: torch.tensor(table.column(name).to_numpy(zero_copy_only=False)) for name in
+            ("eps_diag", "eps_at_ones", "eps_at_final_d", "regret", "slack", "kkt_residual", "gap",
+             "hypotheses_hold", "n_valid", "share_newton_infeasible")}
+    hold = cols["hypotheses_hold"].bool()
+    has = cols["n_valid"] > 0
+
+    def mean(x, sel):
+        x = x[sel].double()
+        return float(x.mean()) if x.numel() else None
+
+    slack = cols["slack"][hold].double()
+    return {
+        "box": list(box),
+        "problems": int(len(hold)),
+        "eps_diag_mean": mean(cols["eps_diag"], has),
+        "eps_diag_median": float(cols["eps_diag"][has].double().median()) if bool(has.any()) else None,
+        "eps_at_ones_mean": mean(cols["eps_at_ones"], has),
+        "eps_at_final_d_mean": mean(cols["eps_at_final_d"], has),
+        "regret_mean": mean(cols["regret"], has),
+        "share_newton_infeasible_mean": mean(cols["share_newton_infeasible"], has),
+        "max_kkt_residual": float(cols["kkt_residual"].max()) if len(hold) else None,
+        "max_gap": float(cols["gap"].max()) if len(hold) else None,
+        "hypotheses_hold": int(hold.sum()),
+        "bound_holds": int((slack >= -1e-6).sum()),
+        "slack_min": float(slack.min()) if slack.numel() else None,
+        "slack_mean": float(slack.mean()) if slack.numel() else None,
+    }
+
+
+def _add_retention(acc, call, prompt_ids, prompts, lengths) -> None:
+    for seq, (pid, length) in enumerate(zip(prompt_ids, lengths)):
+        info = prompts.get(int(pid), {})
+        repeat = int(info.get("repeat_start", -1))
+        cols = retrieval_errors(call, seq, probe_positions(length, repeat))
+        acc.add(str(info.get("task", "")), cols, length, repeat)
+
+
+def repeat_boundaries(prompts) -> dict[str, float]:
+    """Task → mean relative position where the repeated context starts (prompts with a repeat)."""
+    acc: dict[str, list[float]] = defaultdict(list)
+    for p in prompts:
+        if int(p.get("repeat_start", -1)) >= 0 and p.get("length"):
+            acc[str(p.get("task", ""))].append(int(p["repeat_start"]) / int(p["length"]))
+    return {task: sum(v) / len(v) for task, v in sorted(acc.items())}
+
+
+def _arrow_table(stored, res, prompts: dict, schema: pa.Schema, np_dtype: str) -> pa.Table:
+    """The rows of one replayed call; sequence ``i`` of the call is prompt ``stored.prompts[i]``."""
+    cols = res.columns
+    seq = cols["sequence"].numpy()
+    info = [prompts.get(int(p), {}) for p in stored.prompts]
+    per_seq = {
+        "prompt": np.asarray(stored.prompts, dtype=np.int32),
+        "task": np.asarray([str(i.get("task", "")) for i in info], dtype=object),
+        "repeat_start": np.asarray([int(i.get("repeat_start", -1)) for i in info], dtype=np.int32),
+        "length": np.asarray(res.sequence_lengths, dtype=np.float32),
+    }
+    pos = cols["pos"].numpy()
+    n = len(seq)
+    data = {
+        "prompt": per_seq["prompt"][seq],
+        "task": per_seq["task"][seq],
+        "layer": np.full(n, stored.call.layer, dtype=np.int16),
+        "head": cols["head"].numpy().astype(np.int16),
+        "pos": pos,
+        "rel_pos": pos / per_seq["length"][seq],
+        "repeat_start": per_seq["repeat_start"][seq],
+        "finite": cols["finite"].numpy(),
+    }
+    arrays = []
+    for f in schema:
+        if f.name in data:
+            arrays.append(pa.array(data[f.name], f.type))
+        elif f.name in cols:
+            arrays.append(pa.array(cols[f.name].numpy().astype(np_dtype), f.type))
+        else:
+            arrays.append(pa.nulls(n, f.type))
+    return pa.Table.from_arrays(arrays, schema=schema)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark in one go, for a GPU machine with a limited time per command.
+#
+#   OUT=/path/to/results bash benchmarks/gpu_suite.sh [step ...]
+#
+# Steps (default: all, in this order): tests, layers, phase1, replay, comparator, capture.
+# Each step runs under its own time limit (seconds; override with e.g. LIMIT_tests=300) and its
+# output goes to $OUT/<step>.txt (and .json for the benchmarks) as soon as it ends, so a step that
+# runs out of time still leaves the others' results. Everything is also packed into $OUT/gpu_suite.tgz
+# (one file: some machines return only a few files per command).
+#
+# The first call of each Triton kernel at a new shape compiles and autotunes (fla's chunk kernels:
+# minutes). TRITON_CACHE_DIR keeps that work between steps of one run; point it at a directory that
+# survives between runs to keep it longer.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_suite_out}
+mkdir -p "$OUT"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/osdn_diag_triton_cache}
+export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
+PY=${PYTHON:-python3}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests layers phase1 replay comparator capture)
+
+limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
+
+run_step() {
+    local name=$1 default=$2; shift 2
+    local t0=$SECONDS
+    echo "== $name (limit $(limit "$name" "$default") s): $*"
+    timeout "$(limit "$name" "$default")" "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc, $((SECONDS - t0)) s"
+    tail -n 25 "$OUT/$name.txt"
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+        tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider \
+                        tests/ops tests/layers/test_layers_gpu.py ;;
+        layers)     run_step layers 240 "$PY" benchmarks/bench_layers.py --json "$OUT/layers.json" ;;
+        phase1)     run_step phase1 120 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;
+        replay)     run_step replay 120 "$PY" benchmarks/bench_replay.py --json "$OUT/replay.json" ;;
+        comparator) run_step comparator 120 "$PY" benchmarks/bench_comparator.py --json "$OUT/comparator.json" ;;
+        capture)    run_step capture 300 "$PY" benchmarks/bench_capture.py --json "$OUT/capture.json" ;;
+        *) echo "unknown step $step (tests layers phase1 replay comparator capture)"; exit 2 ;;
+    esac
+done
+tar czf "$OUT/gpu_suite.tgz" --exclude=gpu_suite.tgz -C "$OUT" .
+echo "results: $OUT/gpu_suite.tgz"

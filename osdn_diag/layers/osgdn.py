@@ -135,6 +135,7 @@ class OSGDN(OSDNLayerMixin, GatedDeltaNet):
         if self.apf:
             self.r_proj = nn.Linear(hidden_size, self.num_v_heads, bias=True)
             self.r_proj.bias._no_reinit = True  # the flag fla's (Mamba) _init_weights honour
+            self.r_proj._osdn_retention_gate = True  # recognised by the models' _init_weights
         if self.learn_d0:
             self.d0 = nn.Parameter(torch.empty(self.num_v_heads, self.head_k_dim))
             self.d0._no_reinit = True

@@ -60,14 +60,29 @@ __all__ = [
 ]
 
 
+def init_retention_gate(linear: nn.Linear) -> None:
+    """APF's gate to r ≈ 0.999 everywhere: weight 0, bias logit(0.999)."""
+    hf_init.zeros_(linear.weight)
+    hf_init.constant_(linear.bias, math.log(APF_INIT_RETENTION / (1 - APF_INIT_RETENTION)))
+
+
 def init_osdn_parameters(layer: OSDN | OSGDN) -> None:
-    """APF to r ≈ 0.999 (weight 0, bias logit(0.999)) and d0 to 1 clamped into the box; parameters
-    flagged as loaded (``_is_hf_initialized``) are left alone."""
+    """APF to r ≈ 0.999 and d0 to 1 clamped into the box; parameters flagged as loaded
+    (``_is_hf_initialized``) are left alone."""
     if layer.apf:
-        hf_init.zeros_(layer.r_proj.weight)
-        hf_init.constant_(layer.r_proj.bias, math.log(APF_INIT_RETENTION / (1 - APF_INIT_RETENTION)))
+        init_retention_gate(layer.r_proj)
     if layer.learn_d0:
         hf_init.constant_(layer.d0, min(max(1.0, layer.d_min), layer.d_max))
+
+
+def _init_osdn_module(module: nn.Module) -> None:
+    """What ``_init_weights`` adds to fla's for ``module``. The gate is recognised by itself
+    (``_osdn_retention_gate``): transformers calls ``_init_weights`` only on modules that hold
+    parameters of their own, which an OSDN layer without ``d0`` does not."""
+    if isinstance(module, (OSDN, OSGDN)):
+        init_osdn_parameters(module)
+    elif getattr(module, "_osdn_retention_gate", False):
+        init_retention_gate(module)
 
 
 # --- blocks ---------------------------------------------------------------------------------------
@@ -178,8 +193,7 @@ class OSDNPreTrainedModel(DeltaNetPreTrainedModel):
 
     def _init_weights(self, module, *args, **kwargs):
         super()._init_weights(module, *args, **kwargs)
-        if isinstance(module, OSDN):
-            init_osdn_parameters(module)
+        _init_osdn_module(module)
 
 
 class OSDNModel(OSDNPreTrainedModel, FLAModel):
@@ -212,8 +226,7 @@ class OSGDNPreTrainedModel(GatedDeltaNetPreTrainedModel):
     def _init_weights(self, module, *args, **kwargs):
         # OSGDN is a GatedDeltaNet: the parent initialises its A_log / dt_bias as fla does.
         super()._init_weights(module, *args, **kwargs)
-        if isinstance(module, OSGDN):
-            init_osdn_parameters(module)
+        _init_osdn_module(module)
 
 
 class OSGDNModel(OSGDNPreTrainedModel, FLAModel):

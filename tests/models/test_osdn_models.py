@@ -128,16 +128,20 @@ def test_eta0_equals_fla_model_with_copied_weights(kind):
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("learn_d0", [True, False], ids=["with_d0", "apf_only"])
 @pytest.mark.parametrize("kind", ["osdn", "osgdn"])
-def test_osdn_parameter_init_survives_post_init(kind):
+def test_osdn_parameter_init_survives_post_init(kind, learn_d0):
     """fla's _init_weights re-draws every Linear; the APF projection must still end at weight 0 and
-    bias logit(0.999), and d0 at 1 clamped into the box — while the other weights did get fla's init."""
-    model = _model(kind, apf=True, learn_d0=True, d_min=1.5, d_max=3.0)
+    bias logit(0.999), and d0 at 1 clamped into the box — while the other weights did get fla's init.
+    Without d0 an OSDN layer holds no parameter of its own, and transformers then never hands it to
+    _init_weights: the gate must be recognised by itself."""
+    model = _model(kind, apf=True, learn_d0=learn_d0, d_min=1.5, d_max=3.0)
     std = model.config.initializer_range
     for layer in _osdn_layers(model):
         assert torch.all(layer.r_proj.weight == 0)
         torch.testing.assert_close(layer.r_proj.bias, torch.full_like(layer.r_proj.bias, math.log(999)))
-        assert torch.all(layer.d0 == 1.5)
+        if learn_d0:
+            assert torch.all(layer.d0 == 1.5)
         assert abs(layer.q_proj.weight.std().item() - std) < 0.3 * std  # fla's normal(0, 0.02)
 
 

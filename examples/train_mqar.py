@@ -196,9 +196,6 @@ def main(argv=None) -> dict:
     for arch in a.arch:
         torch.manual_seed(a.seed)
         models[arch] = AutoModelForCausalLM.from_config(build_config(arch, a)).to(device).train()
-        for module in models[arch].modules():  # OSDN's own parameters (APF r ≈ 0.999, d0 = 1), whatever
-            if hasattr(module, "reset_osdn_parameters"):  # the model-wide initialiser did to them
-                module.reset_osdn_parameters()
         decay = [p_ for n, p_ in models[arch].named_parameters() if p_.dim() >= 2 and "d0" not in n]
         rest = [p_ for n, p_ in models[arch].named_parameters() if not (p_.dim() >= 2 and "d0" not in n)]
         opts[arch] = torch.optim.AdamW(

@@ -3,8 +3,9 @@ same shape, measured in the same run (GPU only).
 
     python benchmarks/bench_phase1.py [--B 8 --T 4096 --H 8 --K 128] [--json FILE]
 
-Phase 1 is a sequential sweep over T (one program per sequence×head); phase 2 is fla's chunked delta
-rule with q, k, v bf16. The target is phase 1 ≤ 25 % of phase 2. Before timing, the kernel is checked
+Phase 1 is a sequential sweep over T (one program per sequence×head), and also the blocked kernel
+(:mod:`osdn_diag.ops.phase1_blocked`: a clamped-affine scan per block, measured beside it); phase 2 is
+fla's chunked delta rule with q, k, v bf16. The target is phase 1 ≤ 25 % of phase 2. Before timing, the kernel is checked
 against the fp64 reference (``osdn_phase1`` and torch.autograd through it) at the benchmark shape.
 Times are ``triton.testing.do_bench`` medians.
 """
@@ -83,8 +84,25 @@ def main(argv=None) -> dict:
         wk = osdn_precondition(kg, bg, **kw, validate=False)
         torch.autograd.grad(wk, (kg, bg), grad_outputs=dwk)
 
+    from osdn_diag.ops.phase1_blocked import osdn_precondition_blocked
+
+    with torch.no_grad():
+        ref = osdn_phase1(k.double(), beta.double(), **kw)
+        for block in (32, 64):
+            got = osdn_precondition_blocked(k, beta, **kw, block=block, return_trajectory=True, validate=False)
+            errors[f"blocked (block {block}) d (fp32)"] = _rel(got.d, ref.d)
+        del ref, got
     rows = {
         "phase1 fwd": _bench(lambda: osdn_precondition(k, beta, **kw, validate=False)),
+        "phase1 blocked fwd, block 32": _bench(
+            lambda: osdn_precondition_blocked(k, beta, **kw, block=32, validate=False)
+        ),
+        "phase1 blocked fwd, block 64": _bench(
+            lambda: osdn_precondition_blocked(k, beta, **kw, block=64, validate=False)
+        ),
+        "phase1 blocked fwd + trajectory, block 64": _bench(
+            lambda: osdn_precondition_blocked(k, beta, **kw, block=64, validate=False, return_trajectory=True)
+        ),
         "phase1 fwd, with argument checks": _bench(lambda: osdn_precondition(k, beta, **kw)),
         "phase1 fwd + trajectory": _bench(
             lambda: osdn_precondition(k, beta, **kw, validate=False, return_trajectory=True)

@@ -54,7 +54,7 @@ class BlockedStats:
 def _times(a, bound):
     """``a · bound`` for bounds that may be ±inf (no box): a map with ``a = 0`` forgets its input,
     bound included, where plain multiplication would give 0 · inf = nan."""
-    return torch.where(a == 0, torch.zeros_like(a), a * bound)
+    return a * torch.where(a == 0, torch.zeros_like(bound), bound)
 
 
 def clamped_affine_scan(a, b, lo, hi, x0):

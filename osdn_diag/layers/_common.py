@@ -19,6 +19,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn as nn
 from einops import rearrange
 from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_states, update_layer_cache
 
@@ -30,10 +31,13 @@ from ..ops.phase1 import osdn_precondition
 if TYPE_CHECKING:
     from fla.models.utils import Cache
 
-__all__ = ["FUSED_MAX_LEN", "OSDNLayerMixin", "check_osdn_args", "osdn_state_update"]
+__all__ = ["APF_INIT_RETENTION", "FUSED_MAX_LEN", "OSDNLayerMixin", "check_osdn_args", "osdn_state_update"]
 
 #: Inputs up to this many tokens (per sequence) take the fused recurrent kernel at inference.
 FUSED_MAX_LEN = 64
+
+#: APF's retention at initialisation: d is almost fully kept until training says otherwise.
+APF_INIT_RETENTION = 0.999
 
 
 def _is_number(x: object) -> bool:
@@ -107,6 +111,31 @@ class OSDNLayerMixin:
     ``(q, k, v, beta, g, retention, conv_states)`` (``g = None`` when ungated) and
     ``_state_heads``, the number of heads that carry a state (value heads).
     """
+
+    def _build_osdn_parameters(self, hidden_size: int, heads: int) -> None:
+        """APF's retention gate ``r_proj`` (hidden → one retention per state head) and the learned
+        ``d0 [heads, K]``, as the flags ask, initialised by :meth:`reset_osdn_parameters`."""
+        if self.apf:
+            self.r_proj = nn.Linear(hidden_size, heads, bias=True)
+            self.r_proj.bias._no_reinit = True  # the flag fla's (Mamba) _init_weights honour
+            self.r_proj._osdn_retention_gate = True  # recognised by the models' _init_weights
+        if self.learn_d0:
+            self.d0 = nn.Parameter(torch.empty(heads, self.head_k_dim))
+            self.d0._no_reinit = True
+        self.reset_osdn_parameters()
+
+    def reset_osdn_parameters(self) -> None:
+        """(Re)initialise the OSDN-only parameters: APF to r ≈ 0.999 everywhere, d0 to 1 (in the box).
+
+        Goes through ``torch.nn.init``, which transformers guards while it initialises a model, so a
+        parameter already loaded from a checkpoint is left alone there.
+        """
+        with torch.no_grad():
+            if self.apf:
+                nn.init.zeros_(self.r_proj.weight)
+                nn.init.constant_(self.r_proj.bias, math.log(APF_INIT_RETENTION / (1 - APF_INIT_RETENTION)))
+            if self.learn_d0:
+                nn.init.constant_(self.d0, min(max(1.0, self.d_min), self.d_max))
 
     def initial_d(self) -> torch.Tensor | None:
         """The initial preconditioner ``[heads, K]``: learned ``d0`` clamped into the box, ones

@@ -45,7 +45,6 @@ from ._common import OSDNLayerMixin, check_osdn_args
 
 __all__ = ["OSDN", "l2_normalize", "sum_norm"]
 
-APF_INIT_RETENTION = 0.999
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -178,26 +177,7 @@ class OSDN(OSDNLayerMixin, nn.Module):
             self.o_norm = RMSNorm(self.head_v_dim, eps=norm_eps, dtype=torch.float32)
         self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
-        if self.apf:
-            self.r_proj = nn.Linear(hidden_size, self.num_heads, bias=True)
-            self.r_proj.bias._no_reinit = True  # the flag fla's (Mamba) _init_weights honour
-            self.r_proj._osdn_retention_gate = True  # recognised by the models' _init_weights
-        if self.learn_d0:
-            self.d0 = nn.Parameter(torch.empty(self.num_heads, self.head_k_dim))
-            self.d0._no_reinit = True
-        self.reset_osdn_parameters()
-
-    def reset_osdn_parameters(self) -> None:
-        """(Re)initialise the OSDN-only parameters: APF to r ≈ 0.999 everywhere, d0 to 1 (in the box).
-
-        Call again after a model-wide ``_init_weights`` that re-initialises every ``nn.Linear``.
-        """
-        with torch.no_grad():
-            if self.apf:
-                nn.init.zeros_(self.r_proj.weight)
-                self.r_proj.bias.fill_(math.log(APF_INIT_RETENTION / (1 - APF_INIT_RETENTION)))
-            if self.learn_d0:
-                self.d0.fill_(min(max(1.0, self.d_min), self.d_max))
+        self._build_osdn_parameters(hidden_size, self.num_heads)
 
     def extra_repr(self) -> str:
         return (f"eta={self.eta}, box=[{self.d_min}, {self.d_max}], beta_aware={self.beta_aware}, "

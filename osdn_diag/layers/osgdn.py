@@ -48,17 +48,14 @@ the same values).
 
 from __future__ import annotations
 
-import math
 
-import torch
-import torch.nn as nn
 from einops import rearrange
 from torch.nn import functional as F
 
 from fla.layers.gated_deltanet import GatedDeltaNet
 
 from ._common import OSDNLayerMixin, check_osdn_args
-from .osdn import APF_INIT_RETENTION, l2_normalize
+from .osdn import l2_normalize
 
 __all__ = ["OSGDN"]
 
@@ -132,27 +129,7 @@ class OSGDN(OSDNLayerMixin, GatedDeltaNet):
         self.phase1_eps = float(phase1_eps)
         self.num_groups = self.num_v_heads // self.num_heads
 
-        if self.apf:
-            self.r_proj = nn.Linear(hidden_size, self.num_v_heads, bias=True)
-            self.r_proj.bias._no_reinit = True  # the flag fla's (Mamba) _init_weights honour
-            self.r_proj._osdn_retention_gate = True  # recognised by the models' _init_weights
-        if self.learn_d0:
-            self.d0 = nn.Parameter(torch.empty(self.num_v_heads, self.head_k_dim))
-            self.d0._no_reinit = True
-        self.reset_osdn_parameters()
-
-    def reset_osdn_parameters(self) -> None:
-        """(Re)initialise the OSDN-only parameters: APF to r ≈ 0.999 everywhere, d0 to 1 (in the box).
-
-        Goes through ``torch.nn.init``, which transformers guards while it initialises a model, so a
-        parameter already loaded from a checkpoint is left alone there.
-        """
-        with torch.no_grad():
-            if self.apf:
-                nn.init.zeros_(self.r_proj.weight)
-                nn.init.constant_(self.r_proj.bias, math.log(APF_INIT_RETENTION / (1 - APF_INIT_RETENTION)))
-            if self.learn_d0:
-                nn.init.constant_(self.d0, min(max(1.0, self.d_min), self.d_max))
+        self._build_osdn_parameters(hidden_size, self.num_v_heads)
 
     def extra_repr(self) -> str:
         return (f"eta={self.eta}, box=[{self.d_min}, {self.d_max}], beta_aware={self.beta_aware}, "

@@ -44,7 +44,8 @@ from fla.models.generation_utils import FLAUnsupportedCacheGenerationMixin
 from fla.models.modeling_utils import FLAForCausalLM, FLAModel
 from fla.modules import RMSNorm
 
-from ..layers.osdn import APF_INIT_RETENTION, OSDN
+from ..layers._common import APF_INIT_RETENTION
+from ..layers.osdn import OSDN
 from ..layers.osgdn import OSGDN
 from .configuration import OSDNConfig, OSGDNConfig, osdn_layer_kwargs
 

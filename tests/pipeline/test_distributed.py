@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
-import pytest
 
 from osdn_diag.cli import main
 

@@ -293,6 +293,18 @@ class OSDNAdapter(Adapter):
 PHASE1_D = "_osdn_phase1_d"
 
 
+def _phase1_reference(kw: dict):
+    """Phase 1 by the reference sweep (fp32 for bf16/fp32 keys), from the arguments an OSDN kernel
+    received (``osdn_precondition``'s and ``fused_recurrent_osdn``'s share their names)."""
+    from ..math.phase1 import osdn_phase1
+
+    return osdn_phase1(
+        kw["k"], kw["beta"], retention=kw.get("retention"), d0=kw.get("d0"), eta=kw["eta"],
+        d_min=kw["d_min"], d_max=kw["d_max"], beta_aware=kw["beta_aware"], eps=kw["eps"],
+        cu_seqlens=kw.get("cu_seqlens"),
+    )
+
+
 class FusedOSDNAdapter(OSDNAdapter):
     """``fused_recurrent_osdn``: both OSDN phases in one kernel. Capture asks it for the ``d``
     trajectory (``return_trajectory``, see :attr:`trajectory`), so the record holds the exact ``d``
@@ -311,15 +323,10 @@ class FusedOSDNAdapter(OSDNAdapter):
 
     def reference(self, kw):
         """Phase 1 then phase 2 by the references (fp32), in the kernel's return format."""
-        from ..math.phase1 import osdn_phase1
         from ..ops.osdn_recurrent import FusedRecurrentResult
 
         k = kw["k"]
-        p1 = osdn_phase1(
-            k, kw["beta"], retention=kw.get("retention"), d0=kw.get("d0"), eta=kw["eta"],
-            d_min=kw["d_min"], d_max=kw["d_max"], beta_aware=kw["beta_aware"], eps=kw["eps"],
-            cu_seqlens=kw.get("cu_seqlens"),
-        )
+        p1 = _phase1_reference(kw)
         g = kw.get("g")
         h0 = kw.get("initial_state")
         res = delta_rule_recurrence(
@@ -344,15 +351,10 @@ class Phase1Site:
     @staticmethod
     def reference(kw: dict):
         """Phase 1 by the reference sweep (fp32), in the kernel's return format (with trajectory)."""
-        from ..math.phase1 import Phase1Result, osdn_phase1
+        from ..math.phase1 import Phase1Result
 
-        k = kw["k"]
-        res = osdn_phase1(
-            k, kw["beta"], retention=kw.get("retention"), d0=kw.get("d0"), eta=kw["eta"],
-            d_min=kw["d_min"], d_max=kw["d_max"], beta_aware=kw["beta_aware"], eps=kw["eps"],
-            cu_seqlens=kw.get("cu_seqlens"),
-        )
-        return Phase1Result(write_key=res.write_key.to(k.dtype), d=res.d, d_final=res.d_final)
+        res = _phase1_reference(kw)
+        return Phase1Result(write_key=res.write_key.to(kw["k"].dtype), d=res.d, d_final=res.d_final)
 
 
 def precond_accumulator(k, g_atk, beta_atk, A0, cu_seqlens):

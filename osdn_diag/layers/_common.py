@@ -112,6 +112,19 @@ class OSDNLayerMixin:
     ``_state_heads``, the number of heads that carry a state (value heads).
     """
 
+    def _short_conv_qkv(self, hidden_states, conv_states, use_cache, cu_seqlens):
+        """The q/k/v projections through their short convolutions (fla's layers' own input side):
+        ``(q, k, v, conv_states)`` with q, k, v flat (``[..., heads · dim]``), activated as the
+        convolutions were built to."""
+        conv_q, conv_k, conv_v = conv_states if conv_states is not None else (None,) * 3
+        q, conv_q = self.q_conv1d(x=self.q_proj(hidden_states), cache=conv_q,
+                                  output_final_state=use_cache, cu_seqlens=cu_seqlens)
+        k, conv_k = self.k_conv1d(x=self.k_proj(hidden_states), cache=conv_k,
+                                  output_final_state=use_cache, cu_seqlens=cu_seqlens)
+        v, conv_v = self.v_conv1d(x=self.v_proj(hidden_states), cache=conv_v,
+                                  output_final_state=use_cache, cu_seqlens=cu_seqlens)
+        return q, k, v, (conv_q, conv_k, conv_v)
+
     def _build_osdn_parameters(self, hidden_size: int, heads: int) -> None:
         """APF's retention gate ``r_proj`` (hidden → one retention per state head) and the learned
         ``d0 [heads, K]``, as the flags ask, initialised by :meth:`reset_osdn_parameters`."""

@@ -193,14 +193,7 @@ class OSDN(OSDNLayerMixin, nn.Module):
         already unpadded ``hidden_states`` (``cu_seqlens`` as fla's layers use it).
         """
         if self.use_short_conv:
-            conv_state_q, conv_state_k, conv_state_v = conv_states if conv_states is not None else (None,) * 3
-            q, conv_state_q = self.q_conv1d(x=self.q_proj(hidden_states), cache=conv_state_q,
-                                            output_final_state=use_cache, cu_seqlens=cu_seqlens)
-            k, conv_state_k = self.k_conv1d(x=self.k_proj(hidden_states), cache=conv_state_k,
-                                            output_final_state=use_cache, cu_seqlens=cu_seqlens)
-            v, conv_state_v = self.v_conv1d(x=self.v_proj(hidden_states), cache=conv_state_v,
-                                            output_final_state=use_cache, cu_seqlens=cu_seqlens)
-            conv_states = (conv_state_q, conv_state_k, conv_state_v)
+            q, k, v, conv_states = self._short_conv_qkv(hidden_states, conv_states, use_cache, cu_seqlens)
         else:
             q = self.q_proj(hidden_states)
             k = self.k_proj(hidden_states)

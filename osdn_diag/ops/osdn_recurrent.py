@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .._checks import check_box
 from ..math.phase1 import _validate
+from .phase1 import _contig, _d0_mode, _params, _ret_mode
 
 __all__ = ["FusedRecurrentResult", "fused_recurrent_osdn", "fused_recurrent_osdn_fwd_kernel"]
 
@@ -198,15 +199,12 @@ def fused_recurrent_osdn(
         raise ValueError(f"argument 'initial_state': expected shape {(N, H, V, K)}, got {tuple(initial_state.shape)}")
     scale = K ** -0.5 if scale is None else float(scale)
     dev = k.device
-    q, k, v, beta, g, retention, d0, initial_state = (
-        None if x is None else x.contiguous() for x in (q, k, v, beta, g, retention, d0, initial_state)
-    )
+    q, k, v, beta, g, retention, d0, initial_state = map(_contig, (q, k, v, beta, g, retention, d0, initial_state))
     o = torch.empty_like(v)
     ht = torch.empty(N, H, V, K, dtype=torch.float32, device=dev) if output_final_state else None
     dfin = torch.empty(N, H, K, dtype=torch.float32, device=dev)
     dt = torch.empty(B, T, H, K, dtype=torch.float32, device=dev) if return_trajectory else None
-    box = (0.0, 0.0) if d_min is None else (float(d_min), float(d_max))
-    scalars = torch.tensor([float(eta), float(eps), *box], dtype=torch.float32, device=dev)
+    scalars = _params(eta, eps, d_min, d_max, dtype=torch.float32, device=dev)
     dummy = scalars[:1]
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 32)
@@ -221,8 +219,7 @@ def fused_recurrent_osdn(
         o, dummy if ht is None else ht, dfin, dummy if dt is None else dt,
         scale, T,
         H=H, K=K, V=V, BK=BK, BV=BV,
-        RET=0 if retention is None else (1 if retention.dim() == 3 else 2),
-        D0=0 if d0 is None else (1 if d0.dim() == 2 else 2),
+        RET=_ret_mode(retention), D0=_d0_mode(d0),
         USE_G=g is not None, USE_H0=initial_state is not None, STORE_FINAL=output_final_state,
         BOX=d_min is not None, BETA_AWARE=bool(beta_aware), STORE_D=return_trajectory,
         VARLEN=cu_seqlens is not None,

@@ -330,13 +330,19 @@ def _acc_dtype(k: torch.Tensor) -> torch.dtype:
     return torch.float64 if k.dtype == torch.float64 else torch.float32
 
 
-def _params(k, eta, eps, d_min, d_max) -> torch.Tensor:
+def _params(eta, eps, d_min, d_max, *, dtype, device) -> torch.Tensor:
+    """The kernels' scalars ``[eta, eps, d_min, d_max]`` as a tensor (a Python float argument would
+    reach Triton as fp32, too coarse for the fp64 path); the box is zeros when there is none."""
     box = (0.0, 0.0) if d_min is None else (float(d_min), float(d_max))
-    return torch.tensor([float(eta), float(eps), *box], dtype=_acc_dtype(k), device=k.device)
+    return torch.tensor([float(eta), float(eps), *box], dtype=dtype, device=device)
 
 
 def _ret_mode(retention) -> int:
     return 0 if retention is None else (1 if retention.dim() == 3 else 2)
+
+
+def _d0_mode(d0) -> int:
+    return 0 if d0 is None else (1 if d0.dim() == 2 else 2)
 
 
 def _contig(x):
@@ -356,12 +362,12 @@ def phase1_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aw
         k, beta,
         dummy if retention is None else retention,
         dummy if d0 is None else d0,
-        _params(k, eta, eps, d_min, d_max),
+        _params(eta, eps, d_min, d_max, dtype=acc, device=k.device),
         dummy if cu_seqlens is None else cu_seqlens,
         wk, dummy if dt is None else dt, dfin,
         T, H=H, K=K, BK=triton.next_power_of_2(K),
         RET=_ret_mode(retention),
-        D0=0 if d0 is None else (1 if d0.dim() == 2 else 2),
+        D0=_d0_mode(d0),
         BOX=d_min is not None, BETA_AWARE=bool(beta_aware), STORE_D=store_d,
         VARLEN=cu_seqlens is not None,
         num_warps=NUM_WARPS,
@@ -385,7 +391,7 @@ def phase1_bwd(k, beta, retention, dt, cu_seqlens, N, eta, d_min, d_max, beta_aw
     osdn_phase1_bwd_kernel[(N * H,)](
         k, beta,
         dummy if retention is None else retention,
-        dt, _params(k, eta, eps, d_min, d_max),
+        dt, _params(eta, eps, d_min, d_max, dtype=acc, device=k.device),
         dummy if cu_seqlens is None else cu_seqlens,
         dwk, dummy if ddt is None else ddt, dummy if ddfin is None else ddfin,
         dk, dummy if dbeta is None else dbeta, dummy if dr is None else dr, dd0,

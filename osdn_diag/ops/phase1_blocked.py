@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..math.phase1 import Phase1Result, _validate
+from .phase1 import _contig, _d0_mode, _params, _ret_mode
 
 __all__ = ["osdn_precondition_blocked"]
 
@@ -172,14 +173,13 @@ def osdn_precondition_blocked(
         raise ValueError(f"argument 'block': expected a power of two >= 16, got {block}")
     B, T, H, K = k.shape
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    contig = lambda x: None if x is None else x.contiguous()  # noqa: E731
-    k, beta, retention, d0 = map(contig, (k, beta, retention, d0))
+    k, beta, retention, d0 = map(_contig, (k, beta, retention, d0))
     wk = torch.empty_like(k)
     dt = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device) if return_trajectory else None
     dfin = torch.empty(N, H, K, dtype=torch.float32, device=k.device)
-    box = (0.0, 0.0) if d_min is None else (float(d_min), float(d_max))
-    tol = 8 * torch.finfo(torch.float32).eps
-    scalars = torch.tensor([float(eta), float(eps), *box, tol], dtype=torch.float32, device=k.device)
+    # phase 1's scalars (fp32 for these inputs) and the Picard rounds' stopping tolerance
+    tol = k.new_full((1,), 8 * torch.finfo(torch.float32).eps, dtype=torch.float32)
+    scalars = torch.cat([_params(eta, eps, d_min, d_max, dtype=torch.float32, device=k.device), tol])
     dummy = scalars[:1]
     osdn_phase1_blocked_fwd_kernel[(N * H,)](
         k, beta,
@@ -189,8 +189,7 @@ def osdn_precondition_blocked(
         dummy if cu_seqlens is None else cu_seqlens,
         wk, dummy if dt is None else dt, dfin,
         T, H=H, K=K, BK=triton.next_power_of_2(K), BT=block,
-        RET=0 if retention is None else (1 if retention.dim() == 3 else 2),
-        D0=0 if d0 is None else (1 if d0.dim() == 2 else 2),
+        RET=_ret_mode(retention), D0=_d0_mode(d0),
         BOX=d_min is not None, BETA_AWARE=bool(beta_aware), STORE_D=return_trajectory,
         VARLEN=cu_seqlens is not None,
         num_warps=4,

@@ -32,23 +32,6 @@ def _layers():
     }
 
 
-@pytest.fixture
-def fp32_chunk_delta_rule(monkeypatch):
-    """fla's public chunk_delta_rule refuses fp32; its autograd Function is the same computation."""
-    import fla.layers.delta_net as dn
-    from fla.ops.delta_rule.chunk import ChunkDeltaRuleFunction
-
-    def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
-                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):
-        scale = k.shape[-1] ** -0.5 if scale is None else scale
-        return ChunkDeltaRuleFunction.apply(
-            q, k, v, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            cu_seqlens, None, 64,
-        )
-
-    monkeypatch.setattr(dn, "chunk_delta_rule", chunk_delta_rule)
-
-
 def _forward(layer, x, **kw):
     with torch.no_grad():
         return layer(x, **kw)[0]

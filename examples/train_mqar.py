@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import shlex
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -32,6 +33,8 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from osdn_diag.capture.store import atomic_write_text
 
 ARCHS = ("deltanet", "osdn", "osdn-apf", "gated-deltanet", "osgdn")
 
@@ -116,6 +119,21 @@ def d_statistics(model, ids: torch.Tensor, amp, d_min: float, d_max: float) -> d
         "fraction_at_d_max": float((d >= d_max - tol).double().mean()),
         "fraction_moved": float(((d - 1).abs() > 1e-3).double().mean()),
     }
+
+
+def _save(target: Path, model, log: list[dict], card: str, task: dict) -> None:
+    """Write one checkpoint directory whole or not at all: everything goes to a hidden sibling that
+    replaces ``target`` by a rename at the end, so an interrupted run never leaves a directory that
+    looks like a finished checkpoint."""
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    model.float().save_pretrained(partial, safe_serialization=True)
+    (partial / "train_log.jsonl").write_text("".join(json.dumps(row) + "\n" for row in log))
+    (partial / "README.md").write_text(card)
+    (partial / "task.json").write_text(json.dumps(task, indent=2) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
 
 
 def model_card(arch: str, config, a, result: dict, command: str) -> str:
@@ -267,17 +285,10 @@ def main(argv=None) -> dict:
         if arch.startswith("os"):
             res["d"] = d_statistics(model, eval_twice[0], amp, a.d_min, a.d_max)
         results[arch] = res
-        target = out / f"mqar-{arch}"
-        target.mkdir(parents=True, exist_ok=True)
-        model.float().save_pretrained(target, safe_serialization=True)
-        with open(target / "train_log.jsonl", "w") as fh:
-            for row in logs[arch]:
-                fh.write(json.dumps(row) + "\n")
-        (target / "README.md").write_text(model_card(arch, model.config, a, res, command))
         task = {"suite": "mqar", "vocab_size": a.vocab, "num_pairs": a.pairs, "num_queries": a.pairs}
-        (target / "task.json").write_text(json.dumps(task, indent=2) + "\n")
+        _save(out / f"mqar-{arch}", model, logs[arch], model_card(arch, model.config, a, res, command), task)
         print(json.dumps(res))
-    (out / "train_summary.json").write_text(json.dumps({"command": command, "results": results}, indent=2))
+    atomic_write_text(out / "train_summary.json", json.dumps({"command": command, "results": results}, indent=2))
     return results
 
 

@@ -59,6 +59,8 @@ def trained(tmp_path_factory):
 
 def test_train_mqar_writes_loadable_checkpoints(trained):
     out, _ = trained
+    # Each checkpoint is written aside and renamed into place: nothing half-written is left.
+    assert sorted(p.name for p in out.iterdir()) == sorted([*(f"mqar-{a}" for a in ARCHS), "train_summary.json"])
     for arch, (cls, model_type) in ARCHS.items():
         d = out / f"mqar-{arch}"
         loaded = load_model(str(d))

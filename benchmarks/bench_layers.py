@@ -1,14 +1,17 @@
 """OSDN / OSGDN layers against fla's DeltaNet / GatedDeltaNet layers, forward and forward+backward,
 with the phase-1 kernel's share measured separately (GPU only).
 
-    python benchmarks/bench_layers.py [--B 8 --T 4096 --H 8 --K 128] [--json FILE]
+    python benchmarks/bench_layers.py [--B 8 --T 4096 --H 8 --K 128] [--phase1 sequential,blocked]
+                                      [--json FILE]
 
 bf16, hidden = H·K, K = V. Every pair is built with the same weights (the OSDN layer's state dict
 is loaded into the fla layer), and before timing the pair's outputs at η = 0 are compared (OSDN at
 η = 0 is DeltaNet). Kernel rows time the state update alone on the layer's own shapes: fla's
 ``chunk_delta_rule`` / ``chunk_gated_delta_rule``, our ``chunk_osdn`` (phase 2), ``osdn_precondition``
 (phase 1), and fla's ``chunk_precond_gated_delta_rule`` (its own preconditioned delta rule) as the
-overhead to beat. Times are ``triton.testing.do_bench`` medians in ms.
+overhead to beat. ``--phase1`` lists the phase-1 forward kernels to time the OSDN layers with
+(``osdn_diag.ops.phase1.AUTO_METHOD``); rows are named ``OSDN[method]``. Times are
+``triton.testing.do_bench`` medians in ms.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def layer_rows(a) -> tuple[dict, dict]:
     from fla.layers import DeltaNet, GatedDeltaNet
 
     from osdn_diag.layers import OSDN
+    from osdn_diag.ops import phase1
 
     pairs = [("OSDN", "DeltaNet", OSDN, DeltaNet, {})]
     try:
@@ -78,9 +82,12 @@ def layer_rows(a) -> tuple[dict, dict]:
             checks[f"{ours_name}(eta=0) vs {theirs_name}, bf16 rel"] = _rel(ours(x)[0], theirs(x)[0])
         ours.eta = a.eta
         print(f"  check {ours_name}(eta=0) vs {theirs_name}: {checks[f'{ours_name}(eta=0) vs {theirs_name}, bf16 rel']:.2e}")
+        variants = [(theirs_name, theirs, None)] + [(f"{ours_name}[{m}]", ours, m) for m in a.phase1.split(",")]
         for mode, make in (("fwd", None), ("fwd+bwd", _fwd_bwd)):
-            for name, layer in ((theirs_name, theirs), (ours_name, ours)):
+            for name, layer, method in variants:
                 key = f"{name} layer {mode}"
+                if method is not None:
+                    phase1.AUTO_METHOD = method
                 try:
                     if make is None:
                         with torch.no_grad():
@@ -116,10 +123,12 @@ def kernel_rows(a) -> dict:
     fns = {
         "fla chunk_delta_rule fwd": lambda: chunk_delta_rule(q, k, v, beta),
         "chunk_osdn fwd (phase 2)": lambda: chunk_osdn(q, k, v, beta, wk),
-        "osdn_precondition fwd (phase 1)": lambda: osdn_precondition(k, beta, eta=a.eta, validate=False),
         "fla chunk_gated_delta_rule fwd": lambda: chunk_gated_delta_rule(q, k, v, g, beta),
         "chunk_osdn gated fwd (phase 2)": lambda: chunk_osdn(q, k, v, beta, wk, g=g),
     }
+    for m in a.phase1.split(","):
+        fns[f"osdn_precondition fwd (phase 1, {m})"] = (
+            lambda m=m: osdn_precondition(k, beta, eta=a.eta, validate=False, method=m))
     rows = {name: _bench(fn, name) for name, fn in fns.items()}
     try:
         from fla.ops.precond_gated_delta_rule import chunk_precond_gated_delta_rule
@@ -140,6 +149,7 @@ def main(argv=None) -> dict:
     for name, default in (("B", 8), ("T", 4096), ("H", 8), ("K", 128)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--eta", type=float, default=0.003)
+    p.add_argument("--phase1", default="sequential,blocked", help="phase-1 forward kernels to time")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -153,22 +163,27 @@ def main(argv=None) -> dict:
     print(f"\n{'layer':34s} {'ms':>9s} {'vs fla':>8s}")
     for ours, theirs in (("OSDN", "DeltaNet"), ("OSGDN", "GatedDeltaNet")):
         for mode in ("fwd", "fwd+bwd"):
-            a_ms, b_ms = layers.get(f"{ours} layer {mode}"), layers.get(f"{theirs} layer {mode}")
-            if a_ms is None or b_ms is None:
+            b_ms = layers.get(f"{theirs} layer {mode}")
+            if b_ms is None:
                 continue
             print(f"{theirs + ' layer ' + mode:34s} {b_ms:9.3f} {'1.00x':>8s}")
-            print(f"{ours + ' layer ' + mode:34s} {a_ms:9.3f} {a_ms / b_ms:7.2f}x")
+            for m in a.phase1.split(","):
+                a_ms = layers.get(f"{ours}[{m}] layer {mode}")
+                if a_ms is not None:
+                    print(f"{ours + '[' + m + '] layer ' + mode:34s} {a_ms:9.3f} {a_ms / b_ms:7.2f}x")
     base = kernels["fla chunk_delta_rule fwd"]
     print(f"\n{'kernel (fwd)':42s} {'ms':>9s} {'vs chunk_delta_rule':>20s}")
     for name, ms in kernels.items():
         print(f"{name:42s} {ms:9.3f} {ms / base:19.2f}x")
-    osdn_kernel = kernels["chunk_osdn fwd (phase 2)"] + kernels["osdn_precondition fwd (phase 1)"]
-    print(f"{'OSDN phase 1 + phase 2':42s} {osdn_kernel:9.3f} {osdn_kernel / base:19.2f}x")
+    for m in a.phase1.split(","):
+        osdn_kernel = kernels["chunk_osdn fwd (phase 2)"] + kernels[f"osdn_precondition fwd (phase 1, {m})"]
+        print(f"{'OSDN phase 1 (' + m + ') + phase 2':42s} {osdn_kernel:9.3f} {osdn_kernel / base:19.2f}x")
     result = {
         "shape": dict(B=a.B, T=a.T, H=a.H, K=a.K, dtype="bf16", eta=a.eta),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "host": platform.node(),
+        "phase1_methods": a.phase1.split(","),
         "checks": checks,
         "layers_ms": layers,
         "kernels_ms": kernels,

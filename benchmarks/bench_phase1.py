@@ -80,8 +80,8 @@ def main(argv=None) -> dict:
     del k64, b64, ref_wk, ref_dk, ref_db, dk, db
     kg, bg = k.clone().requires_grad_(True), beta.clone().requires_grad_(True)
 
-    def phase1_bwd():
-        wk = osdn_precondition(kg, bg, **kw, validate=False)
+    def phase1_bwd(method="sequential"):
+        wk = osdn_precondition(kg, bg, **kw, validate=False, method=method)
         torch.autograd.grad(wk, (kg, bg), grad_outputs=dwk)
 
     from osdn_diag.ops.phase1_blocked import osdn_precondition_blocked
@@ -108,6 +108,7 @@ def main(argv=None) -> dict:
             lambda: osdn_precondition(k, beta, **kw, validate=False, return_trajectory=True)
         ),
         "phase1 fwd+bwd": _bench(phase1_bwd),
+        "phase1 blocked fwd+bwd (block 64)": _bench(lambda: phase1_bwd("blocked")),
     }
     phase2 = {}
     try:
@@ -144,6 +145,8 @@ def main(argv=None) -> dict:
         "ratio_phase1_over_phase2": {
             "fwd": rows["phase1 fwd"] / phase2["fwd"] if phase2 else None,
             "fwd+bwd": rows["phase1 fwd+bwd"] / phase2["fwd+bwd"] if phase2 else None,
+            "blocked fwd": rows["phase1 blocked fwd, block 64"] / phase2["fwd"] if phase2 else None,
+            "blocked fwd+bwd": rows["phase1 blocked fwd+bwd (block 64)"] / phase2["fwd+bwd"] if phase2 else None,
         },
     }
     if a.json:

@@ -41,6 +41,8 @@ def main(argv=None) -> dict:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--skip-torch", action="store_true", help="skip the slow torch reference loop")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time every launch configuration (block_v x num_warps) of the fused replay")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_replay needs a CUDA GPU")
@@ -79,6 +81,19 @@ def main(argv=None) -> dict:
         t_torch = _timed_once(lambda: delta_rule_recurrence(q, k, v, beta))
         rows.append(("torch reference loop (fp32)", t_torch))
 
+    sweep = []
+    if a.sweep:
+        for bv in (8, 16, 32, 64, 128):
+            if bv > V:
+                continue
+            for nw in (1, 2, 4, 8):
+                ms = _bench(lambda: fused_replay(q, k, v, beta, block_v=bv, num_warps=nw))
+                sweep.append(dict(block_v=bv, num_warps=nw, ms=ms))
+                print(f"sweep block_v={bv:4d} num_warps={nw}: {ms:8.3f} ms"
+                      + (f"  ({t_fla / ms:.2f}x fla)" if t_fla else ""), flush=True)
+        best = min(sweep, key=lambda r: r["ms"])
+        rows.append((f"fused replay, best (BV={best['block_v']}, warps={best['num_warps']})", best["ms"]))
+
     print(f"\nreplay, B={B} T={T} H={H} K={K} V={V} ({n_meas / 1e6:.3f} M token-head measurements), "
           f"{torch.cuda.get_device_name()}")
     print("fused vs fp64 reference, relative error: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
@@ -94,6 +109,7 @@ def main(argv=None) -> dict:
         "host": platform.node(),
         "errors_vs_fp64": errors,
         "ms": {name: ms for name, ms in rows},
+        "sweep": sweep,
     }
     if a.json:
         with open(a.json, "w") as fh:

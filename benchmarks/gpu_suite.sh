@@ -3,7 +3,8 @@
 #
 #   OUT=/path/to/results bash benchmarks/gpu_suite.sh [step ...]
 #
-# Steps (default: all, in this order): tests, layers, phase1, replay, comparator, capture.
+# Steps (default: all, in this order): tests, layers, phase1, replay, comparator, capture, e2e,
+# e2e_1b, memory; and e2e_ddp (every GPU of the machine under torchrun; not in the default list).
 # Each step runs under its own time limit (seconds; override with e.g. LIMIT_tests=300) and its
 # output goes to $OUT/<step>.txt (and .json for the benchmarks) as soon as it ends, so a step that
 # runs out of time still leaves the others' results. Everything is also packed into $OUT/gpu_suite.tgz
@@ -20,7 +21,8 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/osdn_diag_triton_cache}
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 PY=${PYTHON:-python3}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests layers phase1 replay comparator capture)
+[ ${#steps[@]} -eq 0 ] && steps=(tests layers phase1 replay comparator capture e2e e2e_1b memory)
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
 
@@ -40,10 +42,17 @@ for step in "${steps[@]}"; do
                         tests/ops tests/layers/test_layers_gpu.py ;;
         layers)     run_step layers 240 "$PY" benchmarks/bench_layers.py --json "$OUT/layers.json" ;;
         phase1)     run_step phase1 120 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;
-        replay)     run_step replay 120 "$PY" benchmarks/bench_replay.py --json "$OUT/replay.json" ;;
+        replay)     run_step replay 180 "$PY" benchmarks/bench_replay.py --sweep --json "$OUT/replay.json" ;;
         comparator) run_step comparator 120 "$PY" benchmarks/bench_comparator.py --json "$OUT/comparator.json" ;;
         capture)    run_step capture 300 "$PY" benchmarks/bench_capture.py --json "$OUT/capture.json" ;;
-        *) echo "unknown step $step (tests layers phase1 replay comparator capture)"; exit 2 ;;
+        e2e)        run_step e2e 420 "$PY" benchmarks/bench_e2e.py --profile --json "$OUT/e2e.json" ;;
+        e2e_1b)     run_step e2e_1b 300 "$PY" benchmarks/bench_e2e.py --model random:deltanet-1.3b --mode stream \
+                        --json "$OUT/e2e_1b.json" ;;
+        memory)     run_step memory 300 "$PY" benchmarks/bench_e2e.py --prompts 1 --T 20000 --batch-size 1 \
+                        --json "$OUT/memory.json" ;;
+        e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
+                        benchmarks/bench_e2e.py --mode stream --json "$OUT/e2e_ddp.json" ;;
+        *) echo "unknown step $step (tests layers phase1 replay comparator capture e2e e2e_1b memory e2e_ddp)"; exit 2 ;;
     esac
 done
 tar czf "$OUT/gpu_suite.tgz" --exclude=gpu_suite.tgz -C "$OUT" .

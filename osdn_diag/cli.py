@@ -58,6 +58,21 @@ def _replay(args: argparse.Namespace, run_dir) -> dict:
     )
 
 
+def _stream(args: argparse.Namespace) -> dict:
+    import torch
+
+    from .pipeline import stream_run
+
+    return stream_run(
+        args.model, args.prompts, args.out,
+        device=args.device, dtype=_torch_dtype(args.dtype), kernels=args.kernels,
+        batch_size=args.batch_size, twice=args.twice, num_prompts=args.num_prompts,
+        length=args.length, seed=args.seed, progress=not args.quiet,
+        backend=args.backend, replay_dtype=torch.float64 if args.fp64 else torch.float32,
+        tolerance=args.tolerance, retained=args.retained,
+    )
+
+
 def _print_summary(summary: dict, run_dir) -> None:
     print(f"\n{run_dir}: q_geo = {summary['q_geo']:.4f}, q_arith = {summary['q_arith']:.4f}, "
           f"n = {summary['n']:,} token-layer-head measurements")
@@ -98,8 +113,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .report import write_report
 
     ranks = init_from_env()
-    out = _capture(args)
-    summary = _replay(args, out)
+    if args.stream:
+        out = args.out
+        summary = _stream(args)
+    else:
+        out = _capture(args)
+        summary = _replay(args, out)
     if ranks.is_main:
         _print_summary(summary, out)
         print(f"report: {write_report([out])}")
@@ -213,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "summary.json and report.md (with plots/) to DIR.")
     _add_capture_args(run)
     _add_replay_args(run)
+    run.add_argument("--stream", action="store_true",
+                     help="replay each call as soon as it is captured and store no capture/: the same "
+                     "results, faster, with host memory bounded and nothing but results on disk; "
+                     "`replay` and `what-if` then cannot run on DIR")
     _add_common(run)
     run.set_defaults(func=_cmd_run)
 

@@ -1,5 +1,6 @@
 """Run directories: :func:`capture_run` (model + prompts → ``capture/`` + ``manifest.json``) and
-:func:`replay_run` (→ ``residuals.parquet``, ``comparator.parquet``, ``summary.json``).
+:func:`replay_run` (→ ``residuals.parquet``, ``comparator.parquet``, ``summary.json``), or both in one
+pass without storing the capture, :func:`stream_run`.
 
 The replay itself — the per-token table and the summary's accumulators — is
 :class:`osdn_diag.replayer.Replayer`; this module handles files, ranks and the manifest.
@@ -16,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from .capture.store import CaptureReader, CaptureWriter, atomic_write_text
+from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
 from .replayer import CONTRACT_COLUMNS, Replayer
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "Replayer",
     "capture_run",
     "replay_run",
+    "stream_run",
 ]
 
 RESIDUALS = "residuals.parquet"
@@ -91,52 +93,158 @@ def capture_run(
     """Load the model, run every prompt through it under :func:`osdn_diag.capture.capture`, and stream
     the captured calls to ``out_dir/capture``. The manifest says ``"complete": true`` only at the end.
 
+    ``model_spec`` is a model spec (a directory, ``builtin:NAME``, ``random:PRESET``) or a model
+    :func:`osdn_diag.models.load_model` already loaded (then its device and dtype are the defaults).
     ``dtype`` defaults to bf16 on CUDA (fla's chunk kernels refuse fp32 DeltaNet inputs) and fp32 on
     the CPU. Returns ``out_dir``.
     """
-    from . import distributed, runtime
-    from .capture.context import capture
-    from .models import load_model
-    from .prompts import load_prompts
+    session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
+                              batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
+                              seed=seed)
+    session.run(lambda stored: session.writer.write(stored.batch, stored.prompts, stored.call), progress)
+    session.finish()
+    return session.out_dir
 
-    if batch_size < 1:
-        raise ValueError(f"argument 'batch_size': expected >= 1, got {batch_size}")
-    ranks = distributed.current()
-    device = runtime.prepare(device or ranks.device())
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    out_dir = Path(out_dir)
-    writer = CaptureWriter(out_dir)
-    if ranks.is_main:
-        writer.begin({"versions": _versions(), "model": {"spec": model_spec}, "prompts_source": prompts_spec})
-    ranks.barrier()
-    loaded = load_model(model_spec, device=device, dtype=dtype, seed=seed)
-    tokenize = _tokenizer(loaded.directory)
-    prompts = load_prompts(
-        prompts_spec, vocab_size=loaded.config["vocab_size"], tokenize=tokenize, twice=twice,
-        num_prompts=num_prompts, length=length, seed=seed,
-    )
-    batches = [(i, b) for i, b in _batches(prompts, batch_size) if ranks.owns(i)]
-    hits: dict[int, tuple[int, int]] = {}  # prompt id -> (answers right, queries), recall prompts only
-    with capture(loaded.model, kernels=kernels) as cap, torch.inference_mode():
-        for batch_idx, batch in _progress(batches, len(batches), progress and ranks.is_main, "capture", "batch"):
-            ids, mask = _inputs(batch, device)
-            out = loaded.model(input_ids=ids, attention_mask=mask, use_cache=False)
-            for call in cap.calls:
-                writer.write(batch_idx, [p.id for p in batch], call)
-            cap.calls.clear()
-            hits.update(_recall_hits(batch, getattr(out, "logits", None)))
-    for layers in ranks.gather(writer.layers):  # a rank may have had no batch: take every rank's
-        for index, entry in layers.items():
-            writer.layers.setdefault(index, entry)
-    for part in ranks.gather(hits):
-        hits.update(part)
-    kernels_used = sorted({layer["flags"].get("kernels", kernels) for layer in writer.layers.values()})
-    ranks.barrier()  # every rank's shards are on disk before the manifest says complete
-    if ranks.is_main:
-        _finish_capture(writer, loaded, prompts, model_spec, device, dtype, kernels_used, batch_size,
-                        twice, seed, ranks.world, hits)
-    ranks.barrier()  # and no rank goes on before it does
-    return out_dir
+
+def stream_run(
+    model_spec: str,
+    prompts_spec: str,
+    out_dir: str | os.PathLike,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    kernels: str = "auto",
+    batch_size: int = 1,
+    twice: bool = False,
+    num_prompts: int = 8,
+    length: int = 512,
+    seed: int = 0,
+    progress: bool = True,
+    replay_dtype: torch.dtype = torch.float32,
+    **replay_kw,
+) -> dict:
+    """Capture and replay in one pass, storing no capture: every call is replayed on the device as
+    soon as its forward batch has run, and only its rows of the per-token table leave the device.
+
+    Writes ``manifest.json`` (with ``"capture_stored": false``), ``residuals.parquet``,
+    ``comparator.parquet`` and ``summary.json`` — the same files and numbers as
+    :func:`capture_run` followed by :func:`replay_run`, without ``capture/`` (so neither ``replay``
+    nor ``what-if`` can run on the directory later). Host memory stays bounded by one call's rows,
+    and nothing is written to disk but the results. Arguments as for :func:`capture_run` (``dtype`` is
+    the model's), ``replay_dtype`` the replay's (fp32 or fp64), ``replay_kw`` as for
+    :func:`replay_run`. Returns the summary (``{}`` on ranks other than 0).
+    """
+    session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
+                              batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
+                              seed=seed, stored=False)
+    replay_kw.setdefault("device", session.device)
+    replayer = Replayer({p.id: p.manifest_entry() for p in session.prompts}, dtype=replay_dtype, **replay_kw)
+    with _ResidualsWriter(session.out_dir, replayer.schema, session.ranks) as residuals:
+        def replay_now(stored: StoredCall) -> None:
+            session.writer.layers.setdefault(stored.call.layer, layer_entry(stored.call))
+            residuals.write(replayer.add(stored))
+
+        session.run(replay_now, progress)
+    summary = _finish_replay(replayer, session.ranks, session.out_dir, session.manifest_prompts())
+    session.finish()
+    return summary
+
+
+class _CaptureSession:
+    """What :func:`capture_run` and :func:`stream_run` share: this rank's device and dtype, the model,
+    the prompts, the forward batches this rank owns, and the manifest (written incomplete at the
+    start, complete by :meth:`finish` once every rank is done)."""
+
+    def __init__(self, model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_size, twice,
+                 num_prompts, length, seed, stored: bool = True):
+        from . import distributed, runtime
+        from .models import LoadedModel, load_model
+        from .prompts import load_prompts
+
+        if batch_size < 1:
+            raise ValueError(f"argument 'batch_size': expected >= 1, got {batch_size}")
+        self.ranks = distributed.current()
+        preloaded = model_spec if isinstance(model_spec, LoadedModel) else None
+        if preloaded is not None:  # already on its device, in its dtype
+            param = next(preloaded.model.parameters())
+            device, dtype, model_spec = device or param.device, dtype or param.dtype, preloaded.spec
+        self.device = runtime.prepare(device or self.ranks.device())
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.out_dir = Path(out_dir)
+        self.model_spec, self.kernels, self.batch_size = model_spec, kernels, batch_size
+        self.twice, self.seed, self.stored = twice, seed, stored
+        self.writer = CaptureWriter(self.out_dir)
+        if self.ranks.is_main:
+            self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
+                               "prompts_source": prompts_spec, "capture_stored": stored})
+        self.ranks.barrier()
+        self.loaded = preloaded or load_model(model_spec, device=self.device, dtype=self.dtype, seed=seed)
+        self.prompts = load_prompts(
+            prompts_spec, vocab_size=self.loaded.config["vocab_size"], tokenize=_tokenizer(self.loaded.directory),
+            twice=twice, num_prompts=num_prompts, length=length, seed=seed,
+        )
+        self.hits: dict[int, tuple[int, int]] = {}  # prompt id -> (answers right, queries), recall prompts
+
+    def run(self, on_call, progress: bool) -> None:
+        """Run this rank's forward batches under capture; hand every captured call to ``on_call`` (a
+        :class:`StoredCall`) as soon as its batch has run, then drop it."""
+        from .capture.context import capture
+
+        batches = [(i, b) for i, b in _batches(self.prompts, self.batch_size) if self.ranks.owns(i)]
+        show = progress and self.ranks.is_main
+        with capture(self.loaded.model, kernels=self.kernels) as cap, torch.inference_mode():
+            for batch_idx, batch in _progress(batches, len(batches), show, "capture", "batch"):
+                ids, mask = _inputs(batch, self.device)
+                out = self.loaded.model(input_ids=ids, attention_mask=mask, use_cache=False)
+                prompt_ids = [p.id for p in batch]
+                for call in cap.calls:
+                    on_call(StoredCall(batch=batch_idx, prompts=prompt_ids, call=call))
+                cap.calls.clear()
+                self.hits.update(_recall_hits(batch, getattr(out, "logits", None)))
+        for layers in self.ranks.gather(self.writer.layers):  # a rank may have had no batch
+            for index, entry in layers.items():
+                self.writer.layers.setdefault(index, entry)
+        for part in self.ranks.gather(self.hits):
+            self.hits.update(part)
+
+    def manifest_prompts(self) -> list[dict]:
+        """The manifest's prompt entries, with recall where the prompts carry answers."""
+        entries = []
+        for p in self.prompts:
+            entry = p.manifest_entry()
+            if p.id in self.hits:
+                entry["recall_correct"], entry["recall_queries"] = self.hits[p.id]
+            entries.append(entry)
+        return entries
+
+    def finish(self) -> None:
+        """Mark the manifest complete once every rank's files are on disk."""
+        kernels_used = sorted({layer["flags"].get("kernels", self.kernels) for layer in self.writer.layers.values()})
+        self.ranks.barrier()  # every rank's shards are on disk before the manifest says complete
+        if self.ranks.is_main:
+            cfg = self.loaded.config
+            self.writer.finish(
+                {
+                    "model": {
+                        "spec": self.model_spec,
+                        "source": self.loaded.source,
+                        "model_type": cfg.get("model_type"),
+                        "hidden_size": cfg.get("hidden_size"),
+                        "num_hidden_layers": cfg.get("num_hidden_layers"),
+                        "num_heads": cfg.get("num_heads"),
+                        "vocab_size": cfg.get("vocab_size"),
+                    },
+                    "prompts": self.manifest_prompts(),
+                    "twice": self.twice,
+                    "seed": self.seed,
+                    "device": str(self.device),
+                    "dtype": str(self.dtype).removeprefix("torch."),
+                    "kernels": kernels_used,
+                    "batch_size": self.batch_size,
+                    "world_size": self.ranks.world,
+                }
+            )
+        self.ranks.barrier()  # and no rank goes on before it does
 
 
 def _recall_hits(batch, logits: torch.Tensor | None) -> dict[int, tuple[int, int]]:
@@ -167,37 +275,6 @@ def recall_table(manifest: dict) -> dict[str, dict]:
         task: {"accuracy": c / q if q else float("nan"), "correct": c, "queries": q, "prompts": n}
         for task, (c, q, n) in per_task.items()
     }
-
-
-def _finish_capture(writer, loaded, prompts, model_spec, device, dtype, kernels_used, batch_size,
-                    twice, seed, world, hits) -> None:
-    entries = []
-    for p in prompts:
-        entry = p.manifest_entry()
-        if p.id in hits:
-            entry["recall_correct"], entry["recall_queries"] = hits[p.id]
-        entries.append(entry)
-    writer.finish(
-        {
-            "model": {
-                "spec": model_spec,
-                "source": loaded.source,
-                "model_type": loaded.config.get("model_type"),
-                "hidden_size": loaded.config.get("hidden_size"),
-                "num_hidden_layers": loaded.config.get("num_hidden_layers"),
-                "num_heads": loaded.config.get("num_heads"),
-                "vocab_size": loaded.config.get("vocab_size"),
-            },
-            "prompts": entries,
-            "twice": twice,
-            "seed": seed,
-            "device": str(device),
-            "dtype": str(dtype).removeprefix("torch."),
-            "kernels": kernels_used,
-            "batch_size": batch_size,
-            "world_size": world,
-        }
-    )
 
 
 def _tokenizer(directory: Path | None):
@@ -239,31 +316,60 @@ def replay_run(
     ranks = distributed.current()
     run_dir = Path(run_dir)
     reader = CaptureReader(run_dir)
+    if reader.manifest.get("capture_stored") is False:
+        raise ValueError(f"{run_dir}: this run stored no capture (it was made with `run --stream`), so it "
+                         "cannot be replayed again; capture the model again without --stream")
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = {int(p["id"]): p for p in reader.manifest.get("prompts", [])}
     replay_kw.setdefault("device", ranks.device())
     replayer = Replayer(prompts, **replay_kw)
-    target = out_dir / RESIDUALS
-    if ranks.world > 1:  # a partitioned table: one part per rank
-        if ranks.is_main:
-            _remove(target)
-            target.mkdir()
-        ranks.barrier()
-        target = target / f"part-{ranks.rank:05d}.parquet"
-    elif target.is_dir():  # left by an earlier run with several processes
-        _remove(target)
     shards = [p for p in reader.shards() if ranks.owns(int(p.parent.name.removeprefix("batch_")))]
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        with pq.ParquetWriter(tmp, replayer.schema) as writer:
-            for path in _progress(shards, len(shards), progress and ranks.is_main, "replay", "call"):
-                writer.write_table(replayer.add(reader.load(path)))
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with _ResidualsWriter(out_dir, replayer.schema, ranks) as residuals:
+        for path in _progress(shards, len(shards), progress and ranks.is_main, "replay", "call"):
+            residuals.write(replayer.add(reader.load(path)))
+    return _finish_replay(replayer, ranks, out_dir, reader.manifest.get("prompts", []), extra)
+
+
+class _ResidualsWriter:
+    """``residuals.parquet`` written under a temporary name and renamed into place on success; under
+    several processes a directory with one ``part-RRRRR.parquet`` per rank (read as one table)."""
+
+    def __init__(self, out_dir: Path, schema: pa.Schema, ranks):
+        target = Path(out_dir) / RESIDUALS
+        if ranks.world > 1:
+            if ranks.is_main:
+                _remove(target)
+                target.mkdir(parents=True)
+            ranks.barrier()
+            target = target / f"part-{ranks.rank:05d}.parquet"
+        elif target.is_dir():  # left by an earlier run with several processes
+            _remove(target)
+        self.target, self.schema = target, schema
+
+    def __enter__(self):
+        fd, self.tmp = tempfile.mkstemp(dir=self.target.parent, prefix=f".{self.target.name}.", suffix=".tmp")
+        os.close(fd)
+        self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        return self
+
+    def write(self, table: pa.Table) -> None:
+        self.writer.write_table(table)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.writer.close()
+        finally:
+            if exc_type is None:
+                os.replace(self.tmp, self.target)
+            else:
+                Path(self.tmp).unlink(missing_ok=True)
+
+
+def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: list[dict],
+                   extra: dict | None = None) -> dict:
+    """Reduce every rank's statistics on rank 0 and write ``comparator.parquet`` and ``summary.json``
+    there; returns the summary on rank 0, ``{}`` on the others."""
     states = ranks.gather(replayer.state())
     if not ranks.is_main:
         ranks.barrier()
@@ -275,7 +381,7 @@ def replay_run(
     if replayer.comparator_tables:
         _atomic_parquet(pa.concat_tables(replayer.comparator_tables), out_dir / COMPARATOR)
     summary = replayer.summary()
-    recall = recall_table(reader.manifest)
+    recall = recall_table({"prompts": prompt_entries})
     if recall:
         summary["recall"] = recall
     summary.update(extra or {})

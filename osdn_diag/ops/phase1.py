@@ -349,8 +349,31 @@ def _contig(x):
     return None if x is None else x.contiguous()
 
 
-def phase1_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d):
-    """Launch the forward kernel; returns ``(write_key, d trajectory or None, d_final)``."""
+#: The forward kernel ``method="auto"`` runs for fp16/bf16/fp32 keys: ``"sequential"`` (one token at a
+#: time) or ``"blocked"`` (:mod:`osdn_diag.ops.phase1_blocked`); fp64 keys always run sequentially.
+#: ``benchmarks/bench_phase1.py`` times the two.
+AUTO_METHOD = "sequential"
+METHODS = ("auto", "sequential", "blocked")
+
+
+def _resolve_method(method: str, k: torch.Tensor) -> str:
+    if method not in METHODS:
+        raise ValueError(f"argument 'method': expected one of {', '.join(METHODS)}, got {method!r}")
+    if method == "auto":
+        return "sequential" if k.dtype == torch.float64 else AUTO_METHOD
+    if method == "blocked" and k.dtype == torch.float64:
+        raise ValueError("argument 'method': the blocked kernel computes in fp32; fp64 keys need 'sequential'")
+    return method
+
+
+def phase1_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d,
+               method: str = "sequential"):
+    """Launch the forward kernel (``method``: ``"sequential"`` or ``"blocked"``); returns
+    ``(write_key, d trajectory or None, d_final)``."""
+    if method == "blocked":
+        from .phase1_blocked import blocked_fwd
+
+        return blocked_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d)
     B, T, H, K = k.shape
     acc = _acc_dtype(k)
     k, beta, retention, d0 = map(_contig, (k, beta, retention, d0))
@@ -407,10 +430,10 @@ class OSDNPhase1Function(torch.autograd.Function):
     """Differentiable phase 1: ``(k, beta, retention, d0) → (write_key, d trajectory, d_final)``."""
 
     @staticmethod
-    def forward(ctx, k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps):
+    def forward(ctx, k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, method):
         k, beta, retention, d0 = map(_contig, (k, beta, retention, d0))
         wk, dt, dfin = phase1_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max,
-                                  beta_aware, eps, store_d=True)
+                                  beta_aware, eps, store_d=True, method=method)
         ctx.save_for_backward(k, beta, retention, dt, cu_seqlens)
         ctx.args = (N, eta, d_min, d_max, beta_aware, eps)
         ctx.d0_meta = None if d0 is None else (d0.dim(), d0.dtype)
@@ -431,7 +454,7 @@ class OSDNPhase1Function(torch.autograd.Function):
         else:
             dim, dtype = ctx.d0_meta
             dd0 = (dd0.sum(0) if dim == 2 else dd0).to(dtype)
-        return dk, dbeta, dr, dd0, None, None, None, None, None, None, None
+        return dk, dbeta, dr, dd0, None, None, None, None, None, None, None, None
 
 
 def osdn_precondition(
@@ -448,6 +471,7 @@ def osdn_precondition(
     cu_seqlens: torch.LongTensor | None = None,
     return_trajectory: bool = False,
     validate: bool = True,
+    method: str = "auto",
 ) -> torch.Tensor | Phase1Result:
     """OSDN phase 1 on the GPU (Triton): the write keys ``k̃_t = d_t ⊙ k_t`` for phase 2.
 
@@ -462,7 +486,12 @@ def osdn_precondition(
         validate: run the reference's argument checks (shapes, finiteness, box, d0 inside the box).
             They read every input once and synchronise with the device; ``False`` skips them (hot
             loops that already validated their inputs) — the kernel then trusts its inputs.
+        method: the forward kernel — ``"sequential"`` (token by token), ``"blocked"`` (a clamped-affine
+            scan per block of tokens, :mod:`osdn_diag.ops.phase1_blocked`; not for fp64) or
+            ``"auto"`` (:data:`AUTO_METHOD`). Both give the same trajectory up to rounding; the
+            backward is the same reverse sweep over it.
     """
+    method = _resolve_method(method, k)
     if validate:
         _, N = _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens)
         if k.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
@@ -480,10 +509,10 @@ def osdn_precondition(
     args = (N, eta, d_min, d_max, beta_aware, eps)
     tensors = (k, beta, retention, d0)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):
-        wk, dt, dfin = OSDNPhase1Function.apply(k, beta, retention, d0, cu_seqlens, *args)
+        wk, dt, dfin = OSDNPhase1Function.apply(k, beta, retention, d0, cu_seqlens, *args, method)
     else:
         wk, dt, dfin = phase1_fwd(k, beta, retention, d0, cu_seqlens, *args,
-                                  store_d=return_trajectory)
+                                  store_d=return_trajectory, method=method)
     if return_trajectory:
         return Phase1Result(write_key=wk, d=dt, d_final=dfin)
     return wk

@@ -29,7 +29,7 @@ import triton.language as tl
 from ..math.phase1 import Phase1Result, _validate
 from .phase1 import _contig, _d0_mode, _params, _ret_mode
 
-__all__ = ["osdn_precondition_blocked"]
+__all__ = ["blocked_fwd", "osdn_precondition_blocked"]
 
 MAX_K = 256
 
@@ -171,11 +171,22 @@ def osdn_precondition_blocked(
         raise ValueError(f"argument 'k': K <= {MAX_K} supported, got {k.shape[-1]}")
     if block < 16 or block & (block - 1):
         raise ValueError(f"argument 'block': expected a power of two >= 16, got {block}")
+    N = k.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    wk, dt, dfin = blocked_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps,
+                               store_d=return_trajectory, block=block)
+    if return_trajectory:
+        return Phase1Result(write_key=wk, d=dt, d_final=dfin)
+    return wk
+
+
+def blocked_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d,
+                block: int = 64):
+    """Launch the blocked forward kernel; returns ``(write_key, d trajectory or None, d_final)`` in
+    the layout of :func:`osdn_diag.ops.phase1.phase1_fwd` (``d`` and ``d_final`` fp32)."""
     B, T, H, K = k.shape
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     k, beta, retention, d0 = map(_contig, (k, beta, retention, d0))
     wk = torch.empty_like(k)
-    dt = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device) if return_trajectory else None
+    dt = torch.empty(B, T, H, K, dtype=torch.float32, device=k.device) if store_d else None
     dfin = torch.empty(N, H, K, dtype=torch.float32, device=k.device)
     # phase 1's scalars (fp32 for these inputs) and the Picard rounds' stopping tolerance
     tol = k.new_full((1,), 8 * torch.finfo(torch.float32).eps, dtype=torch.float32)
@@ -190,10 +201,8 @@ def osdn_precondition_blocked(
         wk, dummy if dt is None else dt, dfin,
         T, H=H, K=K, BK=triton.next_power_of_2(K), BT=block,
         RET=_ret_mode(retention), D0=_d0_mode(d0),
-        BOX=d_min is not None, BETA_AWARE=bool(beta_aware), STORE_D=return_trajectory,
+        BOX=d_min is not None, BETA_AWARE=bool(beta_aware), STORE_D=store_d,
         VARLEN=cu_seqlens is not None,
         num_warps=4,
     )
-    if return_trajectory:
-        return Phase1Result(write_key=wk, d=dt, d_final=dfin)
-    return wk
+    return wk, dt, dfin

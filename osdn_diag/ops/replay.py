@@ -99,9 +99,13 @@ def fused_replay(
     cu_seqlens: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
     block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> RecurrenceResult:
     """Same contract as :func:`osdn_diag.math.recurrence.delta_rule_recurrence` (shapes, ``g`` as log
-    decay, ``V×K`` state), computed by the fused kernel in ``dtype`` (fp32 or fp64) on ``q``'s device."""
+    decay, ``V×K`` state), computed by the fused kernel in ``dtype`` (fp32 or fp64) on ``q``'s device.
+
+    ``block_v`` (rows of the state per program) and ``num_warps`` override the launch configuration
+    (``benchmarks/bench_replay.py --sweep`` measures the choices)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -127,6 +131,7 @@ def fused_replay(
         o, parts[0], parts[1], parts[2], ht,
         T, H=H, K=K, V=V, BK=BK, BV=BV,
         GATE=gate, HAS_WK=wk is not None, HAS_H0=h0 is not None, VARLEN=cu_seqlens is not None,
+        **({} if num_warps is None else {"num_warps": num_warps}),
     )
     before, before_dec, after = (p.sum(-1).view(B, T, H) for p in parts)
     gain = beta * ((k if wk is None else wk) * k).sum(-1)

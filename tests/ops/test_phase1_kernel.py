@@ -172,8 +172,16 @@ def _run_grads(fn, inputs, opts, weights, cast):
     return dict(zip(leaves, grads))
 
 
+@pytest.mark.parametrize("method", ["sequential", "blocked"])
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
-def test_backward_matches_autograd_through_reference(case):
+def test_backward_matches_autograd_through_reference(case, method, fla_kernels, monkeypatch):
+    """The reverse sweep over the trajectory of either forward kernel (the blocked one's backward is
+    the sequential reverse sweep over the trajectory it stores)."""
+    import osdn_diag.ops.phase1_blocked as blocked
+
+    launched = []
+    original = blocked.blocked_fwd
+    monkeypatch.setattr(blocked, "blocked_fwd", lambda *a, **o: launched.append(1) or original(*a, **o))
     B, T, H, K, ret, d0, cu, opts = BACKWARD_CASES[case]
     N = B if cu is None else len(cu) - 1
     pinned = d0 is not None and d0.endswith("-pinned")
@@ -191,7 +199,7 @@ def test_backward_matches_autograd_through_reference(case):
     ref = _run_grads(osdn_phase1, inputs, opts, weights, cast=lambda x: x)
     dev_opts = {n: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for n, v in opts.items()}
     got = _run_grads(
-        lambda *a, **o: ops_phase1.osdn_precondition(*a, **o, return_trajectory=True),
+        lambda *a, **o: ops_phase1.osdn_precondition(*a, **o, return_trajectory=True, method=method),
         inputs, dev_opts, {n: w.to(DEVICE) for n, w in weights.items()},
         cast=lambda x: x.to(DEVICE, torch.float32),
     )
@@ -202,6 +210,7 @@ def test_backward_matches_autograd_through_reference(case):
             continue
         assert g.dtype == torch.float32, name
         _assert_close(g, r, f"grad {name}", 1e-4)
+    assert bool(launched) is (method == "blocked")
 
 
 def test_backward_write_key_only_bf16():
@@ -246,6 +255,8 @@ def test_gradcheck_fp64_kernel_path():
         (lambda a: {**a, "d0": a["k"].new_full((1, 8), 3.0)}, "argument 'd0'"),
         (lambda a: {**a, "cu_seqlens": torch.tensor([0, 3, 2])}, "argument 'cu_seqlens'"),
         (lambda a: {**a, "eta": -1.0}, "argument 'eta'"),
+        (lambda a: {**a, "method": "parallel"}, "argument 'method'"),
+        (lambda a: {**a, "k": a["k"].double(), "method": "blocked"}, "argument 'method'.*fp64"),
     ],
 )
 def test_arguments_are_validated(change, pattern):
@@ -253,6 +264,8 @@ def test_arguments_are_validated(change, pattern):
     a = change(base)
     if a["k"].shape[-1] == 300:
         a["beta"] = torch.ones(1, 2, 1)
+    if a["k"].dtype == F64:
+        a["beta"] = a["beta"].double()
     k, beta = a.pop("k"), a.pop("beta")
     with pytest.raises(ValueError, match=pattern):
         ops_phase1.osdn_precondition(k.to(DEVICE), beta.to(DEVICE), **{

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
+import pytest
 
 from osdn_diag.cli import main
 
@@ -31,15 +32,23 @@ def _close(a, b, path="summary"):
         assert a == b, (path, a, b)
 
 
-def test_two_ranks_equal_one(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(["run", *ARGS, "--out", str(one)]) == 0
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    assert main(["run", *ARGS, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("mode", [[], ["--stream"]], ids=["stored", "stream"])
+def test_two_ranks_equal_one(one, tmp_path, mode):
+    two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "osdn_diag", "run", *ARGS, "--out", str(two)]
+           "-m", "osdn_diag", "run", *ARGS, *mode, "--out", str(two)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads((two / "manifest.json").read_text())
     assert manifest["complete"] is True and manifest["world_size"] == 2
+    assert manifest["capture_stored"] is (not mode) and (two / "capture").exists() is (not mode)
     assert sorted(p.name for p in (two / "residuals.parquet").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
     a = json.loads((one / "summary.json").read_text())
     b = json.loads((two / "summary.json").read_text())

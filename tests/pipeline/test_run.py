@@ -93,7 +93,23 @@ def test_replay_fp64_and_capture_step_by_step(tmp_path):
     assert "post_decay" in summary and summary["replay"]["dtype"] == "float64"
 
 
-def test_interrupted_run_is_never_complete(tmp_path, monkeypatch):
+def test_stream_gives_the_stored_runs_files_without_a_capture(run_dir, tmp_path):
+    _run(tmp_path, "--twice", "--stream")
+    assert not (tmp_path / "capture").exists()
+    for name in ("residuals.parquet", "comparator.parquet"):
+        assert pq.read_table(tmp_path / name).equals(pq.read_table(run_dir / name)), name
+    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads((run_dir / "summary.json").read_text())
+    a = json.loads((run_dir / "manifest.json").read_text())
+    b = json.loads((tmp_path / "manifest.json").read_text())
+    assert (a.pop("capture_stored"), b.pop("capture_stored")) == (True, False)
+    assert a == b
+    for argv in (["replay", str(tmp_path), "-q"], ["what-if", str(tmp_path), "-q"]):
+        with pytest.raises(ValueError, match="stored no capture.*--stream"):
+            main(argv)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["stored", "stream"])
+def test_interrupted_run_is_never_complete(tmp_path, monkeypatch, stream):
     from transformers import PreTrainedModel
 
     calls = {"n": 0}
@@ -108,10 +124,12 @@ def test_interrupted_run_is_never_complete(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.nn.Module, "__call__", flaky)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        _run(tmp_path)
+        _run(tmp_path, *(["--stream"] if stream else []))
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["complete"] is False
     assert not (tmp_path / "residuals.parquet").exists()
+    assert not (tmp_path / "summary.json").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
     monkeypatch.undo()
     with pytest.raises(RuntimeError, match="incomplete"):
         main(["replay", str(tmp_path), "-q"])

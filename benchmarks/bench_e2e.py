@@ -1,0 +1,128 @@
+"""End to end: the paper-scale diagnostic — capture + replay + summary — on one GPU or several.
+
+    python benchmarks/bench_e2e.py [--model random:deltanet-340m] [--prompts 48] [--T 2048]
+                                   [--batch-size 8] [--mode stream,stored] [--profile] [--json FILE]
+    torchrun --nproc-per-node 2 benchmarks/bench_e2e.py ...      (prompts sharded across the GPUs)
+
+The model is loaded first and one warm-up run of one batch per rank follows (fla's kernels compile
+and autotune on their first call at a shape); neither is timed. Then each mode is timed as a user
+runs it: ``stream`` (``run --stream``: every call replayed on the GPU as it is captured) and
+``stored`` (``run``: the capture written to disk in fp32, then read back and replayed). The table
+gives the wall time of each (all ranks, barrier to barrier), the measurements per second, q_geo and
+the peak host memory of rank 0. ``--profile`` adds cProfile's top functions (rank 0, stream mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import platform
+import pstats
+import resource
+import shutil
+import tempfile
+import time
+
+import torch
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def _one(mode: str, loaded, out: str, a, ranks, progress=False) -> dict:
+    from osdn_diag.pipeline import capture_run, replay_run, stream_run
+
+    common = dict(num_prompts=a.prompts, length=a.T, batch_size=a.batch_size, seed=0, progress=progress)
+    if mode == "stream":
+        return stream_run(loaded, "random", out, **common)
+    capture_run(loaded, "random", out, **common)
+    return replay_run(out, progress=progress)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random:deltanet-340m")
+    p.add_argument("--prompts", type=int, default=48)
+    p.add_argument("--T", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--mode", default="stream,stored", help="comma-separated: stream, stored")
+    p.add_argument("--dir", help="where run directories go (default: a temporary directory)")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+
+    from osdn_diag import runtime
+    from osdn_diag.distributed import init_from_env
+    from osdn_diag.models import load_model
+
+    ranks = init_from_env()
+    dev = runtime.prepare(ranks.device())
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    loaded = load_model(a.model, device=dev, dtype=dtype, seed=0)
+    load_s = time.perf_counter() - t0
+    root = a.dir or tempfile.mkdtemp(prefix="osdn_e2e_")
+    # The same directory name on every rank: rank 0 broadcasts its choice.
+    root = ranks.gather(root)[0]
+
+    warm = argparse.Namespace(**{**vars(a), "prompts": a.batch_size * ranks.world})
+    t0 = time.perf_counter()
+    _one("stream", loaded, f"{root}/warmup", warm, ranks)
+    warm_s = time.perf_counter() - t0
+
+    rows = []
+    for mode in a.mode.split(","):
+        prof = cProfile.Profile() if a.profile and mode == "stream" and ranks.is_main else None
+        ranks.barrier()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if prof:
+            prof.enable()
+        summary = _one(mode, loaded, f"{root}/{mode}", a, ranks)
+        if prof:
+            prof.disable()
+        ranks.barrier()
+        elapsed = time.perf_counter() - t0
+        if ranks.is_main:
+            row = dict(mode=mode, seconds=elapsed, n=summary["n"], per_s=summary["n"] / elapsed,
+                       q_geo=summary["q_geo"], fidelity=summary["fidelity"]["max_rel_error"],
+                       peak_rss_gib=_peak_rss_gib())
+            rows.append(row)
+            print(f"{mode:7s} {elapsed:8.2f} s  {row['per_s'] / 1e6:7.2f} M/s  n = {row['n']:,}  "
+                  f"q_geo {row['q_geo']:.4f}  fidelity {row['fidelity']:.1e}  peak RSS {row['peak_rss_gib']:.2f} GiB",
+                  flush=True)
+        if prof:
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+            print(buf.getvalue())
+    ranks.barrier()
+    if a.dir is None and ranks.is_main:
+        shutil.rmtree(root, ignore_errors=True)  # a stored run at paper scale is tens of GB
+    if not ranks.is_main:
+        return {}
+    result = dict(
+        model=a.model, prompts=a.prompts, T=a.T, batch_size=a.batch_size, world=ranks.world,
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
+        torch=torch.__version__, load_s=load_s, warmup_s=warm_s, rows=rows,
+    )
+    print(f"\n{a.model}, {a.prompts} prompts x {a.T} tokens, batch {a.batch_size}, {ranks.world} process(es) "
+          f"on {result['device']}; model load {load_s:.1f} s and warm-up {warm_s:.1f} s not timed")
+    print(f"{'mode':8s} {'time':>9s} {'measurements/s':>15s} {'vs stored':>10s}")
+    base = next((r["seconds"] for r in rows if r["mode"] == "stored"), None)
+    for r in rows:
+        ratio = f"{base / r['seconds']:.2f}x" if base else "-"
+        print(f"{r['mode']:8s} {r['seconds']:8.2f}s {r['per_s'] / 1e6:13.2f} M {ratio:>10s}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

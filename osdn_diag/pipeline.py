@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import tempfile
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -333,7 +335,16 @@ def replay_run(
 
 class _ResidualsWriter:
     """``residuals.parquet`` written under a temporary name and renamed into place on success; under
-    several processes a directory with one ``part-RRRRR.parquet`` per rank (read as one table)."""
+    several processes a directory with one ``part-RRRRR.parquet`` per rank (read as one table).
+
+    Tables are encoded by a background thread (pyarrow releases the GIL while it writes), so the
+    encoding of one call's rows overlaps the replay of the next; at most ``QUEUE`` tables wait.
+    Dictionary encoding is asked for only where values repeat: on the float columns it is tried and
+    abandoned for every page, which triples the time to write.
+    """
+
+    QUEUE = 4
+    DICTIONARY_COLUMNS = ["prompt", "task", "layer", "head", "repeat_start", "finite"]
 
     def __init__(self, out_dir: Path, schema: pa.Schema, ranks):
         target = Path(out_dir) / RESIDUALS
@@ -350,20 +361,39 @@ class _ResidualsWriter:
     def __enter__(self):
         fd, self.tmp = tempfile.mkstemp(dir=self.target.parent, prefix=f".{self.target.name}.", suffix=".tmp")
         os.close(fd)
-        self.writer = pq.ParquetWriter(self.tmp, self.schema)
+        self.writer = pq.ParquetWriter(self.tmp, self.schema, use_dictionary=self.DICTIONARY_COLUMNS)
+        self.error: BaseException | None = None
+        self.queue: queue.Queue = queue.Queue(maxsize=self.QUEUE)
+        self.thread = threading.Thread(target=self._drain, name="residuals-writer", daemon=True)
+        self.thread.start()
         return self
 
+    def _drain(self) -> None:
+        while (table := self.queue.get()) is not None:
+            if self.error is None:  # after a failure keep taking tables, so that write() never blocks
+                try:
+                    self.writer.write_table(table)
+                except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                    self.error = err
+
     def write(self, table: pa.Table) -> None:
-        self.writer.write_table(table)
+        if self.error is not None:
+            raise RuntimeError(f"writing {self.target} failed") from self.error
+        self.queue.put(table)
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        ok = exc_type is None and self.error is None
         try:
             self.writer.close()
         finally:
-            if exc_type is None:
+            if ok:
                 os.replace(self.tmp, self.target)
             else:
                 Path(self.tmp).unlink(missing_ok=True)
+        if exc_type is None and self.error is not None:
+            raise RuntimeError(f"writing {self.target} failed") from self.error
 
 
 def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: list[dict],
@@ -378,8 +408,9 @@ def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: lis
         other = Replayer.__new__(Replayer)
         other.__dict__.update(state)
         replayer.merge(other)
-    if replayer.comparator_tables:
-        _atomic_parquet(pa.concat_tables(replayer.comparator_tables), out_dir / COMPARATOR)
+    comparator = replayer.comparator_table() if replayer.comparator_tables is not None else None
+    if comparator is not None:
+        _atomic_parquet(comparator, out_dir / COMPARATOR)
     summary = replayer.summary()
     recall = recall_table({"prompts": prompt_entries})
     if recall:

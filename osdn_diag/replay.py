@@ -115,6 +115,23 @@ def _recurrence_inputs(call: KernelCall, dtype: torch.dtype, bad: torch.Tensor |
     )
 
 
+def _table_index(segments, H: int, device) -> tuple[torch.Tensor, ...]:
+    """The per-token table's row order — sequence by sequence, head by head, position by position —
+    as index tensors ``[N]`` on ``device``: ``(sequence, head, pos, batch row, token)``."""
+    S = len(segments)
+    if S == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return (empty,) * 5
+    rows, starts, lengths = (torch.tensor(x, dtype=torch.long, device=device) for x in zip(*segments))
+    lengths = lengths - starts
+    block = lengths * H
+    seq = torch.repeat_interleave(torch.arange(S, device=device), block)
+    j = torch.arange(seq.numel(), device=device) - (torch.cumsum(block, 0) - block)[seq]
+    L = lengths[seq]
+    head, pos = j // L, j % L
+    return seq, head, pos, rows[seq], starts[seq] + pos
+
+
 def replay_call(
     call: KernelCall,
     *,
@@ -148,9 +165,7 @@ def replay_call(
         raise ValueError(f"argument 'backend': expected 'torch' or 'triton', got {backend!r}")
 
     segments = call.segments()
-    kernel_o = call.o.to(dtype)
-    worst, nonfinite = 0.0, 0
-    cols: dict[str, list[torch.Tensor]] = {}
+    H = call.num_heads
     k2 = call.k.to(dtype).square().sum(-1)
     per_token = {
         "beta": call.beta.to(dtype),
@@ -163,23 +178,22 @@ def replay_call(
     if res.loss_before_decayed is not None:
         per_token["loss_before_decayed"] = res.loss_before_decayed
         per_token["residual_ratio_post"] = residual_ratio(res.loss_after, res.loss_before_decayed)
-    H = call.num_heads
-    for seq, (row, start, end) in enumerate(segments):
-        L = end - start
-        ok_head = finite[row, start:end].all(0)  # [H]
-        nonfinite += int((~ok_head).sum())
-        diff = (res.o[row, start:end] - kernel_o[row, start:end]).transpose(0, 1).reshape(H, -1)
-        ref = kernel_o[row, start:end].transpose(0, 1).reshape(H, -1)
-        rel = diff.norm(dim=-1) / ref.norm(dim=-1).clamp_min(torch.finfo(dtype).tiny)
-        rel = rel[ok_head]
-        if rel.numel():
-            worst = max(worst, float(rel.max()))
-        for name, x in per_token.items():
-            cols.setdefault(name, []).append(x[row, start:end].transpose(0, 1).reshape(-1))
-        cols.setdefault("sequence", []).append(torch.full((H * L,), seq, dtype=torch.int32))
-        cols.setdefault("head", []).append(torch.arange(H, dtype=torch.int32).repeat_interleave(L))
-        cols.setdefault("pos", []).append(torch.arange(L, dtype=torch.int32).repeat(H))
-        cols.setdefault("finite", []).append(ok_head.cpu().repeat_interleave(L))
+    seq, head, pos, row, t = _table_index(segments, H, finite.device)
+    stream = seq * H + head  # (sequence, head) of every row
+    # Fidelity per (sequence, head): ‖o − o_kernel‖ / ‖o_kernel‖ over the stream's tokens.
+    kernel_o = call.o.to(dtype)
+    sq = torch.stack([(res.o.to(dtype) - kernel_o).square().sum(-1), kernel_o.square().sum(-1),
+                      (~finite).to(dtype)])[:, row, t, head]
+    per_stream = torch.zeros(3, len(segments) * H, dtype=dtype, device=sq.device).index_add_(1, stream, sq)
+    ok_stream = per_stream[2] == 0  # heads whose inputs are all finite in this sequence
+    rel = per_stream[0].sqrt() / per_stream[1].sqrt().clamp_min(torch.finfo(dtype).tiny)
+    worst_t = torch.where(ok_stream, rel, 0.0).amax() if rel.numel() else rel.new_zeros(())
+    # Everything the host needs, in one transfer per dtype.
+    values = torch.stack([per_token[name][row, t, head] for name in per_token]).cpu()
+    ints = torch.stack([seq, head, pos, ok_stream[stream].long()]).to(torch.int32).cpu()
+    worst, nonfinite = float(worst_t), int((~ok_stream).sum())
+    columns = {name: values[i] for i, name in enumerate(per_token)}
+    columns.update(sequence=ints[0], head=ints[1], pos=ints[2], finite=ints[3].bool())
     tol = default_tolerance(call) if tolerance is None else tolerance
     if not math.isfinite(worst) or worst > tol:
         raise FidelityError(
@@ -187,7 +201,6 @@ def replay_call(
             f"from the kernel's by {worst:.3g} (relative), above the tolerance {tol:.1g} for "
             f"{call.input_dtype} inputs — the capture adapter does not describe this kernel"
         )
-    columns = {name: torch.cat([p.cpu() for p in parts]) for name, parts in cols.items()}
     return CallReplay(
         columns=columns,
         fidelity=worst,

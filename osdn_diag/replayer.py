@@ -27,6 +27,8 @@ from .replay import replay_call
 
 __all__ = ["CONTRACT_COLUMNS", "Replayer", "comparator_summary", "repeat_boundaries"]
 
+#: Key entries (``P·L·K``, doubled when d is captured) of comparator problems solved together.
+THEOREM_BATCH_ELEMS = 1 << 28
 _VALUE_COLUMNS = ("beta", "key_sqnorm", "write_gain", "loss_before", "loss_after", "residual_ratio")
 _GATED_COLUMNS = ("loss_before_decayed", "residual_ratio_post")
 #: The per-token table's columns that the interface contract guarantees.
@@ -70,6 +72,7 @@ class Replayer:
         retained: bool = False,
         comparator: bool = True,
         box: tuple[float, float] = (0.5, 2.0),
+        theorem_batch_elems: int = THEOREM_BATCH_ELEMS,
     ):
         self.prompts = prompts
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -85,6 +88,8 @@ class Replayer:
         self.retention = RetentionAccumulator() if retained else None
         self.box = box
         self.comparator_tables: list[pa.Table] | None = [] if comparator else None
+        self.theorem_batch_elems = theorem_batch_elems
+        self._pending: list[_Problems] = []  # comparator problems not yet solved, all of one shape
         self.fidelity: dict[int, float] = defaultdict(float)
         self.tolerances: dict[int, float] = {}
         self.nonfinite: dict[int, int] = defaultdict(int)
@@ -104,11 +109,34 @@ class Replayer:
         if self.retention is not None:
             _add_retention(self.retention, call, stored.prompts, self.prompts, res.sequence_lengths)
         if self.comparator_tables is not None:
-            self.comparator_tables.append(self._theorem(stored, call, res))
+            self._queue_problems(_Problems.of(stored, call, res, self.prompts))
         return _arrow_table(stored, res, self.prompts, self.schema, self.np_dtype)
+
+    def _queue_problems(self, problems: _Problems) -> None:
+        """Theorem D.7's comparator is solved for many problems at once (its cost is per solver
+        iteration, nearly independent of the number of problems): calls wait until a batch of about
+        ``theorem_batch_elems`` key entries of one shape is together."""
+        if self._pending and self._pending[0].shape != problems.shape:
+            self.flush()
+        self._pending.append(problems)
+        if sum(p.elems for p in self._pending) >= self.theorem_batch_elems:
+            self.flush()
+
+    def flush(self) -> None:
+        """Solve the waiting comparator problems into ``comparator_tables`` (in the order of the calls)."""
+        if not self._pending:
+            return
+        batch, self._pending = _Problems.cat(self._pending), []
+        self.comparator_tables.append(batch.solve(self.box))
+
+    def comparator_table(self) -> pa.Table | None:
+        """``comparator.parquet``'s rows so far (``None`` without the comparator or problems)."""
+        self.flush()
+        return pa.concat_tables(self.comparator_tables) if self.comparator_tables else None
 
     def merge(self, other: Replayer) -> None:
         """Add another replayer's statistics (e.g. another rank's): exact, by sufficient statistics."""
+        self.flush()
         self.ratios.merge(other.ratios)
         self.post.merge(other.post)
         self.audit.merge(other.audit)
@@ -124,6 +152,7 @@ class Replayer:
 
     def state(self) -> dict:
         """What :meth:`merge` needs, picklable (sent between ranks)."""
+        self.flush()
         return {name: getattr(self, name) for name in (
             "ratios", "post", "audit", "retention", "fidelity", "tolerances", "nonfinite",
             "comparator_tables")}
@@ -149,49 +178,91 @@ class Replayer:
         }
         if self.retention is not None:
             summary["retained"] = self.retention.summary()
-        if self.comparator_tables:
-            summary["comparator"] = comparator_summary(pa.concat_tables(self.comparator_tables), self.box)
+        table = self.comparator_table() if self.comparator_tables is not None else None
+        if table is not None:
+            summary["comparator"] = comparator_summary(table, self.box)
         return summary
 
-    def _theorem(self, stored: StoredCall, call: KernelCall, res) -> pa.Table:
-        """Theorem D.7's quantities for every (sequence, head) stream of the call: one row each."""
-        from .math.closed_forms import residual_ratio
-        from .metrics.theorem import theorem_d7
 
-        H, K = call.num_heads, call.head_k_dim
+class _Problems:
+    """Theorem D.7's inputs for the (sequence, head) streams of one or more calls, padded to one length:
+    ``k [P, L, K]``, ``beta [P, L]``, ``d [P, L, K]`` or None, ``q [P, L]`` (fp64), ``valid [P, L]``,
+    ``gated [P]``, and per problem its prompt, task, layer and head."""
+
+    def __init__(self, k, beta, d, q, valid, gated, prompt, task, layer, head):
+        self.k, self.beta, self.d, self.q, self.valid, self.gated = k, beta, d, q, valid, gated
+        self.prompt, self.task, self.layer, self.head = prompt, task, layer, head
+
+    @property
+    def shape(self) -> tuple:
+        return (*self.k.shape[1:], self.d is not None)
+
+    @property
+    def elems(self) -> int:
+        return self.k.numel() * (1 if self.d is None else 2)
+
+    @classmethod
+    def of(cls, stored: StoredCall, call: KernelCall, res, prompts: dict) -> _Problems:
+        """The call's problems: problem ``i·H + h`` is head ``h`` of the call's ``i``-th sequence."""
+        from .math.closed_forms import residual_ratio
+
+        H = call.num_heads
         segs = call.segments()
-        L = max((e - s for _, s, e in segs), default=0)
-        P = len(segs) * H
         dev = call.k.device
-        k = torch.zeros(P, L, K, device=dev)
-        beta = torch.zeros(P, L, device=dev)
-        d = None if call.d is None else torch.ones(P, L, K, device=dev)
-        q = torch.ones(P, L, device=dev, dtype=torch.float64)
-        valid = torch.zeros(P, L, dtype=torch.bool, device=dev)
+        S = len(segs)
+        L = max((e - s for _, s, e in segs), default=0)
+        row = torch.tensor([r for r, _, _ in segs], dtype=torch.long, device=dev)
+        start = torch.tensor([s for _, s, _ in segs], dtype=torch.long, device=dev)
+        n = torch.tensor([e - s for _, s, e in segs], dtype=torch.long, device=dev)
+        pos = torch.arange(L, device=dev)
+        inside = pos[None, :] < n[:, None]  # [S, L]
+        # Padding reads the sequence's last token (eps_at_final_d reads d at the last position);
+        # k, β and q are then masked there.
+        t = start[:, None] + torch.minimum(pos[None, :], (n - 1).clamp_min(0)[:, None])
+
+        def streams(x):  # [B, T, H, ...] → [S·H, L, ...]
+            y = x[row[:, None], t]  # [S, L, H, ...]
+            return y.transpose(1, 2).reshape(S * H, L, *x.shape[3:])
+
+        mask = inside.repeat_interleave(H, 0)  # [P, L]
+        k = torch.where(mask[..., None], streams(call.k).float(), 0.0)
+        beta = torch.where(mask, streams(call.beta).float(), 0.0)
+        d = None
+        if call.d is not None:
+            d = torch.where((n > 0).repeat_interleave(H)[:, None, None], streams(call.d).float(), 1.0)
         ratio = residual_ratio(res.grid["loss_after"], res.grid["loss_before"])
         ok = res.grid["finite"] & (res.grid["loss_before"] > 0)
-        for i, (row, start, end) in enumerate(segs):
-            n, sl = end - start, slice(start, end)
-            for h in range(H):
-                p = i * H + h
-                k[p, :n] = call.k[row, sl, h].float()
-                beta[p, :n] = call.beta[row, sl, h].float()
-                if d is not None:
-                    d[p, :n] = call.d[row, sl, h].float()
-                    d[p, n:] = d[p, n - 1] if n else 1.0  # eps_at_final_d reads the last position
-                q[p, :n] = ratio[row, sl, h].double()
-                valid[p, :n] = ok[row, sl, h]
-        cols = theorem_d7(
+        q = torch.where(mask, streams(ratio).double(), 1.0)
+        valid = mask & streams(ok)
+        prompt_ids = [stored.prompts[i] for i in range(S) for _ in range(H)]
+        return cls(
             torch.nan_to_num(k), torch.nan_to_num(beta), d, q, valid,
-            d_min=self.box[0], d_max=self.box[1], gated=call.g is not None,
+            torch.full((S * H,), call.g is not None, device=dev),
+            prompt_ids, [str(prompts.get(p, {}).get("task", "")) for p in prompt_ids],
+            [call.layer] * (S * H), list(range(H)) * S,
         )
-        seq = torch.arange(len(segs)).repeat_interleave(H)
-        prompt_ids = [stored.prompts[int(s)] for s in seq]
+
+    @classmethod
+    def cat(cls, parts: list[_Problems]) -> _Problems:
+        if len(parts) == 1:
+            return parts[0]
+        cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        return cls(
+            cat("k"), cat("beta"), None if parts[0].d is None else cat("d"), cat("q"), cat("valid"), cat("gated"),
+            *([x for p in parts for x in getattr(p, name)] for name in ("prompt", "task", "layer", "head")),
+        )
+
+    def solve(self, box: tuple[float, float]) -> pa.Table:
+        """One row of ``comparator.parquet`` per problem."""
+        from .metrics.theorem import theorem_d7
+
+        cols = theorem_d7(self.k, self.beta, self.d, self.q, self.valid,
+                          d_min=box[0], d_max=box[1], gated=self.gated)
         data = {
-            "prompt": pa.array(prompt_ids, pa.int32()),
-            "task": pa.array([str(self.prompts.get(p, {}).get("task", "")) for p in prompt_ids]),
-            "layer": pa.array([call.layer] * P, pa.int16()),
-            "head": pa.array(torch.arange(H).repeat(len(segs)).numpy(), pa.int16()),
+            "prompt": pa.array(self.prompt, pa.int32()),
+            "task": pa.array(self.task, pa.string()),
+            "layer": pa.array(self.layer, pa.int16()),
+            "head": pa.array(self.head, pa.int16()),
         }
         for name, x in cols.items():
             data[name] = pa.array(x.cpu().numpy())
@@ -262,7 +333,7 @@ def _arrow_table(stored, res, prompts: dict, schema: pa.Schema, np_dtype: str) -
     n = len(seq)
     data = {
         "prompt": per_seq["prompt"][seq],
-        "task": per_seq["task"][seq],
+        "task": pa.array(per_seq["task"], pa.string()).take(pa.array(seq)),  # no per-row Python strings
         "layer": np.full(n, stored.call.layer, dtype=np.int16),
         "head": cols["head"].numpy().astype(np.int16),
         "pos": pos,

@@ -87,21 +87,36 @@ class AuditAccumulator:
         """``loss_before`` and ``finite`` are ``[B, T, H]`` (replay's ``loss_before``, finiteness)."""
         k2 = call.k.double().square().sum(-1)
         beta = call.beta.double()
-        d = call.d.double() if call.d is not None else None
-        newton = beta < 1.0 / self.box[1]
-        for h in range(call.num_heads):
-            ok = finite[..., h]
-            if not bool(ok.any()):
+        ok = finite
+        inf = float("inf")
+        tok = (0, 1)  # reduce over batch and time, per head
+        stats = [
+            ok.sum(tok).double(),
+            torch.where(ok, (k2 - 1).abs(), -inf).amax(tok),
+            torch.where(ok, beta, inf).amin(tok),
+            torch.where(ok, beta, -inf).amax(tok),
+            (ok & (loss_before == 0)).sum(tok).double(),
+            (ok & (beta < 1.0 / self.box[1])).sum(tok).double(),
+        ]
+        if call.d is not None:
+            d = call.d.double()
+            stats += [torch.where(ok[..., None], d, inf).amin((0, 1, 3)),
+                      torch.where(ok[..., None], d, -inf).amax((0, 1, 3))]
+        # One transfer for every head's numbers (reading them one by one would synchronise each time).
+        rows = torch.stack(stats).cpu().T.tolist()
+        for h, row in enumerate(rows):
+            n, dev, b_lo, b_hi, n_zero, n_newton = row[:6]
+            if not n:
                 continue
             audit = HeadAudit(
-                n=int(ok.sum()),
-                max_unit_dev=float((k2[..., h][ok] - 1).abs().max()),
-                beta_min=float(beta[..., h][ok].min()),
-                beta_max=float(beta[..., h][ok].max()),
-                d_min=1.0 if d is None else float(d[..., h, :][ok].min()),
-                d_max=1.0 if d is None else float(d[..., h, :][ok].max()),
-                n_zero_residual=int((loss_before[..., h][ok] == 0).sum()),
-                n_newton_infeasible=int(newton[..., h][ok].sum()),
+                n=int(n),
+                max_unit_dev=dev,
+                beta_min=b_lo,
+                beta_max=b_hi,
+                d_min=row[6] if call.d is not None else 1.0,
+                d_max=row[7] if call.d is not None else 1.0,
+                n_zero_residual=int(n_zero),
+                n_newton_infeasible=int(n_newton),
                 decay=call.g is not None,
             )
             self.heads.setdefault((call.layer, h), HeadAudit()).merge(audit)

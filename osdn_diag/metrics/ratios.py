@@ -105,16 +105,17 @@ class RatioAccumulator:
         n_heads = int(head.max()) + 1 if head.numel() else 1
         code = (seq * n_heads + head) * self.num_bins + bins
         size = len(lengths) * n_heads * self.num_bins
-        n = torch.bincount(code, minlength=size)
-        n_zero = torch.bincount(code, weights=(q == 0).double(), minlength=size)
-        s_log = torch.bincount(code, weights=q.clamp_min(Q_FLOOR).log(), minlength=size)
-        s = torch.bincount(code, weights=q, minlength=size)
-        for c in torch.nonzero(n).flatten().tolist():
-            sq, rest = divmod(c, n_heads * self.num_bins)
-            h, b = divmod(rest, self.num_bins)
-            self.cells[(layer, h, tasks[sq], b)] += RatioStats(
-                int(n[c]), int(n_zero[c]), float(s_log[c]), float(s[c])
-            )
+        sums = torch.stack([
+            torch.bincount(code, minlength=size).double(),
+            torch.bincount(code, weights=(q == 0).double(), minlength=size),
+            torch.bincount(code, weights=q.clamp_min(Q_FLOOR).log(), minlength=size),
+            torch.bincount(code, weights=q, minlength=size),
+        ]).cpu()  # one transfer: reading cells one by one from a GPU would synchronise per number
+        for c, (n, n_zero, s_log, s) in enumerate(sums.T.tolist()):
+            if n:
+                sq, rest = divmod(c, n_heads * self.num_bins)
+                h, b = divmod(rest, self.num_bins)
+                self.cells[(layer, h, tasks[sq], b)] += RatioStats(int(n), int(n_zero), s_log, s)
 
     def merge(self, other: RatioAccumulator) -> None:
         for key, stats in other.cells.items():

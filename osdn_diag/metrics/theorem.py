@@ -50,10 +50,12 @@ from ..math.closed_forms import log_bound as _log_bound
 from ..math.closed_forms import surrogate
 from .comparator import (
     BLOCK_ELEMS,
+    BoxLSQResult,
     _check_box_finite,
     _check_mask,
-    comparator_gap_diag,
     comparator_gap_masked,
+    normal_equations,
+    solve_box_lsq,
 )
 
 __all__ = ["COLUMNS", "theorem_d7"]
@@ -112,7 +114,9 @@ def _valid_only(name, x, m):
     return x
 
 
-def _chunk(k, beta, d_traj, q, m, gated, lo, hi, unit_tol, solver_kw) -> dict[str, torch.Tensor]:
+def _chunk(k, beta, d_traj, q, m, gated, lo, hi, unit_tol, res: BoxLSQResult) -> dict[str, torch.Tensor]:
+    """Every column for a group of problems whose comparator ``res`` (``d*``, its certificates) is
+    solved; ``res.value`` is re-evaluated here from the stream."""
     P, T, K = k.shape
     nan = torch.full((P,), float("nan"), dtype=F64, device=k.device)
     kk, bb, qq = _valid_only("k", k, m), _valid_only("beta", beta, m), _valid_only("q", q, m)
@@ -122,7 +126,7 @@ def _chunk(k, beta, d_traj, q, m, gated, lo, hi, unit_tol, solver_kw) -> dict[st
     n_valid = m.sum(1)
     has = n_valid > 0
 
-    res = comparator_gap_diag(kk, bb, d_min=lo, d_max=hi, mask=m, **solver_kw)
+    res.value = comparator_gap_masked(res.d, kk, bb, m)
     d_star = res.d
     ones = torch.ones(P, K, dtype=F64, device=k.device)
     final = ones if T == 0 or d_traj is None else d_traj[:, -1].to(F64)
@@ -217,12 +221,18 @@ def theorem_d7(
     else:
         gated_t = torch.full((P,), gated, device=k.device)
     solver_kw = dict(solver_kw or {})
+    dtype = solver_kw.pop("dtype", F64)
+    block_elems = solver_kw.pop("block_elems", block_elems)
+    # One solve for every problem (the solver's cost is per iteration, not per problem), then the
+    # stream-side columns group by group.
+    G, c, c0, _ = normal_equations(k, beta, valid, dtype, block_elems=block_elems)
+    sol = solve_box_lsq(G, c, c0, d_min=lo, d_max=hi, **solver_kw)
     pc = max(1, block_elems // max(T * K, 1))
     parts = []
-    for p0 in range(0, P, pc):
+    for p0 in range(0, max(P, 1), pc):
         sl = slice(p0, min(P, p0 + pc))
+        res = BoxLSQResult(d=sol.d[sl], value=sol.value[sl], kkt_residual=sol.kkt_residual[sl], gap=sol.gap[sl],
+                           iterations=sol.iterations, converged=sol.converged[sl])
         dt = None if d_traj is None else d_traj[sl]
-        parts.append(_chunk(k[sl], beta[sl], dt, q[sl], valid[sl], gated_t[sl], lo, hi, unit_tol, solver_kw))
-    if not parts:  # P == 0
-        parts.append(_chunk(k, beta, d_traj, q, valid, gated_t, lo, hi, unit_tol, solver_kw))
+        parts.append(_chunk(k[sl], beta[sl], dt, q[sl], valid[sl], gated_t[sl], lo, hi, unit_tol, res))
     return {name: torch.cat([p[name] for p in parts]) for name in COLUMNS}

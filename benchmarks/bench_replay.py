@@ -83,10 +83,10 @@ def main(argv=None) -> dict:
 
     sweep = []
     if a.sweep:
-        for bv in (8, 16, 32, 64, 128):
+        for bv in (4, 8, 16, 32):
             if bv > V:
                 continue
-            for nw in (1, 2, 4, 8):
+            for nw in (1, 2, 4):
                 ms = _bench(lambda: fused_replay(q, k, v, beta, block_v=bv, num_warps=nw))
                 sweep.append(dict(block_v=bv, num_warps=nw, ms=ms))
                 print(f"sweep block_v={bv:4d} num_warps={nw}: {ms:8.3f} ms"

@@ -27,6 +27,27 @@ __all__ = ["fused_replay"]
 
 
 @triton.jit
+def _load_token(q, k, v, beta, alpha, wk, tok, o_k, o_v, m_k, m_v,
+                K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr, HAS_WK: tl.constexpr):
+    """Token ``tok``'s inputs: k, scaled q, v, β, write key, decay (1 without a gate)."""
+    b_k = tl.load(k + tok * K + o_k, mask=m_k, other=0.0)
+    b_q = tl.load(q + tok * K + o_k, mask=m_k, other=0.0)  # already scaled
+    b_v = tl.load(v + tok * V + o_v, mask=m_v, other=0.0)
+    b_beta = tl.load(beta + tok)
+    if HAS_WK:
+        b_w = tl.load(wk + tok * K + o_k, mask=m_k, other=0.0)
+    else:
+        b_w = b_k
+    if GATE == 1:
+        b_a = tl.load(alpha + tok + o_k * 0)  # broadcast over the key lanes, like the channel gate
+    elif GATE == 2:
+        b_a = tl.load(alpha + tok * K + o_k, mask=m_k, other=1.0)
+    else:
+        b_a = b_k * 0.0 + 1.0
+    return b_k, b_q, b_v, b_beta, b_w, b_a
+
+
+@triton.jit
 def _replay_kernel(
     q, k, v, beta, alpha, wk, h0, cu_seqlens,
     o, lb, lbd, la, ht,
@@ -57,22 +78,22 @@ def _replay_kernel(
         S += tl.load(p_h0, mask=m_s, other=0.0)
 
     NV = tl.num_programs(0)
+    # Token t+1's inputs are loaded while token t is computed: the loop is a chain of dependent
+    # reductions, and the loads would otherwise sit on it.
+    # (Indices are clamped to the sequence's last token instead of masked: the prefetch past the
+    # end reads that token again and is never used.)
+    last = tl.maximum(eos - 1, 0) * H + i_h
+    n_k, n_q, n_v, n_beta, n_w, n_a = _load_token(q, k, v, beta, alpha, wk, tl.minimum(bos * H + i_h, last),
+                                                  o_k, o_v, m_k, m_v, K, V, GATE, HAS_WK)
     for t in range(bos, eos):
         tok = t * H + i_h                      # index into [B*T, H]
-        b_k = tl.load(k + tok * K + o_k, mask=m_k, other=0.0)
-        b_q = tl.load(q + tok * K + o_k, mask=m_k, other=0.0)  # already scaled
-        b_v = tl.load(v + tok * V + o_v, mask=m_v, other=0.0)
-        b_beta = tl.load(beta + tok)
-        if HAS_WK:
-            b_w = tl.load(wk + tok * K + o_k, mask=m_k, other=0.0)
-        else:
-            b_w = b_k
+        b_k, b_q, b_v, b_beta, b_w, b_a = n_k, n_q, n_v, n_beta, n_w, n_a
+        n_k, n_q, n_v, n_beta, n_w, n_a = _load_token(q, k, v, beta, alpha, wk, tl.minimum(tok + H, last),
+                                                      o_k, o_v, m_k, m_v, K, V, GATE, HAS_WK)
         e = tl.sum(S * b_k[None, :], axis=1) - b_v
         tl.store(lb + tok * NV + i_v, 0.5 * tl.sum(e * e, axis=0))
-        if GATE == 1:
-            S = S * tl.load(alpha + tok)
-        if GATE == 2:
-            S = S * tl.load(alpha + tok * K + o_k, mask=m_k, other=1.0)[None, :]
+        if GATE != 0:
+            S = S * b_a[None, :]
         if GATE != 0:
             u = b_v - tl.sum(S * b_k[None, :], axis=1)
             tl.store(lbd + tok * NV + i_v, 0.5 * tl.sum(u * u, axis=0))
@@ -115,7 +136,10 @@ def fused_replay(
     # The read-out scale is applied here, in ``dtype``: a Python float reaches Triton as fp32.
     q = q * (K**-0.5 if scale is None else scale)
     BK = triton.next_power_of_2(K)
-    BV = block_v or min(triton.next_power_of_2(V), max(16, 4096 // BK))
+    # Many narrow programs: the sweep in benchmarks/bench_replay.py (H200, K = V = 128) measured
+    # 8 rows × 1 warp fastest (6.2 ms vs 17.4 ms for 32 rows × 4 warps).
+    BV = block_v or min(triton.next_power_of_2(V), 8)
+    num_warps = num_warps or 1
     NV = triton.cdiv(V, BV)
     o = torch.empty_like(v)
     parts = torch.zeros(3, B * T * H, NV, dtype=dtype, device=q.device)
@@ -131,7 +155,7 @@ def fused_replay(
         o, parts[0], parts[1], parts[2], ht,
         T, H=H, K=K, V=V, BK=BK, BV=BV,
         GATE=gate, HAS_WK=wk is not None, HAS_H0=h0 is not None, VARLEN=cu_seqlens is not None,
-        **({} if num_warps is None else {"num_warps": num_warps}),
+        num_warps=num_warps,
     )
     before, before_dec, after = (p.sum(-1).view(B, T, H) for p in parts)
     gain = beta * ((k if wk is None else wk) * k).sum(-1)

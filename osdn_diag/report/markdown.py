@@ -305,6 +305,12 @@ def write_report(
         parts += ["## The preconditioner d", "", f"![d trajectory](plots/{d_plot.name})", "",
                   "The write-key preconditioner of one head over the first prompt: eight channels and "
                   "the mean over all channels (`osdn-diag report --d-head LAYER.HEAD` picks the head).", ""]
+    else:
+        unstored = [name for name, (m, _) in zip(names, loaded) if m.get("capture_stored") is False
+                    and any(layer.get("has_d") for layer in m.get("layers", []))]
+        if unstored:
+            parts += ["## The preconditioner d", "",
+                      f"Not plotted: {', '.join(unstored)} ran with `--stream`, which stores no capture.", ""]
     if any("assumptions" in s for _, _, s in runs):
         box = next(s["assumptions"]["box"] for _, _, s in runs if "assumptions" in s)
         parts += [

@@ -220,3 +220,14 @@ def test_console_errors_are_one_line(tmp_path, capsys):
     assert entry(["run", "random:nope", "--prompts", "random", "--out", str(tmp_path / "x"), "-q"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("osdn-diag: error: MODEL 'random:nope': unknown preset") and "Traceback" not in err
+
+
+def test_stream_run_of_an_osdn_model_says_why_d_is_not_plotted(tmp_path):
+    argv = ["run", "builtin:mqar-osdn", "--prompts", "mqar", "--num-prompts", "1", "--length", "128",
+            "--out", str(tmp_path), "-q", "--stream"]
+    assert main(argv) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "ran with `--stream`, which stores no capture" in report
+    assert not (tmp_path / "plots" / "d_trajectory.png").exists()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["capture_stored"] is False and manifest["layers"][0]["has_d"] is True

@@ -43,7 +43,7 @@ def _capture(args: argparse.Namespace):
         args.model, args.prompts, args.out,
         device=args.device, dtype=_torch_dtype(args.dtype), kernels=args.kernels,
         batch_size=args.batch_size, twice=args.twice, num_prompts=args.num_prompts,
-        length=args.length, seed=args.seed, progress=not args.quiet,
+        length=args.length, seed=args.seed, progress=not args.quiet, device_map=args.device_map,
     )
 
 
@@ -67,7 +67,7 @@ def _stream(args: argparse.Namespace) -> dict:
         args.model, args.prompts, args.out,
         device=args.device, dtype=_torch_dtype(args.dtype), kernels=args.kernels,
         batch_size=args.batch_size, twice=args.twice, num_prompts=args.num_prompts,
-        length=args.length, seed=args.seed, progress=not args.quiet,
+        length=args.length, seed=args.seed, progress=not args.quiet, device_map=args.device_map,
         backend=args.backend, replay_dtype=torch.float64 if args.fp64 else torch.float32,
         tolerance=args.tolerance, retained=args.retained,
     )
@@ -191,6 +191,9 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
                    help="what runs the delta rule during capture: fla's kernel, the reference "
                    "recurrence, or auto (fla on CUDA, reference on CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed for random models and suites (0)")
+    p.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
+                   help="spread a model too large for one GPU over the machine's GPUs, whole blocks "
+                   "per GPU (needs accelerate; one process); replay then runs on --device")
 
 
 def _add_replay_args(p: argparse.ArgumentParser) -> None:

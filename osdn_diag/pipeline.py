@@ -91,6 +91,7 @@ def capture_run(
     length: int = 512,
     seed: int = 0,
     progress: bool = True,
+    device_map: str | dict | None = None,
 ) -> Path:
     """Load the model, run every prompt through it under :func:`osdn_diag.capture.capture`, and stream
     the captured calls to ``out_dir/capture``. The manifest says ``"complete": true`` only at the end.
@@ -98,11 +99,12 @@ def capture_run(
     ``model_spec`` is a model spec (a directory, ``builtin:NAME``, ``random:PRESET``) or a model
     :func:`osdn_diag.models.load_model` already loaded (then its device and dtype are the defaults).
     ``dtype`` defaults to bf16 on CUDA (fla's chunk kernels refuse fp32 DeltaNet inputs) and fp32 on
-    the CPU. Returns ``out_dir``.
+    the CPU. ``device_map`` spreads a model too large for one GPU over the machine's GPUs (see
+    :func:`osdn_diag.models.load_model`; one process only). Returns ``out_dir``.
     """
     session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
                               batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
-                              seed=seed)
+                              seed=seed, device_map=device_map)
     session.run(lambda stored: session.writer.write(stored.batch, stored.prompts, stored.call), progress)
     session.finish()
     return session.out_dir
@@ -122,6 +124,7 @@ def stream_run(
     length: int = 512,
     seed: int = 0,
     progress: bool = True,
+    device_map: str | dict | None = None,
     replay_dtype: torch.dtype = torch.float32,
     **replay_kw,
 ) -> dict:
@@ -138,8 +141,8 @@ def stream_run(
     """
     session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
                               batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
-                              seed=seed, stored=False)
-    replay_kw.setdefault("device", session.device)
+                              seed=seed, stored=False, device_map=device_map)
+    replay_kw.setdefault("device", session.replay_device)
     replayer = Replayer({p.id: p.manifest_entry() for p in session.prompts}, dtype=replay_dtype, **replay_kw)
     with _ResidualsWriter(session.out_dir, replayer.schema, session.ranks) as residuals:
         def replay_now(stored: StoredCall) -> None:
@@ -158,7 +161,7 @@ class _CaptureSession:
     start, complete by :meth:`finish` once every rank is done)."""
 
     def __init__(self, model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_size, twice,
-                 num_prompts, length, seed, stored: bool = True):
+                 num_prompts, length, seed, stored: bool = True, device_map=None):
         from . import distributed, runtime
         from .models import LoadedModel, load_model
         from .prompts import load_prompts
@@ -166,6 +169,9 @@ class _CaptureSession:
         if batch_size < 1:
             raise ValueError(f"argument 'batch_size': expected >= 1, got {batch_size}")
         self.ranks = distributed.current()
+        if device_map is not None and self.ranks.world > 1:
+            raise ValueError("argument 'device_map': spreads one model over every GPU of the machine, "
+                             "so it runs in one process, not under torchrun with several")
         preloaded = model_spec if isinstance(model_spec, LoadedModel) else None
         if preloaded is not None:  # already on its device, in its dtype
             param = next(preloaded.model.parameters())
@@ -180,7 +186,12 @@ class _CaptureSession:
             self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
                                "prompts_source": prompts_spec, "capture_stored": stored})
         self.ranks.barrier()
-        self.loaded = preloaded or load_model(model_spec, device=self.device, dtype=self.dtype, seed=seed)
+        self.loaded = preloaded or load_model(model_spec, device=self.device, dtype=self.dtype, seed=seed,
+                                              device_map=device_map)
+        # Inputs go where the embedding is; replay runs on the requested (or default) device, to which
+        # every call is moved (a model spread over several GPUs has calls on each of them).
+        self.replay_device = self.device
+        self.device = self.loaded.model.get_input_embeddings().weight.device
         self.prompts = load_prompts(
             prompts_spec, vocab_size=self.loaded.config["vocab_size"], tokenize=_tokenizer(self.loaded.directory),
             twice=twice, num_prompts=num_prompts, length=length, seed=seed,

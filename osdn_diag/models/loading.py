@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PRESETS", "LoadedModel", "load_model"]
+__all__ = ["DEVICE_MAPS", "PRESETS", "LoadedModel", "load_model"]
 
 #: Named random-model shapes: (fla config class name, config kwargs).
 PRESETS: dict[str, tuple[str, dict]] = {
@@ -62,9 +62,17 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    device_map: str | dict | None = None,
 ) -> LoadedModel:
     """Load ``spec`` (a directory, ``random:PRESET`` or ``builtin:NAME``) onto ``device`` in ``dtype``,
-    in eval mode."""
+    in eval mode.
+
+    ``device_map`` spreads a model too large for one GPU over the GPUs of the machine instead
+    (accelerate's big-model dispatch; ``device`` is then ignored): ``"auto"``/``"balanced"`` (the
+    blocks evenly over every GPU), ``"sequential"`` (fill GPU 0 first), or an explicit
+    ``{module name: device}``. Blocks are never split. Each block then runs on its own GPU and
+    capture records it there, tagged with its layer as always.
+    """
     models = _fla()
     from transformers import AutoModelForCausalLM
 
@@ -107,6 +115,37 @@ def load_model(
         )
         source = "builtin" if builtin else "directory"
         config = json.loads((directory / "config.json").read_text())
-    model = model.to(device=device, dtype=dtype).eval()
+    if device_map is None:
+        model = model.to(device=device, dtype=dtype)
+    else:
+        model = _dispatch(model.to(dtype=dtype), device_map, spec)
+    model = model.eval()
     cfg = model.config.to_dict() if source == "random" else config
     return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory)
+
+
+DEVICE_MAPS = ("auto", "balanced", "sequential")
+
+
+def _dispatch(model: torch.nn.Module, device_map: str | dict, spec: str) -> torch.nn.Module:
+    """``model`` spread over the devices of ``device_map`` by accelerate (its hooks move activations
+    from block to block)."""
+    try:
+        from accelerate import dispatch_model, infer_auto_device_map
+        from accelerate.utils import get_balanced_memory
+    except ImportError as err:
+        raise RuntimeError("argument 'device_map': needs accelerate (pip install accelerate)") from err
+    if isinstance(device_map, str):
+        if device_map not in DEVICE_MAPS:
+            raise ValueError(f"argument 'device_map': expected one of {', '.join(DEVICE_MAPS)} or a "
+                             f"{{module: device}} dict, got {device_map!r}")
+        no_split = list(getattr(model, "_no_split_modules", None) or [])
+        max_memory = None
+        if device_map != "sequential":
+            max_memory = get_balanced_memory(model, no_split_module_classes=no_split, low_zero=False)
+        device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
+    if "disk" in set(map(str, device_map.values())):
+        raise ValueError(f"MODEL {spec!r}: does not fit in the GPUs' and the host's memory "
+                         f"(the device map offloads to disk: {device_map})")
+    # Hooks even when every block lands on one device: the same code path on one GPU as on eight.
+    return dispatch_model(model, device_map=device_map, force_hooks=True)

@@ -61,3 +61,34 @@ def test_two_ranks_equal_one(one, tmp_path, mode):
     ca = pq.read_table(one / "comparator.parquet").sort_by(keys[:3]).to_pydict()
     cb = pq.read_table(two / "comparator.parquet").sort_by(keys[:3]).to_pydict()
     _close(ca, cb, "comparator")
+
+
+def test_a_model_spread_block_by_block_is_captured_layer_by_layer(one, tmp_path):
+    """accelerate's dispatch (hooks on every block, as when each block sits on its own GPU) leaves
+    capture, its layer tags and every result unchanged."""
+    pytest.importorskip("accelerate")
+    from osdn_diag import runtime
+    from osdn_diag.models import load_model
+    from osdn_diag.pipeline import capture_run, replay_run
+
+    runtime.prepare("cpu")
+    names = ["model.embeddings", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    loaded = load_model("random:gated-deltanet-tiny", device_map={n: "cpu" for n in names})
+    assert all(hasattr(loaded.model.get_submodule(n), "_hf_hook") for n in names[1:3])
+    out = tmp_path / "spread"
+    capture_run(loaded, "random", out, twice=True, num_prompts=5, length=16, progress=False)
+    summary = replay_run(out, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [entry["layer"] for entry in manifest["layers"]] == [0, 1]
+    assert summary == json.loads((one / "summary.json").read_text())
+    assert pq.read_table(out / "residuals.parquet").equals(pq.read_table(one / "residuals.parquet"))
+
+
+def test_device_map_refuses_bad_requests(tmp_path):
+    pytest.importorskip("accelerate")
+    from osdn_diag import runtime
+    from osdn_diag.models import load_model
+
+    runtime.prepare("cpu")
+    with pytest.raises(ValueError, match="device_map.*auto, balanced, sequential"):
+        load_model("random:deltanet-tiny", device_map="everywhere")

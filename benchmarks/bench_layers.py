@@ -1,7 +1,7 @@
 """OSDN / OSGDN layers against fla's DeltaNet / GatedDeltaNet layers, forward and forward+backward,
 with the phase-1 kernel's share measured separately (GPU only).
 
-    python benchmarks/bench_layers.py [--B 8 --T 4096 --H 8 --K 128] [--phase1 sequential,blocked]
+    python benchmarks/bench_layers.py [--B 8 --T 4096 --H 8 --K 128] [--phase1 sequential,parallel]
                                       [--json FILE]
 
 bf16, hidden = H·K, K = V. Every pair is built with the same weights (the OSDN layer's state dict
@@ -149,7 +149,7 @@ def main(argv=None) -> dict:
     for name, default in (("B", 8), ("T", 4096), ("H", 8), ("K", 128)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--eta", type=float, default=0.003)
-    p.add_argument("--phase1", default="sequential,blocked", help="phase-1 forward kernels to time")
+    p.add_argument("--phase1", default="sequential,parallel", help="phase-1 forward kernels to time")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -4,7 +4,8 @@ same shape, measured in the same run (GPU only).
     python benchmarks/bench_phase1.py [--B 8 --T 4096 --H 8 --K 128] [--json FILE]
 
 Phase 1 is a sequential sweep over T (one program per sequence×head), and also the blocked kernel
-(:mod:`osdn_diag.ops.phase1_blocked`: a clamped-affine scan per block, measured beside it); phase 2 is
+(:mod:`osdn_diag.ops.phase1_blocked`: a clamped-affine scan per block) and the token-parallel one
+(:mod:`osdn_diag.ops.phase1_parallel`: Picard rounds over whole sequences), measured beside it; phase 2 is
 fla's chunked delta rule with q, k, v bf16. The target is phase 1 ≤ 25 % of phase 2. Before timing, the kernel is checked
 against the fp64 reference (``osdn_phase1`` and torch.autograd through it) at the benchmark shape.
 Times are ``triton.testing.do_bench`` medians.
@@ -85,13 +86,19 @@ def main(argv=None) -> dict:
         torch.autograd.grad(wk, (kg, bg), grad_outputs=dwk)
 
     from osdn_diag.ops.phase1_blocked import osdn_precondition_blocked
+    from osdn_diag.ops.phase1_parallel import parallel_fwd
 
     with torch.no_grad():
         ref = osdn_phase1(k.double(), beta.double(), **kw)
         for block in (32, 64):
             got = osdn_precondition_blocked(k, beta, **kw, block=block, return_trajectory=True, validate=False)
             errors[f"blocked (block {block}) d (fp32)"] = _rel(got.d, ref.d)
-        del ref, got
+        stats = {}
+        wk_p, dt_p, _ = parallel_fwd(k, beta, None, None, None, B, a.eta, 0.5, 2.0, True, 1e-6, True, stats=stats)
+        errors["parallel d (fp32)"] = _rel(dt_p, ref.d)
+        errors["parallel write_key (bf16 out)"] = _rel(wk_p, ref.write_key)
+        print(f"token-parallel phase 1: {stats['rounds']} Picard rounds, converged: {stats['converged']}")
+        del ref, got, wk_p, dt_p
     rows = {
         "phase1 fwd": _bench(lambda: osdn_precondition(k, beta, **kw, validate=False)),
         "phase1 blocked fwd, block 32": _bench(
@@ -103,12 +110,14 @@ def main(argv=None) -> dict:
         "phase1 blocked fwd + trajectory, block 64": _bench(
             lambda: osdn_precondition_blocked(k, beta, **kw, block=64, validate=False, return_trajectory=True)
         ),
+        "phase1 parallel fwd": _bench(lambda: osdn_precondition(k, beta, **kw, validate=False, method="parallel")),
         "phase1 fwd, with argument checks": _bench(lambda: osdn_precondition(k, beta, **kw)),
         "phase1 fwd + trajectory": _bench(
             lambda: osdn_precondition(k, beta, **kw, validate=False, return_trajectory=True)
         ),
         "phase1 fwd+bwd": _bench(phase1_bwd),
         "phase1 blocked fwd+bwd (block 64)": _bench(lambda: phase1_bwd("blocked")),
+        "phase1 parallel fwd+bwd": _bench(lambda: phase1_bwd("parallel")),
     }
     phase2 = {}
     try:
@@ -147,6 +156,8 @@ def main(argv=None) -> dict:
             "fwd+bwd": rows["phase1 fwd+bwd"] / phase2["fwd+bwd"] if phase2 else None,
             "blocked fwd": rows["phase1 blocked fwd, block 64"] / phase2["fwd"] if phase2 else None,
             "blocked fwd+bwd": rows["phase1 blocked fwd+bwd (block 64)"] / phase2["fwd+bwd"] if phase2 else None,
+            "parallel fwd": rows["phase1 parallel fwd"] / phase2["fwd"] if phase2 else None,
+            "parallel fwd+bwd": rows["phase1 parallel fwd+bwd"] / phase2["fwd+bwd"] if phase2 else None,
         },
     }
     if a.json:

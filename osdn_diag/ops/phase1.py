@@ -350,10 +350,11 @@ def _contig(x):
 
 
 #: The forward kernel ``method="auto"`` runs for fp16/bf16/fp32 keys: ``"sequential"`` (one token at a
-#: time) or ``"blocked"`` (:mod:`osdn_diag.ops.phase1_blocked`); fp64 keys always run sequentially.
-#: ``benchmarks/bench_phase1.py`` times the two.
+#: time), ``"blocked"`` (:mod:`osdn_diag.ops.phase1_blocked`) or ``"parallel"``
+#: (:mod:`osdn_diag.ops.phase1_parallel`); fp64 keys always run sequentially.
+#: ``benchmarks/bench_phase1.py`` times them.
 AUTO_METHOD = "sequential"
-METHODS = ("auto", "sequential", "blocked")
+METHODS = ("auto", "sequential", "blocked", "parallel")
 
 
 def _resolve_method(method: str, k: torch.Tensor) -> str:
@@ -361,8 +362,8 @@ def _resolve_method(method: str, k: torch.Tensor) -> str:
         raise ValueError(f"argument 'method': expected one of {', '.join(METHODS)}, got {method!r}")
     if method == "auto":
         return "sequential" if k.dtype == torch.float64 else AUTO_METHOD
-    if method == "blocked" and k.dtype == torch.float64:
-        raise ValueError("argument 'method': the blocked kernel computes in fp32; fp64 keys need 'sequential'")
+    if method in ("blocked", "parallel") and k.dtype == torch.float64:
+        raise ValueError(f"argument 'method': the {method} kernel computes in fp32; fp64 keys need 'sequential'")
     return method
 
 
@@ -374,6 +375,10 @@ def phase1_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aw
         from .phase1_blocked import blocked_fwd
 
         return blocked_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d)
+    if method == "parallel":
+        from .phase1_parallel import parallel_fwd
+
+        return parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d)
     B, T, H, K = k.shape
     acc = _acc_dtype(k)
     k, beta, retention, d0 = map(_contig, (k, beta, retention, d0))
@@ -487,8 +492,9 @@ def osdn_precondition(
             They read every input once and synchronise with the device; ``False`` skips them (hot
             loops that already validated their inputs) — the kernel then trusts its inputs.
         method: the forward kernel — ``"sequential"`` (token by token), ``"blocked"`` (a clamped-affine
-            scan per block of tokens, :mod:`osdn_diag.ops.phase1_blocked`; not for fp64) or
-            ``"auto"`` (:data:`AUTO_METHOD`). Both give the same trajectory up to rounding; the
+            scan per block of tokens, :mod:`osdn_diag.ops.phase1_blocked`), ``"parallel"`` (Picard
+            rounds over whole sequences, :mod:`osdn_diag.ops.phase1_parallel`) — the last two not for
+            fp64 — or ``"auto"`` (:data:`AUTO_METHOD`). All give the same trajectory up to rounding; the
             backward is the same reverse sweep over it.
     """
     method = _resolve_method(method, k)

@@ -1,5 +1,6 @@
-"""The blocked phase-1 kernel (:mod:`osdn_diag.ops.phase1_blocked`) against the fp64 sequential
-sweep (:func:`osdn_diag.math.phase1.osdn_phase1`): trajectory, write keys and final d, with the clamp
+"""The blocked and the token-parallel phase-1 kernels (:mod:`osdn_diag.ops.phase1_blocked`,
+:mod:`osdn_diag.ops.phase1_parallel`; ``tests/ops/test_phase1_kernel.py`` runs both through
+``osdn_precondition`` and its backward) against the fp64 sequential sweep (:func:`osdn_diag.math.phase1.osdn_phase1`): trajectory, write keys and final d, with the clamp
 active (large η), retention per head-token and per channel, every d0 form, no box, the non-beta-aware
 form, zero keys, β at 0 and 1, variable lengths and T not a multiple of the block.
 
@@ -13,6 +14,26 @@ import torch
 
 from osdn_diag.math import osdn_phase1
 from osdn_diag.ops.phase1_blocked import osdn_precondition_blocked
+
+
+def _parallel(k, beta, *, block, max_rounds=32, expect_converged=True, **kw):
+    """The token-parallel kernel (``block`` is its chunk; the entry point picks 64: these tests call
+    the launcher directly so that chunks and sequences cross at awkward places)."""
+    from osdn_diag.math.phase1 import Phase1Result
+    from osdn_diag.ops.phase1_parallel import parallel_fwd
+
+    cu = kw.get("cu_seqlens")
+    N = k.shape[0] if cu is None else cu.numel() - 1
+    stats = {}
+    wk, dt, dfin = parallel_fwd(k, beta, kw.get("retention"), kw.get("d0"), cu, N, kw.get("eta", 0.003),
+                                kw.get("d_min", 0.5), kw.get("d_max", 2.0), kw.get("beta_aware", True),
+                                1e-6, True, chunk=block, max_rounds=max_rounds, stats=stats)
+    assert stats["converged"] is expect_converged, stats  # the Picard rounds, not the fallback, answered
+    return Phase1Result(write_key=wk, d=dt, d_final=dfin)
+
+
+KERNELS = {"blocked": lambda k, b, **kw: osdn_precondition_blocked(k, b, return_trajectory=True, **kw),
+           "parallel": _parallel}
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64
@@ -60,13 +81,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("B,T,H,K,ret,d0,eta,block,awkward", CASES)
-def test_matches_the_sequential_sweep(fla_kernels, B, T, H, K, ret, d0, eta, block, awkward):
+def test_matches_the_sequential_sweep(fla_kernels, kernel, B, T, H, K, ret, d0, eta, block, awkward):
     k, beta, kw = _case(1, B, T, H, K, ret=ret, d0=d0, awkward=awkward)
     eta = max(eta, 3.0) if awkward else eta  # large enough for the spike to reach the box
     ref = osdn_phase1(k, beta, **kw, eta=eta)
-    got = osdn_precondition_blocked(_dev(k), _dev(beta), retention=_dev(kw["retention"]), d0=_dev(kw["d0"]),
-                                    eta=eta, return_trajectory=True, block=block)
+    got = KERNELS[kernel](_dev(k), _dev(beta), retention=_dev(kw["retention"]), d0=_dev(kw["d0"]),
+                          eta=eta, block=block)
     assert _rel(got.d, ref.d) <= TOL
     assert _rel(got.write_key, ref.write_key) <= TOL
     assert _rel(got.d_final, ref.d_final) <= TOL
@@ -74,22 +96,32 @@ def test_matches_the_sequential_sweep(fla_kernels, B, T, H, K, ret, d0, eta, blo
         assert bool(((ref.d == 0.5) | (ref.d == 2.0)).any())  # the clamp was exercised
 
 
-def test_variable_lengths_restart_d(fla_kernels):
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_variable_lengths_restart_d(fla_kernels, kernel):
     cu = torch.tensor([0, 5, 5, 47, 100])  # an empty sequence too
     k, beta, kw = _case(2, 1, 100, 2, 16, ret="channel", d0="per_seq", N=4)
     ref = osdn_phase1(k, beta, **kw, eta=2.0, cu_seqlens=cu)
-    got = osdn_precondition_blocked(_dev(k), _dev(beta), retention=_dev(kw["retention"]), d0=_dev(kw["d0"]),
-                                    eta=2.0, cu_seqlens=cu.to(DEVICE), return_trajectory=True, block=16)
+    got = KERNELS[kernel](_dev(k), _dev(beta), retention=_dev(kw["retention"]), d0=_dev(kw["d0"]),
+                          eta=2.0, cu_seqlens=cu.to(DEVICE), block=16)
     assert _rel(got.d, ref.d) <= TOL and _rel(got.d_final, ref.d_final) <= TOL
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("beta_aware", [True, False])
-def test_no_box_and_beta_awareness(fla_kernels, beta_aware):
+def test_no_box_and_beta_awareness(fla_kernels, kernel, beta_aware):
     k, beta, _ = _case(3, 2, 50, 1, 16)
     d0 = torch.full((1, 16), 2.5, dtype=F64)  # outside [0.5, 2]: only legal without a box
     kw = dict(d0=d0, eta=1.5, d_min=None, d_max=None, beta_aware=beta_aware)
     ref = osdn_phase1(k, beta, **kw)
-    got = osdn_precondition_blocked(_dev(k), _dev(beta), **{**kw, "d0": _dev(d0)}, return_trajectory=True, block=16)
+    got = KERNELS[kernel](_dev(k), _dev(beta), **{**kw, "d0": _dev(d0)}, block=16)
+    assert _rel(got.d, ref.d) <= TOL and _rel(got.d_final, ref.d_final) <= TOL
+
+
+def test_parallel_falls_back_to_the_sweep_when_rounds_run_out(fla_kernels):
+    k, beta, kw = _case(5, 1, 90, 2, 16, ret="head", awkward=True)
+    ref = osdn_phase1(k, beta, **kw, eta=3.0)
+    got = _parallel(_dev(k), _dev(beta), retention=_dev(kw["retention"]), eta=3.0, block=16,
+                    max_rounds=1, expect_converged=False)
     assert _rel(got.d, ref.d) <= TOL and _rel(got.d_final, ref.d_final) <= TOL
 
 
@@ -112,4 +144,13 @@ def test_bf16_at_a_real_shape(fla_kernels):
                                     retention=_dev(kw["retention"]), eta=0.003, return_trajectory=True)
     # bf16 inputs: compare with the sweep over the same rounded inputs.
     ref = osdn_phase1(k.bfloat16().double(), beta.bfloat16().double(), **kw, eta=0.003)
+    assert _rel(got.d, ref.d) <= 1e-5 and _rel(got.write_key, ref.write_key) <= 1e-2
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter's bf16 arithmetic is not the GPU's")
+def test_parallel_bf16_at_a_real_shape(fla_kernels):
+    k, beta, kw = _case(4, 2, 4096, 4, 128, ret="head")
+    ref = osdn_phase1(k.bfloat16().double(), beta.bfloat16().double(), **kw, eta=0.003)
+    got = _parallel(_dev(k, torch.bfloat16), _dev(beta, torch.bfloat16), retention=_dev(kw["retention"]),
+                    eta=0.003, block=64)
     assert _rel(got.d, ref.d) <= 1e-5 and _rel(got.write_key, ref.write_key) <= 1e-2

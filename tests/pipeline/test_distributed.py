@@ -92,3 +92,7 @@ def test_device_map_refuses_bad_requests(tmp_path):
     runtime.prepare("cpu")
     with pytest.raises(ValueError, match="device_map.*auto, balanced, sequential"):
         load_model("random:deltanet-tiny", device_map="everywhere")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "osdn_diag", "run", *ARGS, "--device-map", "auto", "--out", str(tmp_path / "x")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "not under torchrun with several" in proc.stderr, proc.stderr[-2000:]

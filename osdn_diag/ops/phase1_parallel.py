@@ -50,6 +50,18 @@ def _bounds(cu_seqlens, i_n, T, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _load_d0(d0, i_nh, i_h, o_k, m_k, K: tl.constexpr, BK: tl.constexpr, D0: tl.constexpr):
+    """d_0 of (sequence, head) ``i_nh``: ones, shared per head ``[H, K]`` or per sequence ``[N, H, K]``."""
+    if D0 == 1:
+        b_d = tl.load(d0 + i_h * K + o_k, mask=m_k, other=1.0).to(tl.float32)
+    elif D0 == 2:
+        b_d = tl.load(d0 + i_nh * K + o_k, mask=m_k, other=1.0).to(tl.float32)
+    else:
+        b_d = tl.full([BK], 1.0, dtype=tl.float32)
+    return b_d
+
+
+@triton.jit
 def _maps(k, r, c, rows, valid, i_h, o_k, m_k, d_min, d_max,
           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, RET: tl.constexpr):
     """The maps of the tokens ``rows`` as ``[BT, BK]`` tiles (a, b, lo, hi); the identity where
@@ -120,12 +132,7 @@ def picard_carry_kernel(
     bos, eos = _bounds(cu_seqlens, i_n, T, VARLEN)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    if D0 == 1:
-        b_d = tl.load(d0 + i_h * K + o_k, mask=m_k, other=1.0).to(tl.float32)
-    elif D0 == 2:
-        b_d = tl.load(d0 + i_nh * K + o_k, mask=m_k, other=1.0).to(tl.float32)
-    else:
-        b_d = tl.full([BK], 1.0, dtype=tl.float32)
+    b_d = _load_d0(d0, i_nh, i_h, o_k, m_k, K, BK, D0)
     n_chunks = (eos - bos + BT - 1) // BT
     for j in range(0, n_chunks):
         at = (i_nh.to(tl.int64) * NC + j) * K
@@ -175,12 +182,7 @@ def picard_rescan_kernel(
         alpha = eta * p / tl.maximum(tl.sum(b_s, axis=1), eps)
         gam = alpha * p
         if FIRST:
-            if D0 == 1:
-                b_d = tl.load(d0 + i_h * K + o_k, mask=m_k, other=1.0).to(tl.float32)
-            elif D0 == 2:
-                b_d = tl.load(d0 + i_nh * K + o_k, mask=m_k, other=1.0).to(tl.float32)
-            else:
-                b_d = tl.full([BK], 1.0, dtype=tl.float32)
+            b_d = _load_d0(d0, i_nh, i_h, o_k, m_k, K, BK, D0)
             c_next = alpha - gam * tl.sum(b_s * b_d[None, :], axis=1)
             tl.store(c_new + tok, c_next, mask=m_t)
         else:

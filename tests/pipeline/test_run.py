@@ -231,3 +231,19 @@ def test_stream_run_of_an_osdn_model_says_why_d_is_not_plotted(tmp_path):
     assert not (tmp_path / "plots" / "d_trajectory.png").exists()
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["capture_stored"] is False and manifest["layers"][0]["has_d"] is True
+
+
+def test_a_failed_table_write_fails_the_run_and_leaves_no_table(tmp_path, monkeypatch):
+    """The per-token table is encoded on a background thread: its failure must still reach the run."""
+    import pyarrow.parquet as pq_module
+
+    def broken(self, table, *args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(pq_module.ParquetWriter, "write_table", broken)
+    with pytest.raises(RuntimeError, match="residuals.parquet failed") as info:
+        _run(tmp_path, "--stream")
+    assert "disk full" in str(info.value.__cause__)
+    assert not (tmp_path / "residuals.parquet").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert json.loads((tmp_path / "manifest.json").read_text())["complete"] is False

@@ -126,4 +126,9 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from osdn_diag.distributed import shutdown
+
+    try:
+        main()
+    finally:
+        shutdown()

@@ -318,7 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "prove":
         _quiet_libraries()
-    return args.func(args)
+    try:
+        return args.func(args)
+    finally:
+        from .distributed import shutdown
+
+        shutdown()
 
 
 def entry(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ranks", "current", "init_from_env"]
+__all__ = ["Ranks", "current", "init_from_env", "shutdown"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +70,9 @@ def init_from_env() -> Ranks:
             torch.cuda.set_device(local)
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     return current()
+
+
+def shutdown() -> None:
+    """Leave the process group, if this process joined one (torchrun warns at exit otherwise)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -11,9 +11,14 @@ round runs over the whole sequence at once, chunk-parallel:
 1. *summarise* — one program per (chunk, sequence, head) composes its chunk's maps into one map;
 2. *carry* — one program per (sequence, head) applies the chunk maps in order and records the ``d``
    entering each chunk (and the final ``d``);
-3. *rescan* — one program per (chunk, sequence, head) scans its chunk's maps from that ``d`` into the
-   trajectory ``D_t``, emits ``k̃_t = D_t ⊙ k_t`` (and ``D_t``), and computes the next ``c_t`` and how
-   far it moved.
+3. *rescan* — one program per (chunk, sequence, head) applies its chunk's maps from that ``d``,
+   token by token, into the trajectory ``D_t``, emits ``k̃_t = D_t ⊙ k_t`` (and ``D_t``), and
+   computes the next ``c_t`` and how far it moved.
+
+Within a chunk the work is a short loop over its tokens: with the step sizes fixed, a map acts on
+each channel alone, so composing or applying maps needs no exchange between threads, and the one
+reduction per token (the next ``c_t``) is off the token-to-token chain. The sequential depth is the
+chunk (64 tokens), not the sequence; the chunks of every sequence and head run at once.
 
 The rounds stop when no ``c_t`` moves by more than ``8·eps·(1 + |c_t|)`` (fp32); the first guess
 freezes ``d`` at ``d_0``. At the paper's setting (K = 128, η = 0.003) a sequence of 4,096 tokens takes
@@ -62,26 +67,6 @@ def _load_d0(d0, i_nh, i_h, o_k, m_k, K: tl.constexpr, BK: tl.constexpr, D0: tl.
 
 
 @triton.jit
-def _maps(k, r, c, rows, valid, i_h, o_k, m_k, d_min, d_max,
-          H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, RET: tl.constexpr):
-    """The maps of the tokens ``rows`` as ``[BT, BK]`` tiles (a, b, lo, hi); the identity where
-    ``valid`` is false."""
-    tok = rows * H + i_h
-    m = valid[:, None] & m_k[None, :]
-    b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-    b_c = tl.load(c + tok, mask=valid, other=0.0)
-    if RET == 1:
-        b_a = tl.load(r + tok, mask=valid, other=1.0).to(tl.float32)[:, None] + tl.zeros([BT, BK], tl.float32)
-    elif RET == 2:
-        b_a = tl.load(r + tok[:, None] * K + o_k[None, :], mask=m, other=1.0).to(tl.float32)
-    else:
-        b_a = tl.full([BT, BK], 1.0, tl.float32)
-    b_lo = tl.where(m, d_min, -float("inf"))
-    b_hi = tl.where(m, d_max, float("inf"))
-    return b_a, b_c[:, None] * (b_k * b_k), b_lo, b_hi
-
-
-@triton.jit
 def _box(scalars, BOX: tl.constexpr):
     if BOX:
         d_min = tl.load(scalars + 2)
@@ -93,31 +78,48 @@ def _box(scalars, BOX: tl.constexpr):
 
 
 @triton.jit
+def _token(k, r, c, tok, o_k, m_k, K: tl.constexpr, BK: tl.constexpr, RET: tl.constexpr):
+    """Token ``tok``'s key, step size and retention (``[BK]``, scalar, ``[BK]``)."""
+    b_k = tl.load(k + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_c = tl.load(c + tok)
+    if RET == 1:
+        b_r = tl.load(r + tok).to(tl.float32) + tl.zeros([BK], tl.float32)
+    elif RET == 2:
+        b_r = tl.load(r + tok * K + o_k, mask=m_k, other=1.0).to(tl.float32)
+    else:
+        b_r = tl.full([BK], 1.0, tl.float32)
+    return b_k, b_c, b_r
+
+
+@triton.jit
 def picard_summary_kernel(
     k, r, c, scalars, cu_seqlens, summ,
     T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     RET: tl.constexpr, BOX: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """``summ[nh, j] = (a, b, lo, hi)``: the composition of chunk ``j``'s maps."""
+    """``summ[nh, j] = (a, b, lo, hi)``: the composition of chunk ``j``'s maps. With the step sizes
+    given, the maps act on each channel alone: every thread composes its channels token by token,
+    with no exchange between threads."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _bounds(cu_seqlens, i_n, T, VARLEN)
     t0 = bos + i_j * BT
     if t0 < eos:
-        o_t = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         d_min, d_max = _box(scalars, BOX)
-        rows = t0 + o_t
-        a, b, lo, hi = _maps(k, r, c, rows, rows < eos, i_h, o_k, m_k, d_min, d_max, H, K, BT, BK, RET)
-        # The scan keeps the order of composition (a reduction would not); its last row is the chunk.
-        a, b, lo, hi = tl.associative_scan((a, b, lo, hi), 0, _compose)
-        last = (o_t == BT - 1)[:, None]
+        a = tl.full([BK], 1.0, tl.float32)
+        b = tl.zeros([BK], tl.float32)
+        lo = tl.full([BK], -float("inf"), tl.float32)
+        hi = tl.full([BK], float("inf"), tl.float32)
+        for t in range(t0, tl.minimum(t0 + BT, eos)):
+            b_k, b_c, b_r = _token(k, r, c, t * H + i_h, o_k, m_k, K, BK, RET)
+            a, b, lo, hi = _compose(a, b, lo, hi, b_r, b_c * (b_k * b_k), d_min, d_max)
         base = summ + (i_nh.to(tl.int64) * NC + i_j) * 4 * K
-        tl.store(base + 0 * K + o_k, tl.sum(tl.where(last, a, 0.0), axis=0), mask=m_k)
-        tl.store(base + 1 * K + o_k, tl.sum(tl.where(last, b, 0.0), axis=0), mask=m_k)
-        tl.store(base + 2 * K + o_k, tl.sum(tl.where(last, lo, 0.0), axis=0), mask=m_k)
-        tl.store(base + 3 * K + o_k, tl.sum(tl.where(last, hi, 0.0), axis=0), mask=m_k)
+        tl.store(base + 0 * K + o_k, a, mask=m_k)
+        tl.store(base + 1 * K + o_k, b, mask=m_k)
+        tl.store(base + 2 * K + o_k, lo, mask=m_k)
+        tl.store(base + 3 * K + o_k, hi, mask=m_k)
 
 
 @triton.jit
@@ -156,51 +158,46 @@ def picard_rescan_kernel(
 ):
     """Chunk ``j``'s trajectory from ``d_in[nh, j]`` under the step sizes ``c``: writes ``k̃``, ``D``
     (``STORE_D``), the next step sizes ``c_new`` and ``err[nh, j]`` (> 0: some ``c_t`` still moved).
-    ``FIRST``: the first guess, every ``D_t = d_0`` (``c``, ``d_in`` unused, nothing but ``c_new``)."""
+    The d update uses the given ``c_t``, so the new step size's reduction ``⟨D_t, s_t⟩`` is off the
+    token-to-token chain. ``FIRST``: the first guess, every ``D_t = d_0`` (only ``c_new`` written)."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _bounds(cu_seqlens, i_n, T, VARLEN)
     t0 = bos + i_j * BT
     if t0 < eos:
-        o_t = tl.arange(0, BT)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         eta = tl.load(scalars + 0)
         eps = tl.load(scalars + 1)
         tol = tl.load(scalars + 4)
         d_min, d_max = _box(scalars, BOX)
-        rows = t0 + o_t
-        m_t = rows < eos
-        m_tk = m_t[:, None] & m_k[None, :]
-        tok = rows * H + i_h
-        b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_s = b_k * b_k
-        if BETA_AWARE:
-            p = tl.load(beta + tok, mask=m_t, other=0.0).to(tl.float32)
-        else:
-            p = tl.where(m_t, 1.0, 0.0)
-        alpha = eta * p / tl.maximum(tl.sum(b_s, axis=1), eps)
-        gam = alpha * p
         if FIRST:
             b_d = _load_d0(d0, i_nh, i_h, o_k, m_k, K, BK, D0)
-            c_next = alpha - gam * tl.sum(b_s * b_d[None, :], axis=1)
-            tl.store(c_new + tok, c_next, mask=m_t)
         else:
             b_d = tl.load(d_in + (i_nh.to(tl.int64) * NC + i_j) * K + o_k, mask=m_k, other=1.0)
-            # Row t holds the map of token t − 1 (row 0: the identity), so the inclusive scan gives
-            # the map from the chunk's start to token t, and D_t is the d *used at* token t.
-            prev = (o_t >= 1) & (rows - 1 < eos)
-            a, b, lo, hi = _maps(k, r, c, rows - 1, prev, i_h, o_k, m_k, d_min, d_max, H, K, BT, BK, RET)
-            a, b, lo, hi = tl.associative_scan((a, b, lo, hi), 0, _compose)
-            D = tl.minimum(tl.maximum(a * b_d[None, :] + b, lo), hi)
-            tl.store(wk + tok[:, None] * K + o_k[None, :], (D * b_k).to(wk.dtype.element_ty), mask=m_tk)
-            if STORE_D:
-                tl.store(dt + tok[:, None] * K + o_k[None, :], D, mask=m_tk)
-            c_old = tl.load(c + tok, mask=m_t, other=0.0)
-            c_next = alpha - gam * tl.sum(D * b_s, axis=1)
-            tl.store(c_new + tok, c_next, mask=m_t)
-            moved = tl.where(m_t, tl.abs(c_next - c_old) - tol * (1.0 + tl.abs(c_old)), -float("inf"))
-            tl.store(err + i_nh * NC + i_j, tl.max(moved, axis=0))
+        moved = tl.sum(tl.zeros([BK], tl.float32), axis=0) - float("inf")  # an fp32 scalar
+        for t in range(t0, tl.minimum(t0 + BT, eos)):
+            tok = t * H + i_h
+            b_k, b_c, b_r = _token(k, r, c, tok, o_k, m_k, K, BK, RET)
+            b_s = b_k * b_k
+            if BETA_AWARE:
+                p = tl.load(beta + tok).to(tl.float32)
+            else:
+                p = 1.0
+            alpha = eta * p / tl.maximum(tl.sum(b_s, axis=0), eps)
+            c_next = alpha - alpha * p * tl.sum(b_d * b_s, axis=0)
+            tl.store(c_new + tok, c_next)
+            if not FIRST:
+                # Algorithm 1: the write key uses d_t, before the update.
+                tl.store(wk + tok * K + o_k, (b_d * b_k).to(wk.dtype.element_ty), mask=m_k)
+                if STORE_D:
+                    tl.store(dt + tok * K + o_k, b_d, mask=m_k)
+                moved = tl.maximum(moved, tl.abs(c_next - b_c) - tol * (1.0 + tl.abs(b_c)))
+                b_d = b_r * b_d + b_c * b_s
+                if BOX:
+                    b_d = tl.minimum(tl.maximum(b_d, d_min), d_max)
+        if not FIRST:
+            tl.store(err + i_nh * NC + i_j, moved)
 
 
 def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d,
@@ -243,7 +240,7 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
             k, beta, r_arg, d0_arg, scalars, cu_arg, c_in, d_in, c_next, err, wk,
             dummy if dt is None else dt, T, NC, **consts,
             RET=_ret_mode(retention), D0=_d0_mode(d0), BOX=box, BETA_AWARE=bool(beta_aware),
-            STORE_D=store_d, FIRST=first, **flags, num_warps=4,
+            STORE_D=store_d, FIRST=first, **flags, num_warps=1,
         )
 
     rescan(c, True)  # c_next ← the first guess
@@ -251,7 +248,7 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
     for stats["rounds"] in range(1, max_rounds + 1):
         c, c_next = c_next, c
         picard_summary_kernel[grid](k, r_arg, c, scalars, cu_arg, summ, T, NC, **consts,
-                                    RET=_ret_mode(retention), BOX=box, **flags, num_warps=4)
+                                    RET=_ret_mode(retention), BOX=box, **flags, num_warps=1)
         picard_carry_kernel[(N * H,)](d0_arg, cu_arg, summ, d_in, dfin, T, NC, **consts,
                                       D0=_d0_mode(d0), **flags, num_warps=1)
         rescan(c, False)

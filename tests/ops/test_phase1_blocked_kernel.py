@@ -81,17 +81,9 @@ CASES = [
 ]
 
 
-# The parallel kernel's Picard rounds (20 at η = 3) each launch every chunk's programs: under the
-# interpreter its first two cases run with one head, not two.
-_ONE_HEAD = {0, 1}
-
-
 @pytest.mark.parametrize("kernel", list(KERNELS))
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_the_sequential_sweep(fla_kernels, kernel, case):
-    B, T, H, K, ret, d0, eta, block, awkward = CASES[case]
-    if kernel == "parallel" and case in _ONE_HEAD and DEVICE == "cpu":
-        H = 1
+@pytest.mark.parametrize("B,T,H,K,ret,d0,eta,block,awkward", CASES)
+def test_matches_the_sequential_sweep(fla_kernels, kernel, B, T, H, K, ret, d0, eta, block, awkward):
     k, beta, kw = _case(1, B, T, H, K, ret=ret, d0=d0, awkward=awkward)
     eta = max(eta, 3.0) if awkward else eta  # large enough for the spike to reach the box
     ref = osdn_phase1(k, beta, **kw, eta=eta)

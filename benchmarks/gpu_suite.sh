@@ -4,7 +4,9 @@
 #   OUT=/path/to/results bash benchmarks/gpu_suite.sh [step ...]
 #
 # Steps (default: all, in this order): tests, layers, phase1, replay, comparator, capture, e2e,
-# e2e_1b, memory; and e2e_ddp (every GPU of the machine under torchrun; not in the default list).
+# e2e_stored, e2e_1b, memory; and e2e_ddp (every GPU of the machine under torchrun; not in the default
+# list). Two lanes on a two-GPU machine: pin each to its own cores (taskset, OMP_NUM_THREADS), or the
+# host-side work of one slows the other tenfold.
 # Each step runs under its own time limit (seconds; override with e.g. LIMIT_tests=300) and its
 # output goes to $OUT/<step>.txt (and .json for the benchmarks) as soon as it ends, so a step that
 # runs out of time still leaves the others' results. Everything is also packed into $OUT/gpu_suite.tgz
@@ -21,7 +23,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/osdn_diag_triton_cache}
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 PY=${PYTHON:-python3}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests layers phase1 replay comparator capture e2e e2e_1b memory)
+[ ${#steps[@]} -eq 0 ] && steps=(tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory)
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
@@ -40,19 +42,21 @@ for step in "${steps[@]}"; do
     case $step in
         tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider \
                         tests/ops tests/layers/test_layers_gpu.py ;;
-        layers)     run_step layers 240 "$PY" benchmarks/bench_layers.py --json "$OUT/layers.json" ;;
+        layers)     run_step layers 400 "$PY" benchmarks/bench_layers.py --json "$OUT/layers.json" ;;
         phase1)     run_step phase1 120 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;
         replay)     run_step replay 180 "$PY" benchmarks/bench_replay.py --sweep --json "$OUT/replay.json" ;;
         comparator) run_step comparator 120 "$PY" benchmarks/bench_comparator.py --json "$OUT/comparator.json" ;;
         capture)    run_step capture 300 "$PY" benchmarks/bench_capture.py --json "$OUT/capture.json" ;;
-        e2e)        run_step e2e 420 "$PY" benchmarks/bench_e2e.py --profile --json "$OUT/e2e.json" ;;
+        e2e)        run_step e2e 300 "$PY" benchmarks/bench_e2e.py --mode stream --profile --json "$OUT/e2e.json" ;;
+        e2e_stored) run_step e2e_stored 300 "$PY" benchmarks/bench_e2e.py --prompts 8 --mode stream,stored \
+                        --json "$OUT/e2e_stored.json" ;;
         e2e_1b)     run_step e2e_1b 300 "$PY" benchmarks/bench_e2e.py --model random:deltanet-1.3b --mode stream \
                         --json "$OUT/e2e_1b.json" ;;
         memory)     run_step memory 300 "$PY" benchmarks/bench_e2e.py --prompts 1 --T 20000 --batch-size 1 \
                         --json "$OUT/memory.json" ;;
         e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
                         benchmarks/bench_e2e.py --mode stream --json "$OUT/e2e_ddp.json" ;;
-        *) echo "unknown step $step (tests layers phase1 replay comparator capture e2e e2e_1b memory e2e_ddp)"; exit 2 ;;
+        *) echo "unknown step $step (tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_ddp)"; exit 2 ;;
     esac
 done
 tar czf "$OUT/gpu_suite.tgz" --exclude=gpu_suite.tgz -C "$OUT" .

@@ -11,14 +11,16 @@ from __future__ import annotations
 import json
 import os
 import queue
-import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from ._atomic import atomic_path
 from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
 from .replayer import CONTRACT_COLUMNS, Replayer
 
@@ -144,7 +146,7 @@ def stream_run(
                               seed=seed, stored=False, device_map=device_map)
     replay_kw.setdefault("device", session.replay_device)
     replayer = Replayer({p.id: p.manifest_entry() for p in session.prompts}, dtype=replay_dtype, **replay_kw)
-    with _ResidualsWriter(session.out_dir, replayer.schema, session.ranks) as residuals:
+    with _residuals_writer(session.out_dir, replayer.schema, session.ranks) as residuals:
         def replay_now(stored: StoredCall) -> None:
             session.writer.layers.setdefault(stored.call.layer, layer_entry(stored.call))
             residuals.write(replayer.add(stored))
@@ -338,46 +340,52 @@ def replay_run(
     replay_kw.setdefault("device", ranks.device())
     replayer = Replayer(prompts, **replay_kw)
     shards = [p for p in reader.shards() if ranks.owns(int(p.parent.name.removeprefix("batch_")))]
-    with _ResidualsWriter(out_dir, replayer.schema, ranks) as residuals:
+    with _residuals_writer(out_dir, replayer.schema, ranks) as residuals:
         for path in _progress(shards, len(shards), progress and ranks.is_main, "replay", "call"):
             residuals.write(replayer.add(reader.load(path)))
     return _finish_replay(replayer, ranks, out_dir, reader.manifest.get("prompts", []), extra)
 
 
-class _ResidualsWriter:
-    """``residuals.parquet`` written under a temporary name and renamed into place on success; under
-    several processes a directory with one ``part-RRRRR.parquet`` per rank (read as one table).
+@contextmanager
+def _residuals_writer(out_dir: Path, schema: pa.Schema, ranks) -> Iterator[_ParquetEncoder]:
+    """``residuals.parquet``, written atomically; under several processes a directory with one
+    ``part-RRRRR.parquet`` per rank (read as one table)."""
+    target = Path(out_dir) / RESIDUALS
+    if ranks.world > 1:
+        if ranks.is_main:
+            _remove(target)
+            target.mkdir(parents=True)
+        ranks.barrier()
+        target = target / f"part-{ranks.rank:05d}.parquet"
+    elif target.is_dir():  # left by an earlier run with several processes
+        _remove(target)
+    with atomic_path(target) as tmp:
+        encoder = _ParquetEncoder(tmp, schema, target)
+        try:
+            yield encoder
+        except BaseException:
+            encoder.close(check=False)
+            raise
+        encoder.close()
 
-    Tables are encoded by a background thread (pyarrow releases the GIL while it writes), so the
-    encoding of one call's rows overlaps the replay of the next; at most ``QUEUE`` tables wait.
-    Dictionary encoding is asked for only where values repeat: on the float columns it is tried and
-    abandoned for every page, which triples the time to write.
-    """
+
+class _ParquetEncoder:
+    """A parquet file whose tables are encoded by a background thread (pyarrow releases the GIL while
+    it writes), so that encoding one call's rows overlaps the replay of the next; at most ``QUEUE``
+    tables wait. Dictionary encoding is asked for only where values repeat: on the float columns it
+    is tried and abandoned for every page, which triples the time to write. A failure on the thread
+    is raised, naming ``target``, by the next :meth:`write` or by :meth:`close`."""
 
     QUEUE = 4
     DICTIONARY_COLUMNS = ["prompt", "task", "layer", "head", "repeat_start", "finite"]
 
-    def __init__(self, out_dir: Path, schema: pa.Schema, ranks):
-        target = Path(out_dir) / RESIDUALS
-        if ranks.world > 1:
-            if ranks.is_main:
-                _remove(target)
-                target.mkdir(parents=True)
-            ranks.barrier()
-            target = target / f"part-{ranks.rank:05d}.parquet"
-        elif target.is_dir():  # left by an earlier run with several processes
-            _remove(target)
-        self.target, self.schema = target, schema
-
-    def __enter__(self):
-        fd, self.tmp = tempfile.mkstemp(dir=self.target.parent, prefix=f".{self.target.name}.", suffix=".tmp")
-        os.close(fd)
-        self.writer = pq.ParquetWriter(self.tmp, self.schema, use_dictionary=self.DICTIONARY_COLUMNS)
+    def __init__(self, path: str, schema: pa.Schema, target: Path):
+        self.target = target
+        self.writer = pq.ParquetWriter(path, schema, use_dictionary=self.DICTIONARY_COLUMNS)
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue(maxsize=self.QUEUE)
         self.thread = threading.Thread(target=self._drain, name="residuals-writer", daemon=True)
         self.thread.start()
-        return self
 
     def _drain(self) -> None:
         while (table := self.queue.get()) is not None:
@@ -387,24 +395,21 @@ class _ResidualsWriter:
                 except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
                     self.error = err
 
-    def write(self, table: pa.Table) -> None:
+    def _check(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"writing {self.target} failed") from self.error
+
+    def write(self, table: pa.Table) -> None:
+        self._check()
         self.queue.put(table)
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def close(self, check: bool = True) -> None:
+        """Wait for the queued tables and close the file; ``check``: raise the thread's failure."""
         self.queue.put(None)
         self.thread.join()
-        ok = exc_type is None and self.error is None
-        try:
-            self.writer.close()
-        finally:
-            if ok:
-                os.replace(self.tmp, self.target)
-            else:
-                Path(self.tmp).unlink(missing_ok=True)
-        if exc_type is None and self.error is not None:
-            raise RuntimeError(f"writing {self.target} failed") from self.error
+        self.writer.close()
+        if check:
+            self._check()
 
 
 def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: list[dict],
@@ -444,11 +449,5 @@ def _remove(path: Path) -> None:
 
 
 def _atomic_parquet(table: pa.Table, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .._atomic import atomic_path, atomic_write_text
 from .record import TENSOR_FIELDS, KernelCall
 
 __all__ = [
@@ -42,20 +42,6 @@ MANIFEST = "manifest.json"
 
 class IncompleteRunError(RuntimeError):
     """A run directory whose manifest does not say ``"complete": true``."""
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read_manifest(run_dir: str | os.PathLike, *, require_complete: bool = True) -> dict:
@@ -105,14 +91,8 @@ class CaptureWriter:
         path = self.run_dir / "capture" / f"batch_{batch:05d}" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"call": json.dumps(call.metadata()), "prompts": json.dumps(list(prompts))}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.", suffix=".tmp")
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             save_file(call.tensors(), tmp, metadata=meta)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
         self.layers.setdefault(call.layer, layer_entry(call))
         return path
 

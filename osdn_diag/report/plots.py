@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
+
+from .._atomic import atomic_path
 
 __all__ = [
     "plot_by_layer",
@@ -29,15 +29,9 @@ def _pyplot():
 def _save(fig, path: Path) -> Path:
     """Save ``path`` (PNG) and the same figure as PDF beside it, each through a temporary file and a
     rename: a crash never leaves a half-written image."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     for target in (path, path.with_suffix(".pdf")):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{target.name}.", suffix=target.suffix)
-        os.close(fd)
-        try:
+        with atomic_path(target, suffix=target.suffix) as tmp:  # matplotlib reads the format from it
             fig.savefig(tmp, dpi=150, bbox_inches="tight")
-            os.replace(tmp, target)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
     plt = _pyplot()
     plt.close(fig)
     return path

@@ -369,8 +369,8 @@ def _resolve_method(method: str, k: torch.Tensor) -> str:
 
 def phase1_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d,
                method: str = "sequential"):
-    """Launch the forward kernel (``method``: ``"sequential"`` or ``"blocked"``); returns
-    ``(write_key, d trajectory or None, d_final)``."""
+    """Launch the forward kernel (``method``: ``"sequential"``, ``"blocked"`` or ``"parallel"``);
+    returns ``(write_key, d trajectory or None, d_final)``."""
     if method == "blocked":
         from .phase1_blocked import blocked_fwd
 

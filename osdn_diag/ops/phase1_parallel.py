@@ -23,9 +23,9 @@ chunk (64 tokens), not the sequence; the chunks of every sequence and head run a
 The rounds stop when no ``c_t`` moves by more than ``8·eps·(1 + |c_t|)`` (fp32); the first guess
 freezes ``d`` at ``d_0``. At the paper's setting (K = 128, η = 0.003) a sequence of 4,096 tokens takes
 2 rounds; η = 0.05 takes 6 and η = 0.5 about 23 (measured with the reference,
-:func:`osdn_diag.math.phase1_blocked.osdn_phase1_blocked` with one block per sequence). A sequence that
-has not converged after ``max_rounds`` is computed again by the sequential kernel, so the result is
-always phase 1's. Forward only; the reverse sweep of :mod:`osdn_diag.ops.phase1` runs over the
+:func:`osdn_diag.math.phase1_blocked.osdn_phase1_blocked` with one block per sequence). A call whose
+rounds have not converged after ``max_rounds`` is computed again by the sequential kernel, so the
+result is always phase 1's. Forward only; the reverse sweep of :mod:`osdn_diag.ops.phase1` runs over the
 trajectory stored here.
 """
 
@@ -35,12 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .phase1 import _contig, _d0_mode, _params, _ret_mode
+from .phase1 import MAX_K, _contig, _d0_mode, _params, _ret_mode, phase1_fwd
 from .phase1_blocked import _compose
 
 __all__ = ["parallel_fwd"]
-
-MAX_K = 256
 
 
 @triton.jit
@@ -256,6 +254,4 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
             stats["converged"] = True
             return wk, dt, dfin
     stats["converged"] = False
-    from .phase1 import phase1_fwd
-
     return phase1_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d)

@@ -424,7 +424,7 @@ def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: lis
         other = Replayer.__new__(Replayer)
         other.__dict__.update(state)
         replayer.merge(other)
-    comparator = replayer.comparator_table() if replayer.comparator_tables is not None else None
+    comparator = replayer.comparator_table()
     if comparator is not None:
         _atomic_parquet(comparator, out_dir / COMPARATOR)
     summary = replayer.summary()

@@ -131,6 +131,8 @@ class Replayer:
 
     def comparator_table(self) -> pa.Table | None:
         """``comparator.parquet``'s rows so far (``None`` without the comparator or problems)."""
+        if self.comparator_tables is None:
+            return None
         self.flush()
         return pa.concat_tables(self.comparator_tables) if self.comparator_tables else None
 
@@ -178,7 +180,7 @@ class Replayer:
         }
         if self.retention is not None:
             summary["retained"] = self.retention.summary()
-        table = self.comparator_table() if self.comparator_tables is not None else None
+        table = self.comparator_table()
         if table is not None:
             summary["comparator"] = comparator_summary(table, self.box)
         return summary

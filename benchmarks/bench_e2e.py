@@ -3,6 +3,7 @@
     python benchmarks/bench_e2e.py [--model random:deltanet-340m] [--prompts 48] [--T 2048]
                                    [--batch-size 8] [--mode stream,stored] [--profile] [--json FILE]
     torchrun --nproc-per-node 2 benchmarks/bench_e2e.py ...      (prompts sharded across the GPUs)
+    python benchmarks/bench_e2e.py --device-map balanced ...     (one model spread over the GPUs)
 
 The model is loaded first and one warm-up run of one batch per rank follows (fla's kernels compile
 and autotune on their first call at a shape); neither is timed. Then each mode is timed as a user
@@ -51,6 +52,7 @@ def main(argv=None) -> dict:
     p.add_argument("--mode", default="stream,stored", help="comma-separated: stream, stored")
     p.add_argument("--dir", help="where run directories go (default: a temporary directory)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--device-map", help="spread the model over this machine's GPUs: auto, balanced, sequential")
     p.add_argument("--json")
     a = p.parse_args(argv)
 
@@ -64,8 +66,11 @@ def main(argv=None) -> dict:
         torch.cuda.set_device(dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     t0 = time.perf_counter()
-    loaded = load_model(a.model, device=dev, dtype=dtype, seed=0)
+    loaded = load_model(a.model, device=dev, dtype=dtype, seed=0, device_map=a.device_map)
     load_s = time.perf_counter() - t0
+    placement = getattr(loaded.model, "hf_device_map", None)
+    if placement and ranks.is_main:
+        print(f"device map ({a.device_map}): " + ", ".join(f"{m} -> {d}" for m, d in placement.items()))
     root = a.dir or tempfile.mkdtemp(prefix="osdn_e2e_")
     # The same directory name on every rank: rank 0 broadcasts its choice.
     root = ranks.gather(root)[0]
@@ -109,11 +114,13 @@ def main(argv=None) -> dict:
         return {}
     result = dict(
         model=a.model, prompts=a.prompts, T=a.T, batch_size=a.batch_size, world=ranks.world,
+        device_map=a.device_map, placement=placement, run_dir=root if a.dir else None,
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
         torch=torch.__version__, load_s=load_s, warmup_s=warm_s, rows=rows,
     )
+    spread = f", device map {a.device_map} over {len(set(placement.values()))} device(s)" if placement else ""
     print(f"\n{a.model}, {a.prompts} prompts x {a.T} tokens, batch {a.batch_size}, {ranks.world} process(es) "
-          f"on {result['device']}; model load {load_s:.1f} s and warm-up {warm_s:.1f} s not timed")
+          f"on {result['device']}{spread}; model load {load_s:.1f} s and warm-up {warm_s:.1f} s not timed")
     print(f"{'mode':8s} {'time':>9s} {'measurements/s':>15s} {'vs stored':>10s}")
     base = next((r["seconds"] for r in rows if r["mode"] == "stored"), None)
     for r in rows:

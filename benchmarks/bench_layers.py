@@ -2,7 +2,7 @@
 with the phase-1 kernel's share measured separately (GPU only).
 
     python benchmarks/bench_layers.py [--B 8 --T 4096 --H 8 --K 128] [--phase1 sequential,parallel]
-                                      [--json FILE]
+                                      [--pairs osdn,osgdn] [--profile] [--json FILE]
 
 bf16, hidden = H·K, K = V. Every pair is built with the same weights (the OSDN layer's state dict
 is loaded into the fla layer), and before timing the pair's outputs at η = 0 are compared (OSDN at
@@ -47,6 +47,22 @@ def _fwd_bwd(layer, x):
     return run
 
 
+def _profile(name: str, fn) -> None:
+    """Print where the GPU time of ``fn`` (no grad) goes, kernel by kernel, and the host's share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+    print(f"\nprofile of {name} layer fwd, 10 calls:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def _pair(ours_cls, theirs_cls, hidden, H, K, eta, **kw):
     dev, bf16 = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -64,13 +80,11 @@ def layer_rows(a) -> tuple[dict, dict]:
     from osdn_diag.layers import OSDN
     from osdn_diag.ops import phase1
 
-    pairs = [("OSDN", "DeltaNet", OSDN, DeltaNet, {})]
-    try:
-        from osdn_diag.layers import OSGDN
+    from osdn_diag.layers import OSGDN
 
-        pairs.append(("OSGDN", "GatedDeltaNet", OSGDN, GatedDeltaNet, {"head_dim": a.K, "expand_v": 1.0}))
-    except ImportError:
-        print("osdn_diag.layers.OSGDN not available: OSGDN rows skipped")
+    pairs = [("OSDN", "DeltaNet", OSDN, DeltaNet, {}),
+             ("OSGDN", "GatedDeltaNet", OSGDN, GatedDeltaNet, {"head_dim": a.K, "expand_v": 1.0})]
+    pairs = [pair for pair in pairs if pair[0].lower() in a.pairs.split(",")]
     B, T, H, K = a.B, a.T, a.H, a.K
     hidden = H * K
     x = torch.randn(B, T, hidden, device="cuda", dtype=torch.bfloat16)
@@ -97,6 +111,10 @@ def layer_rows(a) -> tuple[dict, dict]:
                 except Exception as err:  # e.g. fla's gated backward refused on this GPU/triton
                     print(f"  {key}: not measured: {type(err).__name__}: {str(err)[:300]}")
                     errors[key] = f"{type(err).__name__}: {err}"
+        if a.profile and ours_name == "OSDN":
+            phase1.AUTO_METHOD = a.phase1.split(",")[-1]
+            for name, layer in ((theirs_name, theirs), (ours_name, ours)):
+                _profile(name, lambda layer=layer: layer(x))
         del ours, theirs
         torch.cuda.empty_cache()
     checks.update({f"not measured: {k}": v for k, v in errors.items()})
@@ -123,9 +141,10 @@ def kernel_rows(a) -> dict:
     fns = {
         "fla chunk_delta_rule fwd": lambda: chunk_delta_rule(q, k, v, beta),
         "chunk_osdn fwd (phase 2)": lambda: chunk_osdn(q, k, v, beta, wk),
-        "fla chunk_gated_delta_rule fwd": lambda: chunk_gated_delta_rule(q, k, v, g, beta),
-        "chunk_osdn gated fwd (phase 2)": lambda: chunk_osdn(q, k, v, beta, wk, g=g),
     }
+    if "osgdn" in a.pairs.split(","):
+        fns["fla chunk_gated_delta_rule fwd"] = lambda: chunk_gated_delta_rule(q, k, v, g, beta)
+        fns["chunk_osdn gated fwd (phase 2)"] = lambda: chunk_osdn(q, k, v, beta, wk, g=g)
     for m in a.phase1.split(","):
         fns[f"osdn_precondition fwd (phase 1, {m})"] = (
             lambda m=m: osdn_precondition(k, beta, eta=a.eta, validate=False, method=m))
@@ -150,6 +169,8 @@ def main(argv=None) -> dict:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--eta", type=float, default=0.003)
     p.add_argument("--phase1", default="sequential,parallel", help="phase-1 forward kernels to time")
+    p.add_argument("--pairs", default="osdn,osgdn", help="which layer pairs: osdn (vs DeltaNet), osgdn")
+    p.add_argument("--profile", action="store_true", help="print a kernel-by-kernel profile of the forwards")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -3,10 +3,10 @@ same shape, measured in the same run (GPU only).
 
     python benchmarks/bench_phase1.py [--B 8 --T 4096 --H 8 --K 128] [--json FILE]
 
-Phase 1 is a sequential sweep over T (one program per sequence×head), and also the blocked kernel
-(:mod:`osdn_diag.ops.phase1_blocked`: a clamped-affine scan per block) and the token-parallel one
-(:mod:`osdn_diag.ops.phase1_parallel`: Picard rounds over whole sequences), measured beside it; phase 2 is
-fla's chunked delta rule with q, k, v bf16. The target is phase 1 ≤ 25 % of phase 2. Before timing, the kernel is checked
+Phase 1 has two forward kernels: the sequential sweep over T (one program per sequence×head) and the
+token-parallel one (:mod:`osdn_diag.ops.phase1_parallel`: Picard rounds over whole sequences, the
+default), measured side by side, the latter also at larger η (more rounds; past its round budget the
+sequential kernel answers); phase 2 is fla's chunked delta rule with q, k, v bf16. The target is phase 1 ≤ 25 % of phase 2. Before timing, the kernel is checked
 against the fp64 reference (``osdn_phase1`` and torch.autograd through it) at the benchmark shape.
 Times are ``triton.testing.do_bench`` medians.
 """
@@ -20,10 +20,14 @@ import platform
 import torch
 
 
-def _bench(fn) -> float:
+def _bench(fn, name: str | None = None) -> float:
+    """Median ms; printed as soon as measured (``name``), so a run cut short still reports."""
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+    ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
+    if name:
+        print(f"  measured {name}: {ms:.3f} ms", flush=True)
+    return ms
 
 
 def _rel(a, b) -> float:
@@ -59,15 +63,15 @@ def main(argv=None) -> dict:
     # Correctness against fp64 on the bf16-rounded inputs, same device: the forward at the full shape;
     # the gradients on the first --T-grad tokens (autograd through the reference's per-token slice
     # assignments costs O(T²) memory traffic).
+    errors = {}
     with torch.no_grad():
         ref = osdn_phase1(k.double(), beta.double(), **kw)
-        got = osdn_precondition(k, beta, **kw, return_trajectory=True)
-    errors = {
-        "write_key (bf16 out)": _rel(got.write_key, ref.write_key),
-        "d (fp32)": _rel(got.d, ref.d),
-        "d_final (fp32)": _rel(got.d_final, ref.d_final),
-    }
-    del ref, got
+        for method in ("sequential", "parallel"):
+            got = osdn_precondition(k, beta, **kw, return_trajectory=True, method=method)
+            errors[f"{method}: write_key (bf16 out)"] = _rel(got.write_key, ref.write_key)
+            errors[f"{method}: d (fp32)"] = _rel(got.d, ref.d)
+            errors[f"{method}: d_final (fp32)"] = _rel(got.d_final, ref.d_final)
+        del ref, got
     Tg = min(T, a.T_grad)
     k64 = k[:, :Tg].double().requires_grad_(True)
     b64 = beta[:, :Tg].double().requires_grad_(True)
@@ -75,7 +79,7 @@ def main(argv=None) -> dict:
     ref_dk, ref_db = torch.autograd.grad(ref_wk, (k64, b64), grad_outputs=dwk[:, :Tg].double())
     kg = k[:, :Tg].clone().requires_grad_(True)
     bg = beta[:, :Tg].clone().requires_grad_(True)
-    dk, db = torch.autograd.grad(osdn_precondition(kg, bg, **kw), (kg, bg), grad_outputs=dwk[:, :Tg])
+    dk, db = torch.autograd.grad(osdn_precondition(kg, bg, **kw), (kg, bg), grad_outputs=dwk[:, :Tg])  # auto
     errors[f"grad k (bf16 out, T={Tg})"] = _rel(dk, ref_dk)
     errors[f"grad beta (bf16 out, T={Tg})"] = _rel(db, ref_db)
     del k64, b64, ref_wk, ref_dk, ref_db, dk, db
@@ -85,52 +89,40 @@ def main(argv=None) -> dict:
         wk = osdn_precondition(kg, bg, **kw, validate=False, method=method)
         torch.autograd.grad(wk, (kg, bg), grad_outputs=dwk)
 
-    from osdn_diag.ops.phase1_blocked import osdn_precondition_blocked
     from osdn_diag.ops.phase1_parallel import parallel_fwd
 
+    def parallel(eta, stats=None, store_d=False):
+        return parallel_fwd(k, beta, None, None, None, B, eta, 0.5, 2.0, True, 1e-6, store_d, stats=stats)
+
+    settling = {}
     with torch.no_grad():
-        ref = osdn_phase1(k.double(), beta.double(), **kw)
-        for block in (32, 64):
-            got = osdn_precondition_blocked(k, beta, **kw, block=block, return_trajectory=True, validate=False)
-            errors[f"blocked (block {block}) d (fp32)"] = _rel(got.d, ref.d)
-        stats = {}
-        wk_p, dt_p, _ = parallel_fwd(k, beta, None, None, None, B, a.eta, 0.5, 2.0, True, 1e-6, True, stats=stats)
-        errors["parallel d (fp32)"] = _rel(dt_p, ref.d)
-        errors["parallel write_key (bf16 out)"] = _rel(wk_p, ref.write_key)
-        print(f"token-parallel phase 1: {stats['rounds']} Picard rounds, converged: {stats['converged']}")
-        del ref, got, wk_p, dt_p
-    rows = {
-        "phase1 fwd": _bench(lambda: osdn_precondition(k, beta, **kw, validate=False)),
-        "phase1 blocked fwd, block 32": _bench(
-            lambda: osdn_precondition_blocked(k, beta, **kw, block=32, validate=False)
-        ),
-        "phase1 blocked fwd, block 64": _bench(
-            lambda: osdn_precondition_blocked(k, beta, **kw, block=64, validate=False)
-        ),
-        "phase1 blocked fwd + trajectory, block 64": _bench(
-            lambda: osdn_precondition_blocked(k, beta, **kw, block=64, validate=False, return_trajectory=True)
-        ),
-        "phase1 parallel fwd": _bench(lambda: osdn_precondition(k, beta, **kw, validate=False, method="parallel")),
-        "phase1 fwd, with argument checks": _bench(lambda: osdn_precondition(k, beta, **kw)),
-        "phase1 fwd + trajectory": _bench(
-            lambda: osdn_precondition(k, beta, **kw, validate=False, return_trajectory=True)
-        ),
-        "phase1 fwd+bwd": _bench(phase1_bwd),
-        "phase1 blocked fwd+bwd (block 64)": _bench(lambda: phase1_bwd("blocked")),
-        "phase1 parallel fwd+bwd": _bench(lambda: phase1_bwd("parallel")),
+        for eta in (a.eta, 0.03, 0.3):
+            parallel(eta, settling.setdefault(eta, {}))
+            print(f"token-parallel phase 1 at eta={eta}: {settling[eta]}")
+    timed = {
+        "phase1 sequential fwd": lambda: osdn_precondition(k, beta, **kw, validate=False, method="sequential"),
+        "phase1 parallel fwd": lambda: osdn_precondition(k, beta, **kw, validate=False, method="parallel"),
+        "phase1 parallel fwd, eta 0.03": lambda: parallel(0.03),
+        "phase1 parallel fwd, eta 0.3": lambda: parallel(0.3),
+        "phase1 fwd (auto), with argument checks": lambda: osdn_precondition(k, beta, **kw),
+        "phase1 fwd (auto) + trajectory": lambda: osdn_precondition(k, beta, **kw, validate=False,
+                                                                    return_trajectory=True),
+        "phase1 sequential fwd+bwd": phase1_bwd,
+        "phase1 parallel fwd+bwd": lambda: phase1_bwd("parallel"),
     }
+    rows = {name: _bench(fn, name) for name, fn in timed.items()}
     phase2 = {}
     try:
         from fla.ops.delta_rule import chunk_delta_rule
 
-        phase2["fwd"] = _bench(lambda: chunk_delta_rule(q, k, v, beta))
+        phase2["fwd"] = _bench(lambda: chunk_delta_rule(q, k, v, beta), "fla chunk_delta_rule fwd")
         qg, kg2, vg, bg2 = (x.clone().requires_grad_(True) for x in (q, k, v, beta))
 
         def phase2_bwd():
             o, _ = chunk_delta_rule(qg, kg2, vg, bg2)
             torch.autograd.grad(o, (qg, kg2, vg, bg2), grad_outputs=v)
 
-        phase2["fwd+bwd"] = _bench(phase2_bwd)
+        phase2["fwd+bwd"] = _bench(phase2_bwd, "fla chunk_delta_rule fwd+bwd")
         rows["fla chunk_delta_rule fwd (phase 2)"] = phase2["fwd"]
         rows["fla chunk_delta_rule fwd+bwd (phase 2)"] = phase2["fwd+bwd"]
     except ImportError as e:
@@ -151,11 +143,10 @@ def main(argv=None) -> dict:
         "host": platform.node(),
         "errors_vs_fp64": errors,
         "ms": rows,
+        "settling": {str(e): v for e, v in settling.items()},
         "ratio_phase1_over_phase2": {
-            "fwd": rows["phase1 fwd"] / phase2["fwd"] if phase2 else None,
-            "fwd+bwd": rows["phase1 fwd+bwd"] / phase2["fwd+bwd"] if phase2 else None,
-            "blocked fwd": rows["phase1 blocked fwd, block 64"] / phase2["fwd"] if phase2 else None,
-            "blocked fwd+bwd": rows["phase1 blocked fwd+bwd (block 64)"] / phase2["fwd+bwd"] if phase2 else None,
+            "sequential fwd": rows["phase1 sequential fwd"] / phase2["fwd"] if phase2 else None,
+            "sequential fwd+bwd": rows["phase1 sequential fwd+bwd"] / phase2["fwd+bwd"] if phase2 else None,
             "parallel fwd": rows["phase1 parallel fwd"] / phase2["fwd"] if phase2 else None,
             "parallel fwd+bwd": rows["phase1 parallel fwd+bwd"] / phase2["fwd+bwd"] if phase2 else None,
         },

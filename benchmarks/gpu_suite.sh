@@ -4,8 +4,9 @@
 #   OUT=/path/to/results bash benchmarks/gpu_suite.sh [step ...]
 #
 # Steps (default: all, in this order): tests, layers, phase1, replay, comparator, capture, e2e,
-# e2e_stored, e2e_1b, memory; and e2e_ddp (every GPU of the machine under torchrun; not in the default
-# list). Two lanes on a two-GPU machine: pin each to its own cores (taskset, OMP_NUM_THREADS), or the
+# e2e_stored, e2e_1b, memory; and, not in the default list, e2e_ddp (every GPU of the machine under
+# torchrun) and device_map (the 1.3B shape spread over every GPU by --device-map, against one GPU).
+# Two lanes on a two-GPU machine: pin each to its own cores (taskset, OMP_NUM_THREADS), or the
 # host-side work of one slows the other tenfold.
 # Each step runs under its own time limit (seconds; override with e.g. LIMIT_tests=300) and its
 # output goes to $OUT/<step>.txt (and .json for the benchmarks) as soon as it ends, so a step that
@@ -40,10 +41,10 @@ run_step() {
 
 for step in "${steps[@]}"; do
     case $step in
-        tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider \
-                        tests/ops tests/layers/test_layers_gpu.py ;;
-        layers)     run_step layers 400 "$PY" benchmarks/bench_layers.py --json "$OUT/layers.json" ;;
-        phase1)     run_step phase1 120 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;
+        tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_phase1_parallel_kernel.py \
+                        tests/ops/test_phase1_kernel.py tests/layers/test_layers_gpu.py tests/ops ;;
+        layers)     run_step layers 400 "$PY" benchmarks/bench_layers.py --profile --json "$OUT/layers.json" ;;
+        phase1)     run_step phase1 200 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;
         replay)     run_step replay 180 "$PY" benchmarks/bench_replay.py --sweep --json "$OUT/replay.json" ;;
         comparator) run_step comparator 120 "$PY" benchmarks/bench_comparator.py --json "$OUT/comparator.json" ;;
         capture)    run_step capture 300 "$PY" benchmarks/bench_capture.py --json "$OUT/capture.json" ;;
@@ -54,9 +55,16 @@ for step in "${steps[@]}"; do
                         --json "$OUT/e2e_1b.json" ;;
         memory)     run_step memory 300 "$PY" benchmarks/bench_e2e.py --prompts 1 --T 20000 --batch-size 1 \
                         --json "$OUT/memory.json" ;;
+        device_map) run_step device_map 420 bash -c '
+                        set -e; common=(--model random:deltanet-1.3b --prompts 8 --mode stream)
+                        "$0" benchmarks/bench_e2e.py "${common[@]}" --device-map balanced --dir /tmp/osdn_dm \
+                            --json "$1/device_map.json"
+                        CUDA_VISIBLE_DEVICES=0 "$0" benchmarks/bench_e2e.py "${common[@]}" --dir /tmp/osdn_1gpu \
+                            --json "$1/device_map_1gpu.json"
+                        "$0" benchmarks/compare_runs.py --rtol 1e-5 /tmp/osdn_dm/stream /tmp/osdn_1gpu/stream' "$PY" "$OUT" ;;
         e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
                         benchmarks/bench_e2e.py --mode stream --json "$OUT/e2e_ddp.json" ;;
-        *) echo "unknown step $step (tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_ddp)"; exit 2 ;;
+        *) echo "unknown step $step (tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_ddp device_map)"; exit 2 ;;
     esac
 done
 tar czf "$OUT/gpu_suite.tgz" --exclude=gpu_suite.tgz -C "$OUT" .

@@ -253,6 +253,8 @@ class _CaptureSession:
                     "twice": self.twice,
                     "seed": self.seed,
                     "device": str(self.device),
+                    # {module: device} where the model is spread over several devices, else null
+                    "device_map": getattr(self.loaded.model, "hf_device_map", None),
                     "dtype": str(self.dtype).removeprefix("torch."),
                     "kernels": kernels_used,
                     "batch_size": self.batch_size,

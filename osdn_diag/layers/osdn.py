@@ -40,6 +40,7 @@ from torch.nn import functional as F
 
 from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
 from fla.modules.activations import elu_p1
+from fla.modules.l2norm import l2norm as fla_l2norm
 
 from ._common import OSDNLayerMixin, check_osdn_args
 
@@ -48,7 +49,12 @@ __all__ = ["OSDN", "l2_normalize", "sum_norm"]
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(Σx² + eps)`` over the last dim, computed in fp32 (fla's ``l2norm`` formula)."""
+    """``x / sqrt(Σx² + eps)`` over the last dim, computed in fp32 (fla's ``l2norm`` formula).
+
+    On a GPU this is fla's fused kernel (with its own backward), as in fla's DeltaNet; the torch form,
+    several passes over the tensor, elsewhere."""
+    if x.is_cuda:
+        return fla_l2norm(x, eps)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 

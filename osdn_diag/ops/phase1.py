@@ -51,6 +51,8 @@ passing the gradient is the natural choice. The ε floor passes ``∂n`` where `
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -118,14 +120,18 @@ def _fwd_step(b_d, b_k, b_beta, b_r, t, eos, i_h, o_k, wk, dt, eta, eps, d_min, 
 
 @triton.jit
 def osdn_phase1_fwd_kernel(
-    k, beta, r, d0, scalars, cu_seqlens,
+    k, beta, r, d0, scalars, cu_seqlens, skip,
     wk, dt, dfin,
     T, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
     RET: tl.constexpr,          # 0: none, 1: per (token, head) scalar [B, T, H], 2: per channel [B, T, H, K]
     D0: tl.constexpr,           # 0: ones, 1: shared [H, K], 2: per sequence [N, H, K]
     BOX: tl.constexpr, BETA_AWARE: tl.constexpr, STORE_D: tl.constexpr, VARLEN: tl.constexpr,
+    SKIP: tl.constexpr,         # skip[nh] != 0: leave this (sequence, head) alone
 ):
     i_nh = tl.program_id(0)
+    if SKIP:
+        if tl.load(skip + i_nh) != 0:
+            return
     i_n, i_h = i_nh // H, i_nh % H
     if VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -330,11 +336,19 @@ def _acc_dtype(k: torch.Tensor) -> torch.dtype:
     return torch.float64 if k.dtype == torch.float64 else torch.float32
 
 
-def _params(eta, eps, d_min, d_max, *, dtype, device) -> torch.Tensor:
-    """The kernels' scalars ``[eta, eps, d_min, d_max]`` as a tensor (a Python float argument would
-    reach Triton as fp32, too coarse for the fp64 path); the box is zeros when there is none."""
+def _params(eta, eps, d_min, d_max, *, dtype, device, extra=()) -> torch.Tensor:
+    """The kernels' scalars ``[eta, eps, d_min, d_max, *extra]`` as a tensor (a Python float argument
+    would reach Triton as fp32, too coarse for the fp64 path); the box is zeros when there is none.
+
+    Cached: building it is a host-to-device copy, which waits for the GPU to finish the work queued
+    before it. Read-only to every kernel."""
     box = (0.0, 0.0) if d_min is None else (float(d_min), float(d_max))
-    return torch.tensor([float(eta), float(eps), *box], dtype=dtype, device=device)
+    return _params_tensor((float(eta), float(eps), *box, *map(float, extra)), dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _params_tensor(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def _ret_mode(retention) -> int:
@@ -350,11 +364,14 @@ def _contig(x):
 
 
 #: The forward kernel ``method="auto"`` runs for fp16/bf16/fp32 keys: ``"sequential"`` (one token at a
-#: time), ``"blocked"`` (:mod:`osdn_diag.ops.phase1_blocked`) or ``"parallel"``
-#: (:mod:`osdn_diag.ops.phase1_parallel`); fp64 keys always run sequentially.
-#: ``benchmarks/bench_phase1.py`` times them.
+#: time) or ``"parallel"`` (:mod:`osdn_diag.ops.phase1_parallel`, which hands the (sequence, head) pairs
+#: its rounds do not settle to the sequential kernel); fp64 keys always run sequentially. On an H200
+#: (B=8, T=4096, H=8, K=128, bf16, η=0.003) the parallel kernel alone is faster (0.53 vs 0.84 ms), but
+#: the OSDN layer's forward is not (2.37 vs 2.07 ms; DeltaNet 1.77 ms): its nine launches cost host
+#: time in a forward that is already bound by launches. ``benchmarks/bench_phase1.py`` and
+#: ``bench_layers.py`` time both.
 AUTO_METHOD = "sequential"
-METHODS = ("auto", "sequential", "blocked", "parallel")
+METHODS = ("auto", "sequential", "parallel")
 
 
 def _resolve_method(method: str, k: torch.Tensor) -> str:
@@ -362,42 +379,53 @@ def _resolve_method(method: str, k: torch.Tensor) -> str:
         raise ValueError(f"argument 'method': expected one of {', '.join(METHODS)}, got {method!r}")
     if method == "auto":
         return "sequential" if k.dtype == torch.float64 else AUTO_METHOD
-    if method in ("blocked", "parallel") and k.dtype == torch.float64:
+    if method == "parallel" and k.dtype == torch.float64:
         raise ValueError(f"argument 'method': the {method} kernel computes in fp32; fp64 keys need 'sequential'")
     return method
 
 
 def phase1_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d,
                method: str = "sequential"):
-    """Launch the forward kernel (``method``: ``"sequential"``, ``"blocked"`` or ``"parallel"``);
+    """Launch the forward kernel (``method``: ``"sequential"`` or ``"parallel"``);
     returns ``(write_key, d trajectory or None, d_final)``."""
-    if method == "blocked":
-        from .phase1_blocked import blocked_fwd
-
-        return blocked_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d)
     if method == "parallel":
         from .phase1_parallel import parallel_fwd
 
         return parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d)
+    return sequential_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d)
+
+
+def sequential_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d=False,
+                   *, out=None, skip=None):
+    """Launch the sequential forward kernel; returns ``(write_key, d trajectory or None, d_final)``.
+
+    ``out``: write into these ``(write_key, d or None, d_final)`` instead (``d`` decides ``store_d``);
+    ``skip``: an int32 ``[N·H]`` tensor, nonzero for the (sequence, head) pairs to leave alone (the
+    ones the token-parallel kernel has already computed)."""
     B, T, H, K = k.shape
     acc = _acc_dtype(k)
     k, beta, retention, d0 = map(_contig, (k, beta, retention, d0))
-    wk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dt = torch.empty(B, T, H, K, dtype=acc, device=k.device) if store_d else None
-    dfin = torch.empty(N, H, K, dtype=acc, device=k.device)
-    dummy = k.new_empty(1, dtype=acc)
+    if out is None:
+        wk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dt = torch.empty(B, T, H, K, dtype=acc, device=k.device) if store_d else None
+        dfin = torch.empty(N, H, K, dtype=acc, device=k.device)
+    else:
+        wk, dt, dfin = out
+    scalars = _params(eta, eps, d_min, d_max, dtype=acc, device=k.device)
+    dummy = scalars[:1]
     osdn_phase1_fwd_kernel[(N * H,)](
         k, beta,
         dummy if retention is None else retention,
         dummy if d0 is None else d0,
-        _params(eta, eps, d_min, d_max, dtype=acc, device=k.device),
+        scalars,
         dummy if cu_seqlens is None else cu_seqlens,
+        dummy if skip is None else skip,
         wk, dummy if dt is None else dt, dfin,
         T, H=H, K=K, BK=triton.next_power_of_2(K),
         RET=_ret_mode(retention),
         D0=_d0_mode(d0),
-        BOX=d_min is not None, BETA_AWARE=bool(beta_aware), STORE_D=store_d,
-        VARLEN=cu_seqlens is not None,
+        BOX=d_min is not None, BETA_AWARE=bool(beta_aware), STORE_D=dt is not None,
+        VARLEN=cu_seqlens is not None, SKIP=skip is not None,
         num_warps=NUM_WARPS,
     )
     return wk, dt, dfin
@@ -491,10 +519,9 @@ def osdn_precondition(
         validate: run the reference's argument checks (shapes, finiteness, box, d0 inside the box).
             They read every input once and synchronise with the device; ``False`` skips them (hot
             loops that already validated their inputs) — the kernel then trusts its inputs.
-        method: the forward kernel — ``"sequential"`` (token by token), ``"blocked"`` (a clamped-affine
-            scan per block of tokens, :mod:`osdn_diag.ops.phase1_blocked`), ``"parallel"`` (Picard
-            rounds over whole sequences, :mod:`osdn_diag.ops.phase1_parallel`) — the last two not for
-            fp64 — or ``"auto"`` (:data:`AUTO_METHOD`). All give the same trajectory up to rounding; the
+        method: the forward kernel — ``"sequential"`` (token by token), ``"parallel"`` (Picard
+            rounds over whole sequences, :mod:`osdn_diag.ops.phase1_parallel`; not for fp64) or
+            ``"auto"`` (:data:`AUTO_METHOD`). Both give the same trajectory up to rounding; the
             backward is the same reverse sweep over it.
     """
     method = _resolve_method(method, k)

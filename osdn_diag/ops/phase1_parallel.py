@@ -2,31 +2,35 @@
 
 Phase 1 moves ``d`` by clamped-affine maps, ``d_{t+1} = M_t(d_t) = clamp(r_t d_t + c_t s_t)``, whose
 step size ``c_t = α_t − γ_t ⟨d_t, s_t⟩`` depends on ``d_t`` (``s_t = k_t ⊙ k_t``; see
-:mod:`osdn_diag.math.phase1_blocked` for the algebra). Given every ``c_t``, the trajectory is one
-associative scan of the maps, parallel over tokens and channels; the ``c_t`` are the fixed point of
-``c ← α − γ ⊙ ⟨D(c), s⟩``, found by Picard rounds. :mod:`osdn_diag.ops.phase1_blocked` does this
-block by block inside one program per (sequence, head), which leaves the GPU mostly idle; here every
-round runs over the whole sequence at once, chunk-parallel:
+:mod:`osdn_diag.math.phase1_blocked` for the algebra). Given every ``c_t``, the trajectory is a
+composition of per-channel maps, parallel over chunks of tokens and over channels; the ``c_t`` are
+the fixed point of ``c ← α − γ ⊙ ⟨D(c), s⟩``, found by Picard rounds over whole sequences. Two kernels
+make a round:
 
-1. *summarise* — one program per (chunk, sequence, head) composes its chunk's maps into one map;
-2. *carry* — one program per (sequence, head) applies the chunk maps in order and records the ``d``
-   entering each chunk (and the final ``d``);
-3. *rescan* — one program per (chunk, sequence, head) applies its chunk's maps from that ``d``,
-   token by token, into the trajectory ``D_t``, emits ``k̃_t = D_t ⊙ k_t`` (and ``D_t``), and
-   computes the next ``c_t`` and how far it moved.
+1. *carry* — one program per (sequence, head, 16 channels) composes the chunk maps by an associative
+   scan over the chunks and applies them to ``d_0``: the ``d`` entering each chunk, and the final ``d``;
+2. *sweep* — one program per (64-token chunk, sequence, head) walks its chunk from that ``d`` under the
+   current step sizes: it emits ``k̃_t = D_t ⊙ k_t`` (and ``D_t``), computes the next step sizes and
+   how far they moved, and composes the chunk's maps *under the next step sizes* into the one map
+   the next round's carry applies.
 
-Within a chunk the work is a short loop over its tokens: with the step sizes fixed, a map acts on
-each channel alone, so composing or applying maps needs no exchange between threads, and the one
-reduction per token (the next ``c_t``) is off the token-to-token chain. The sequential depth is the
-chunk (64 tokens), not the sequence; the chunks of every sequence and head run at once.
+With the step sizes fixed a map acts on each channel alone, so the walk needs no exchange between
+threads, and the one reduction per token (the next ``c_t``) is off the token-to-token chain. The
+sequential depth is a chunk (64 tokens), not the sequence; the chunks of every sequence and head run
+at once. A first sweep, with ``d`` frozen at ``d_0``, gives the first guess.
 
-The rounds stop when no ``c_t`` moves by more than ``8·eps·(1 + |c_t|)`` (fp32); the first guess
-freezes ``d`` at ``d_0``. At the paper's setting (K = 128, η = 0.003) a sequence of 4,096 tokens takes
-2 rounds; η = 0.05 takes 6 and η = 0.5 about 23 (measured with the reference,
-:func:`osdn_diag.math.phase1_blocked.osdn_phase1_blocked` with one block per sequence). A call whose
-rounds have not converged after ``max_rounds`` is computed again by the sequential kernel, so the
-result is always phase 1's. Forward only; the reverse sweep of :mod:`osdn_diag.ops.phase1` runs over the
-trajectory stored here.
+**No host synchronisation.** A fixed number of rounds is launched; each (sequence, head) stops on the
+device once its step sizes have settled (the carry reads the sweep's verdict and marks it done, and
+every later kernel of that pair returns at once). Pairs still unsettled after the last round are
+recomputed by the sequential kernel (:mod:`osdn_diag.ops.phase1`), launched with a guard that skips
+the settled ones, so the result is always phase 1's and the host never waits for the GPU.
+
+**Settled** means no ``c_t`` moved by more than ``16·eps_fp32·(α_t + γ_t |⟨d_t, s_t⟩|)``: a few rounding
+units of the two terms whose difference ``c_t`` is. Picard contracts by about ``η β² T_eff / K``. On an
+H200 at the paper's setting (B=8, T=4,096, H=8, K=128, bf16, η = 0.003) every (sequence, head) pair
+settles within 3 rounds, and the trajectory is within 2e-7 of the fp64 sweep (the sequential fp32
+kernel: 3e-6); at η = 0.03 and 0.3 none does within :data:`ROUNDS`, and the sequential kernel answers
+(the rounds then cost ~0.2 ms on top). Timings: ``benchmarks/bench_phase1.py``.
 """
 
 from __future__ import annotations
@@ -35,10 +39,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .phase1 import MAX_K, _contig, _d0_mode, _params, _ret_mode, phase1_fwd
-from .phase1_blocked import _compose
+from .phase1 import MAX_K, _contig, _d0_mode, _params, _ret_mode, sequential_fwd
 
-__all__ = ["parallel_fwd"]
+__all__ = ["ROUNDS", "parallel_fwd"]
+
+#: Picard rounds launched before the sequential kernel takes over the unsettled (sequence, head) pairs:
+#: enough for the paper's η = 0.003 (see above); beyond it the sequential sweep is the faster answer.
+ROUNDS = 3
+#: The settling tolerance, in units of fp32's eps (see the module docstring).
+TOL_EPS = 16
+
+
+@triton.jit
+def _compose(a1, b1, lo1, hi1, a2, b2, lo2, hi2):
+    """(a2, b2, lo2, hi2) ∘ (a1, b1, lo1, hi1) for x ↦ min(max(a x + b, lo), hi), a ≥ 0. A map with
+    a = 0 forgets its input — bounds included, which may be infinite (no box): 0 · inf must not
+    become nan."""
+    lo = tl.minimum(tl.maximum(a2 * tl.where(a2 == 0, 0.0, lo1) + b2, lo2), hi2)
+    hi = tl.minimum(tl.maximum(a2 * tl.where(a2 == 0, 0.0, hi1) + b2, lo2), hi2)
+    return a2 * a1, a2 * b1 + b2, lo, hi
 
 
 @triton.jit
@@ -65,150 +84,226 @@ def _load_d0(d0, i_nh, i_h, o_k, m_k, K: tl.constexpr, BK: tl.constexpr, D0: tl.
 
 
 @triton.jit
-def _box(scalars, BOX: tl.constexpr):
-    if BOX:
-        d_min = tl.load(scalars + 2)
-        d_max = tl.load(scalars + 3)
+def _load(k, beta, r, c, coef, t, end, i_h, o_k,
+          H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, RET: tl.constexpr, FIRST: tl.constexpr):
+    """Token ``t``'s key, retention and scalars: ``(β, ‖k‖²-floor)`` for the first sweep, else this
+    round's step size and the stored ``(α, γ)``. Past ``end``: a zero key and r = 1 (the identity map
+    on the box, so nothing past the end moves d or the chunk map) and zero scalars."""
+    ok = t < end
+    tok = t * H + i_h
+    m = o_k < tl.where(ok, K, 0)  # m_k & ok (the interpreter mis-types a block & scalar mask)
+    b_k = tl.load(k + tok * K + o_k, mask=m, other=0.0).to(tl.float32)
+    if FIRST:
+        x0 = tl.load(beta + tok, mask=ok, other=0.0).to(tl.float32)
+        x1 = x0
+        x2 = x0
     else:
-        d_min = -float("inf")
-        d_max = float("inf")
-    return d_min, d_max
-
-
-@triton.jit
-def _token(k, r, c, tok, o_k, m_k, K: tl.constexpr, BK: tl.constexpr, RET: tl.constexpr):
-    """Token ``tok``'s key, step size and retention (``[BK]``, scalar, ``[BK]``)."""
-    b_k = tl.load(k + tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_c = tl.load(c + tok)
+        x0 = tl.load(c + tok, mask=ok, other=0.0)
+        x1 = tl.load(coef + 2 * tok, mask=ok, other=0.0)
+        x2 = tl.load(coef + 2 * tok + 1, mask=ok, other=0.0)
     if RET == 1:
-        b_r = tl.load(r + tok).to(tl.float32) + tl.zeros([BK], tl.float32)
+        b_r = tl.load(r + tok, mask=ok, other=1.0).to(tl.float32) + tl.zeros([BK], tl.float32)
     elif RET == 2:
-        b_r = tl.load(r + tok * K + o_k, mask=m_k, other=1.0).to(tl.float32)
+        b_r = tl.load(r + tok * K + o_k, mask=m, other=1.0).to(tl.float32)
     else:
-        b_r = tl.full([BK], 1.0, tl.float32)
-    return b_k, b_c, b_r
+        b_r = b_k  # unused placeholder: every slot must be bound
+    return b_k, b_r, x0, x1, x2
 
 
 @triton.jit
-def picard_summary_kernel(
-    k, r, c, scalars, cu_seqlens, summ,
-    T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    RET: tl.constexpr, BOX: tl.constexpr, VARLEN: tl.constexpr,
-):
-    """``summ[nh, j] = (a, b, lo, hi)``: the composition of chunk ``j``'s maps. With the step sizes
-    given, the maps act on each channel alone: every thread composes its channels token by token,
-    with no exchange between threads."""
-    i_j, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = _bounds(cu_seqlens, i_n, T, VARLEN)
-    t0 = bos + i_j * BT
-    if t0 < eos:
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        d_min, d_max = _box(scalars, BOX)
-        a = tl.full([BK], 1.0, tl.float32)
-        b = tl.zeros([BK], tl.float32)
-        lo = tl.full([BK], -float("inf"), tl.float32)
-        hi = tl.full([BK], float("inf"), tl.float32)
-        for t in range(t0, tl.minimum(t0 + BT, eos)):
-            b_k, b_c, b_r = _token(k, r, c, t * H + i_h, o_k, m_k, K, BK, RET)
-            a, b, lo, hi = _compose(a, b, lo, hi, b_r, b_c * (b_k * b_k), d_min, d_max)
-        base = summ + (i_nh.to(tl.int64) * NC + i_j) * 4 * K
-        tl.store(base + 0 * K + o_k, a, mask=m_k)
-        tl.store(base + 1 * K + o_k, b, mask=m_k)
-        tl.store(base + 2 * K + o_k, lo, mask=m_k)
-        tl.store(base + 3 * K + o_k, hi, mask=m_k)
+def _step(b_d, sa, sb, slo, shi, moved, b_k, b_r, x0, x1, x2, t, end, i_h, o_k,
+          c_out, coef, wk, dt, eta, eps, tol, d_min, d_max,
+          H: tl.constexpr, K: tl.constexpr, RET: tl.constexpr, BOX: tl.constexpr,
+          BETA_AWARE: tl.constexpr, STORE_D: tl.constexpr, FIRST: tl.constexpr):
+    """One token of the sweep: the next step size from ``d_t``; ``k̃_t`` and ``d_t``; the chunk map under
+    the next step sizes, extended by this token's map; ``d_t → d_{t+1}`` under this round's step size.
+
+    ``c = α − γ ⟨d, s⟩`` with ``α = η p / max(‖k‖², ε)`` and ``γ = α p`` depending on the token alone:
+    the first sweep computes and stores them (``coef``), the later ones load them, which leaves one
+    reduction per token."""
+    ok = t < end
+    tok = t * H + i_h
+    m = o_k < tl.where(ok, K, 0)
+    b_s = b_k * b_k
+    if FIRST:
+        if BETA_AWARE:
+            p = x0
+        else:
+            p = 1.0
+        alpha = eta * p / tl.maximum(tl.sum(b_s, axis=0), eps)
+        gam = alpha * p
+        tl.store(coef + 2 * tok, alpha, mask=ok)
+        tl.store(coef + 2 * tok + 1, gam, mask=ok)
+    else:
+        alpha = x1
+        gam = x2
+    gam_a = gam * tl.sum(b_d * b_s, axis=0)
+    c_next = alpha - gam_a
+    tl.store(c_out + tok, c_next, mask=ok)
+    # The next round's chunk map: this token's map (under c_next) after those before it.
+    if RET == 0:  # slope 1: the composition is a shift, clamped
+        sb = sb + c_next * b_s
+        slo = tl.minimum(tl.maximum(slo + c_next * b_s, d_min), d_max)
+        shi = tl.minimum(tl.maximum(shi + c_next * b_s, d_min), d_max)
+    else:
+        sa, sb, slo, shi = _compose(sa, sb, slo, shi, b_r, c_next * b_s, d_min, d_max)
+    if not FIRST:
+        # Algorithm 1: the write key uses d_t, before the update.
+        tl.store(wk + tok * K + o_k, (b_d * b_k).to(wk.dtype.element_ty), mask=m)
+        if STORE_D:
+            tl.store(dt + tok * K + o_k, b_d, mask=m)
+        # Past the end every term is 0: no verdict either way.
+        moved = tl.maximum(moved, tl.abs(c_next - x0) - tol * (tl.abs(alpha) + tl.abs(gam_a)))
+        if RET == 0:
+            b_d = b_d + x0 * b_s
+        else:
+            b_d = b_r * b_d + x0 * b_s
+        if BOX:
+            b_d = tl.minimum(tl.maximum(b_d, d_min), d_max)
+    return b_d, sa, sb, slo, shi, moved
 
 
 @triton.jit
-def picard_carry_kernel(
-    d0, cu_seqlens, summ, d_in, dfin,
-    T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
-    D0: tl.constexpr, VARLEN: tl.constexpr,
-):
-    """``d_in[nh, j]``: the d entering chunk ``j`` (chunk maps applied in order from ``d_0``)."""
-    i_nh = tl.program_id(0)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = _bounds(cu_seqlens, i_n, T, VARLEN)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    b_d = _load_d0(d0, i_nh, i_h, o_k, m_k, K, BK, D0)
-    n_chunks = (eos - bos + BT - 1) // BT
-    for j in range(0, n_chunks):
-        at = (i_nh.to(tl.int64) * NC + j) * K
-        tl.store(d_in + at + o_k, b_d, mask=m_k)
-        base = summ + at * 4
-        a = tl.load(base + 0 * K + o_k, mask=m_k, other=1.0)
-        b = tl.load(base + 1 * K + o_k, mask=m_k, other=0.0)
-        lo = tl.load(base + 2 * K + o_k, mask=m_k, other=0.0)
-        hi = tl.load(base + 3 * K + o_k, mask=m_k, other=0.0)
-        b_d = tl.minimum(tl.maximum(a * b_d + b, lo), hi)
-    tl.store(dfin + i_nh * K + o_k, b_d, mask=m_k)
-
-
-@triton.jit
-def picard_rescan_kernel(
-    k, beta, r, d0, scalars, cu_seqlens, c, d_in,
-    c_new, err, wk, dt,
+def picard_sweep_kernel(
+    k, beta, r, d0, scalars, cu_seqlens, c_in, d_in, state,
+    c_out, coef, err, summ, wk, dt,
     T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     RET: tl.constexpr, D0: tl.constexpr, BOX: tl.constexpr, BETA_AWARE: tl.constexpr,
     STORE_D: tl.constexpr, VARLEN: tl.constexpr, FIRST: tl.constexpr,
 ):
-    """Chunk ``j``'s trajectory from ``d_in[nh, j]`` under the step sizes ``c``: writes ``k̃``, ``D``
-    (``STORE_D``), the next step sizes ``c_new`` and ``err[nh, j]`` (> 0: some ``c_t`` still moved).
-    The d update uses the given ``c_t``, so the new step size's reduction ``⟨D_t, s_t⟩`` is off the
-    token-to-token chain. ``FIRST``: the first guess, every ``D_t = d_0`` (only ``c_new`` written)."""
+    """Chunk ``j`` of (sequence, head) ``nh`` under the step sizes ``c_in``, from ``d_in[nh, j]``:
+    writes ``k̃`` and ``D`` (``STORE_D``), the next step sizes ``c_out``, ``err[nh, j]`` (> 0: some step
+    size still moved) and ``summ[nh, j] = (a, b, lo, hi)``, the chunk's maps under ``c_out`` composed.
+    ``FIRST``: the first guess, ``d`` frozen at ``d_0`` (writes ``c_out``, ``summ`` and the per-token
+    ``coef = (α, γ)``). Returns at once for a pair already settled (``state[nh] != 0``)."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _bounds(cu_seqlens, i_n, T, VARLEN)
     t0 = bos + i_j * BT
-    if t0 < eos:
+    if FIRST:
+        going = t0 < eos
+    else:
+        going = (t0 < eos) & (tl.load(state + i_nh) == 0)
+    if going:
+        end = tl.minimum(t0 + BT, eos)
         o_k = tl.arange(0, BK)
         m_k = o_k < K
         eta = tl.load(scalars + 0)
         eps = tl.load(scalars + 1)
         tol = tl.load(scalars + 4)
-        d_min, d_max = _box(scalars, BOX)
+        if BOX:
+            d_min = tl.load(scalars + 2)
+            d_max = tl.load(scalars + 3)
+        else:
+            d_min = -float("inf")
+            d_max = float("inf")
         if FIRST:
             b_d = _load_d0(d0, i_nh, i_h, o_k, m_k, K, BK, D0)
         else:
             b_d = tl.load(d_in + (i_nh.to(tl.int64) * NC + i_j) * K + o_k, mask=m_k, other=1.0)
+        sa = tl.full([BK], 1.0, tl.float32)
+        sb = tl.zeros([BK], tl.float32)
+        slo = tl.full([BK], -float("inf"), tl.float32)
+        shi = tl.full([BK], float("inf"), tl.float32)
         moved = tl.sum(tl.zeros([BK], tl.float32), axis=0) - float("inf")  # an fp32 scalar
-        for t in range(t0, tl.minimum(t0 + BT, eos)):
-            tok = t * H + i_h
-            b_k, b_c, b_r = _token(k, r, c, tok, o_k, m_k, K, BK, RET)
-            b_s = b_k * b_k
-            if BETA_AWARE:
-                p = tl.load(beta + tok).to(tl.float32)
-            else:
-                p = 1.0
-            alpha = eta * p / tl.maximum(tl.sum(b_s, axis=0), eps)
-            c_next = alpha - alpha * p * tl.sum(b_d * b_s, axis=0)
-            tl.store(c_new + tok, c_next)
-            if not FIRST:
-                # Algorithm 1: the write key uses d_t, before the update.
-                tl.store(wk + tok * K + o_k, (b_d * b_k).to(wk.dtype.element_ty), mask=m_k)
-                if STORE_D:
-                    tl.store(dt + tok * K + o_k, b_d, mask=m_k)
-                moved = tl.maximum(moved, tl.abs(c_next - b_c) - tol * (1.0 + tl.abs(b_c)))
-                b_d = b_r * b_d + b_c * b_s
-                if BOX:
-                    b_d = tl.minimum(tl.maximum(b_d, d_min), d_max)
+        # Four tokens in flight (as in the sequential kernel): slot j holds token t + j and is refilled
+        # with token t + 4 + j right after use, so each load has three steps of work to arrive.
+        k0, r0, a0, b0, g0 = _load(k, beta, r, c_in, coef, t0 + 0, end, i_h, o_k, H, K, BK, RET, FIRST)
+        k1, r1, a1, b1, g1 = _load(k, beta, r, c_in, coef, t0 + 1, end, i_h, o_k, H, K, BK, RET, FIRST)
+        k2, r2, a2, b2, g2 = _load(k, beta, r, c_in, coef, t0 + 2, end, i_h, o_k, H, K, BK, RET, FIRST)
+        k3, r3, a3, b3, g3 = _load(k, beta, r, c_in, coef, t0 + 3, end, i_h, o_k, H, K, BK, RET, FIRST)
+        for t in range(t0, end, 4):
+            b_d, sa, sb, slo, shi, moved = _step(b_d, sa, sb, slo, shi, moved, k0, r0, a0, b0, g0, t + 0, end,
+                                                 i_h, o_k, c_out, coef, wk, dt, eta, eps, tol, d_min, d_max,
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST)
+            k0, r0, a0, b0, g0 = _load(k, beta, r, c_in, coef, t + 4, end, i_h, o_k, H, K, BK, RET, FIRST)
+            b_d, sa, sb, slo, shi, moved = _step(b_d, sa, sb, slo, shi, moved, k1, r1, a1, b1, g1, t + 1, end,
+                                                 i_h, o_k, c_out, coef, wk, dt, eta, eps, tol, d_min, d_max,
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST)
+            k1, r1, a1, b1, g1 = _load(k, beta, r, c_in, coef, t + 5, end, i_h, o_k, H, K, BK, RET, FIRST)
+            b_d, sa, sb, slo, shi, moved = _step(b_d, sa, sb, slo, shi, moved, k2, r2, a2, b2, g2, t + 2, end,
+                                                 i_h, o_k, c_out, coef, wk, dt, eta, eps, tol, d_min, d_max,
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST)
+            k2, r2, a2, b2, g2 = _load(k, beta, r, c_in, coef, t + 6, end, i_h, o_k, H, K, BK, RET, FIRST)
+            b_d, sa, sb, slo, shi, moved = _step(b_d, sa, sb, slo, shi, moved, k3, r3, a3, b3, g3, t + 3, end,
+                                                 i_h, o_k, c_out, coef, wk, dt, eta, eps, tol, d_min, d_max,
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST)
+            k3, r3, a3, b3, g3 = _load(k, beta, r, c_in, coef, t + 7, end, i_h, o_k, H, K, BK, RET, FIRST)
+        base = summ + (i_nh.to(tl.int64) * NC + i_j) * 4 * K
+        tl.store(base + 0 * K + o_k, sa, mask=m_k)
+        tl.store(base + 1 * K + o_k, sb, mask=m_k)
+        tl.store(base + 2 * K + o_k, slo, mask=m_k)
+        tl.store(base + 3 * K + o_k, shi, mask=m_k)
         if not FIRST:
             tl.store(err + i_nh * NC + i_j, moved)
 
 
+@triton.jit
+def picard_carry_kernel(
+    d0, cu_seqlens, summ, err, state, d_in, dfin,
+    T, NC, ROUND, H: tl.constexpr, K: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr,
+    BC: tl.constexpr, D0: tl.constexpr, VARLEN: tl.constexpr, CHECK: tl.constexpr, CHECK_ONLY: tl.constexpr,
+):
+    """Round ``ROUND`` of (sequence, head) ``nh``, channels ``[i_k·BKC, (i_k+1)·BKC)``: first (``CHECK``:
+    after a sweep that walked a trajectory) the verdict on the last sweep — settled, ``state[nh] =
+    ROUND − 1``, the round whose trajectory stands; then (unless ``CHECK_ONLY``) ``d_in[nh, j]``, the d
+    entering chunk ``j``, and the final ``d``: the chunk maps composed by an associative scan over
+    the chunks, ``BC`` at a time, and applied to ``d_0``. Every channel block reaches the same
+    verdict from the same ``err``, so their order does not matter."""
+    i_nh, i_k = tl.program_id(0), tl.program_id(1)
+    if tl.load(state + i_nh) == 0:
+        i_n, i_h = i_nh // H, i_nh % H
+        bos, eos = _bounds(cu_seqlens, i_n, T, VARLEN)
+        n_chunks = (eos - bos + BT - 1) // BT
+        o_c = tl.arange(0, BC)
+        go = n_chunks >= 0  # true (a scalar tensor, as the verdict below)
+        if CHECK:
+            worst = tl.max(tl.full([BC], -float("inf"), tl.float32), axis=0)
+            for j0 in range(0, n_chunks, BC):
+                e = tl.load(err + i_nh * NC + j0 + o_c, mask=j0 + o_c < n_chunks, other=-float("inf"))
+                worst = tl.maximum(worst, tl.max(e, axis=0))
+            go = worst > 0
+            if worst <= 0:
+                tl.store(state + i_nh, ROUND - 1)
+        if not CHECK_ONLY:
+            if go:
+                o_k = i_k * BKC + tl.arange(0, BKC)
+                m_k = o_k < K
+                b_d = _load_d0(d0, i_nh, i_h, o_k, m_k, K, BKC, D0)
+                for j0 in range(0, n_chunks, BC):
+                    rows = j0 + o_c
+                    m = (rows < n_chunks)[:, None] & m_k[None, :]
+                    at = (i_nh.to(tl.int64) * NC + rows)[:, None] * 4 * K + o_k[None, :]
+                    a = tl.load(summ + at + 0 * K, mask=m, other=1.0)
+                    b = tl.load(summ + at + 1 * K, mask=m, other=0.0)
+                    lo = tl.load(summ + at + 2 * K, mask=m, other=-float("inf"))
+                    hi = tl.load(summ + at + 3 * K, mask=m, other=float("inf"))
+                    a, b, lo, hi = tl.associative_scan((a, b, lo, hi), 0, _compose)
+                    # Row j: d after chunk j (rows past the end hold identities: d passes through).
+                    after = tl.minimum(tl.maximum(a * b_d[None, :] + b, lo), hi)
+                    d_at = (i_nh.to(tl.int64) * NC + rows)[:, None] * K + o_k[None, :]
+                    tl.store(d_in + d_at + K, after, mask=(rows + 1 < n_chunks)[:, None] & m_k[None, :])
+                    tl.store(d_in + (i_nh.to(tl.int64) * NC + j0) * K + o_k, b_d, mask=m_k)
+                    b_d = tl.sum(tl.where((o_c == BC - 1)[:, None], after, 0.0), axis=0)
+                tl.store(dfin + i_nh * K + o_k, b_d, mask=m_k)
+
+
 def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d,
-                 chunk: int = 64, max_rounds: int = 32, stats: dict | None = None):
+                 chunk: int = 64, rounds: int = ROUNDS, stats: dict | None = None):
     """Phase 1's forward by Picard rounds over whole sequences; returns ``(write_key, d trajectory or
     None, d_final)`` like :func:`osdn_diag.ops.phase1.phase1_fwd` (``d`` and ``d_final`` fp32).
-    Falls back to the sequential kernel when ``max_rounds`` do not converge. ``stats``, if given,
-    receives ``rounds`` and ``converged``."""
+
+    Launches ``rounds`` rounds and then the sequential kernel for the (sequence, head) pairs that have
+    not settled, without waiting for the GPU (variable lengths: one wait, for the longest sequence).
+    ``stats``, if given, waits and receives ``rounds`` (the most any settled pair took), ``settled``
+    and ``sequential`` (how many pairs settled, how many the sequential kernel computed)."""
     B, T, H, K = k.shape
     if k.dtype == torch.float64:
         raise ValueError("argument 'k': the token-parallel kernel computes in fp32; fp64 keys need 'sequential'")
     if K > MAX_K:
         raise ValueError(f"argument 'k': K <= {MAX_K} supported, got {K}")
+    if rounds < 1:
+        raise ValueError(f"argument 'rounds': expected >= 1, got {rounds}")
     k, beta, retention, d0 = map(_contig, (k, beta, retention, d0))
     dev = k.device
     longest = T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if N else 0
@@ -216,42 +311,46 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
     wk = torch.empty_like(k)
     dt = torch.empty(B, T, H, K, dtype=torch.float32, device=dev) if store_d else None
     dfin = torch.empty(N, H, K, dtype=torch.float32, device=dev)
-    c = torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    c_next = torch.empty_like(c)
+    c = [torch.empty(B, T, H, dtype=torch.float32, device=dev) for _ in range(2)]
+    coef = torch.empty(B, T, H, 2, dtype=torch.float32, device=dev)
     summ = torch.empty(N * H, NC, 4, K, dtype=torch.float32, device=dev)
     d_in = torch.empty(N * H, NC, K, dtype=torch.float32, device=dev)
     err = torch.empty(N * H, NC, dtype=torch.float32, device=dev)
-    tol = torch.full((1,), 8 * torch.finfo(torch.float32).eps, dtype=torch.float32, device=dev)
-    scalars = torch.cat([_params(eta, eps, d_min, d_max, dtype=torch.float32, device=dev), tol])
+    state = torch.zeros(N * H, dtype=torch.int32, device=dev)
+    scalars = _params(eta, eps, d_min, d_max, dtype=torch.float32, device=dev,
+                      extra=(TOL_EPS * torch.finfo(torch.float32).eps,))
     dummy = scalars[:1]
     r_arg = dummy if retention is None else retention
     d0_arg = dummy if d0 is None else d0
     cu_arg = dummy if cu_seqlens is None else cu_seqlens
-    consts = dict(H=H, K=K, BK=triton.next_power_of_2(K), BT=chunk)
-    flags = dict(VARLEN=cu_seqlens is not None)
-    box = d_min is not None
+    consts = dict(H=H, K=K, BT=chunk)
+    BKC = min(16, triton.next_power_of_2(K))
+    varlen = cu_seqlens is not None
+    sweep_flags = dict(RET=_ret_mode(retention), D0=_d0_mode(d0), BOX=d_min is not None,
+                       BETA_AWARE=bool(beta_aware), STORE_D=store_d, VARLEN=varlen)
     grid = (NC, N * H)
 
-    def rescan(c_in, first):
-        err.fill_(-float("inf"))
-        picard_rescan_kernel[grid](
-            k, beta, r_arg, d0_arg, scalars, cu_arg, c_in, d_in, c_next, err, wk,
-            dummy if dt is None else dt, T, NC, **consts,
-            RET=_ret_mode(retention), D0=_d0_mode(d0), BOX=box, BETA_AWARE=bool(beta_aware),
-            STORE_D=store_d, FIRST=first, **flags, num_warps=1,
-        )
+    def sweep(c_in, c_out, first):
+        picard_sweep_kernel[grid](k, beta, r_arg, d0_arg, scalars, cu_arg, c_in, d_in, state,
+                                  c_out, coef, err, summ, wk, dummy if dt is None else dt, T, NC, **consts,
+                                  BK=triton.next_power_of_2(K), **sweep_flags, FIRST=first, num_warps=1)
 
-    rescan(c, True)  # c_next ← the first guess
-    stats = {} if stats is None else stats
-    for stats["rounds"] in range(1, max_rounds + 1):
-        c, c_next = c_next, c
-        picard_summary_kernel[grid](k, r_arg, c, scalars, cu_arg, summ, T, NC, **consts,
-                                    RET=_ret_mode(retention), BOX=box, **flags, num_warps=1)
-        picard_carry_kernel[(N * H,)](d0_arg, cu_arg, summ, d_in, dfin, T, NC, **consts,
-                                      D0=_d0_mode(d0), **flags, num_warps=1)
-        rescan(c, False)
-        if not bool((err > 0).any()):
-            stats["converged"] = True
-            return wk, dt, dfin
-    stats["converged"] = False
-    return phase1_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d)
+    def carry(round_, check, check_only=False):
+        picard_carry_kernel[(N * H, triton.cdiv(K, BKC))](
+            d0_arg, cu_arg, summ, err, state, d_in, dfin, T, NC, round_, **consts, BKC=BKC,
+            BC=max(16, min(64, triton.next_power_of_2(NC))), D0=_d0_mode(d0), VARLEN=varlen,
+            CHECK=check, CHECK_ONLY=check_only, num_warps=2)
+
+    sweep(dummy, c[1], True)  # c[1]: the first guess, from d frozen at d_0
+    for i in range(1, rounds + 1):
+        carry(i, check=i > 1)
+        sweep(c[i % 2], c[(i + 1) % 2], False)
+    carry(rounds + 1, check=True, check_only=True)
+    sequential_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps,
+                   out=(wk, dt, dfin), skip=state)
+    if stats is not None:
+        s = state.cpu()
+        stats["rounds"] = int(s.max()) if bool((s > 0).any()) else 0
+        stats["settled"] = int((s > 0).sum())
+        stats["sequential"] = int((s == 0).sum())
+    return wk, dt, dfin

@@ -172,18 +172,16 @@ def _run_grads(fn, inputs, opts, weights, cast):
     return dict(zip(leaves, grads))
 
 
-@pytest.mark.parametrize("method", ["sequential", "blocked", "parallel"])
+@pytest.mark.parametrize("method", ["sequential", "parallel"])
 @pytest.mark.parametrize("case", list(BACKWARD_CASES))
 def test_backward_matches_autograd_through_reference(case, method, fla_kernels, monkeypatch):
-    """The reverse sweep over the trajectory of either forward kernel (the blocked one's backward is
-    the sequential reverse sweep over the trajectory it stores)."""
-    import osdn_diag.ops.phase1_blocked as blocked
+    """The reverse sweep over the trajectory of either forward kernel (the token-parallel one's
+    backward is the sequential reverse sweep over the trajectory it stores)."""
     import osdn_diag.ops.phase1_parallel as parallel
 
     launched = []
-    for module, name in ((blocked, "blocked_fwd"), (parallel, "parallel_fwd")):
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **o: launched.append(_n) or _f(*a, **o))
+    original = parallel.parallel_fwd
+    monkeypatch.setattr(parallel, "parallel_fwd", lambda *a, **o: launched.append("parallel_fwd") or original(*a, **o))
     B, T, H, K, ret, d0, cu, opts = BACKWARD_CASES[case]
     N = B if cu is None else len(cu) - 1
     pinned = d0 is not None and d0.endswith("-pinned")
@@ -258,7 +256,6 @@ def test_gradcheck_fp64_kernel_path():
         (lambda a: {**a, "cu_seqlens": torch.tensor([0, 3, 2])}, "argument 'cu_seqlens'"),
         (lambda a: {**a, "eta": -1.0}, "argument 'eta'"),
         (lambda a: {**a, "method": "magic"}, "argument 'method'"),
-        (lambda a: {**a, "k": a["k"].double(), "method": "blocked"}, "argument 'method'.*fp64"),
         (lambda a: {**a, "k": a["k"].double(), "method": "parallel"}, "argument 'method'.*fp64"),
     ],
 )

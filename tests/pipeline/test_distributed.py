@@ -80,6 +80,7 @@ def test_a_model_spread_block_by_block_is_captured_layer_by_layer(one, tmp_path)
     summary = replay_run(out, progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
     assert [entry["layer"] for entry in manifest["layers"]] == [0, 1]
+    assert manifest["device_map"] == {n: "cpu" for n in names}
     assert summary == json.loads((one / "summary.json").read_text())
     assert pq.read_table(out / "residuals.parquet").equals(pq.read_table(one / "residuals.parquet"))
 

@@ -1,0 +1,90 @@
+"""Two run directories side by side: do they hold the same results?
+
+    python benchmarks/compare_runs.py RUN_A RUN_B [--rtol 0]
+
+Compares every number of ``summary.json`` (largest relative difference, and where) and the rows of
+``residuals.parquet`` (sorted by prompt, layer, head, position). Exit status 0 when every difference is
+within ``--rtol`` (default 0: bitwise equal), 1 otherwise. Used to check that a run spread over several
+GPUs (``--device-map``) or sharded over ranks (``torchrun``) gives the single-GPU run's answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def _leaves(obj, prefix=""):
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            yield from _leaves(value, f"{prefix}[{i}]")
+    else:
+        yield prefix, obj
+
+
+def _rel(a, b) -> float:
+    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+        return 0.0 if a == b else math.inf
+    if math.isnan(a) and math.isnan(b):
+        return 0.0
+    return 0.0 if a == b else abs(a - b) / max(abs(a), abs(b))
+
+
+def compare(run_a: Path, run_b: Path) -> dict:
+    """``{"summary": (max rel diff, key), "residuals": (max rel diff, column), "rows": (n_a, n_b)}``."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    sa = dict(_leaves(json.loads((run_a / "summary.json").read_text())))
+    sb = dict(_leaves(json.loads((run_b / "summary.json").read_text())))
+    worst = (0.0, None)
+    for key in sorted(sa.keys() | sb.keys()):
+        d = _rel(sa[key], sb[key]) if key in sa and key in sb else math.inf
+        worst = max(worst, (d, key), key=lambda x: x[0])
+    keys = [(k, "ascending") for k in ("prompt", "layer", "head", "pos")]
+    ta = pq.read_table(run_a / "residuals.parquet").sort_by(keys)
+    tb = pq.read_table(run_b / "residuals.parquet").sort_by(keys)
+    col_worst = (0.0, None)
+    for name in sorted(set(ta.column_names) | set(tb.column_names)):
+        if name not in ta.column_names or name not in tb.column_names or ta.num_rows != tb.num_rows:
+            col_worst = max(col_worst, (math.inf, name), key=lambda x: x[0])
+            continue
+        a, b = ta[name].to_numpy(), tb[name].to_numpy()
+        if a.dtype.kind != "f" or b.dtype.kind != "f":
+            d = 0.0 if np.array_equal(a, b) else math.inf
+        else:
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            if not np.array_equal(np.isnan(a), np.isnan(b)):
+                d = math.inf
+            else:
+                ok = ~np.isnan(a)
+                den = np.maximum(np.maximum(np.abs(a[ok]), np.abs(b[ok])), 1e-300)
+                d = float(np.max(np.abs(a[ok] - b[ok]) / den, initial=0.0))
+        col_worst = max(col_worst, (d, name), key=lambda x: x[0])
+    return {"summary": worst, "residuals": col_worst, "rows": (ta.num_rows, tb.num_rows)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run_a", type=Path)
+    p.add_argument("run_b", type=Path)
+    p.add_argument("--rtol", type=float, default=0.0)
+    a = p.parse_args(argv)
+    r = compare(a.run_a, a.run_b)
+    (ds, ks), (dr, kr), (na, nb) = r["summary"], r["residuals"], r["rows"]
+    print(f"summary.json: largest relative difference {ds:.3g}" + (f" ({ks})" if ds else ""))
+    print(f"residuals.parquet: {na:,} vs {nb:,} rows; largest relative difference {dr:.3g}"
+          + (f" ({kr})" if dr else ""))
+    ok = ds <= a.rtol and dr <= a.rtol
+    print("same results" if ok else f"DIFFERENT (rtol {a.rtol:g})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,8 @@
 # Each step runs under its own time limit (seconds; override with e.g. LIMIT_tests=300) and its
 # output goes to $OUT/<step>.txt (and .json for the benchmarks) as soon as it ends, so a step that
 # runs out of time still leaves the others' results. Everything is also packed into $OUT/gpu_suite.tgz
-# (one file: some machines return only a few files per command).
+# (one file: some machines return only a few files per command). The device_map step needs accelerate
+# (the `multi-gpu` extra).
 #
 # The first call of each Triton kernel at a new shape compiles and autotunes (fla's chunk kernels:
 # minutes). TRITON_CACHE_DIR keeps that work between steps of one run; point it at a directory that
@@ -28,6 +29,10 @@ steps=("$@")
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
+# GPU tests spend much of their time compiling kernel variants, one at a time per process: with
+# pytest-xdist installed they run in $TEST_WORKERS processes (default 8) sharing the GPU.
+XDIST=""
+"$PY" -c "import xdist" 2>/dev/null && XDIST="-n ${TEST_WORKERS:-8}"
 
 run_step() {
     local name=$1 default=$2; shift 2
@@ -41,7 +46,7 @@ run_step() {
 
 for step in "${steps[@]}"; do
     case $step in
-        tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_phase1_parallel_kernel.py \
+        tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/ops/test_phase1_parallel_kernel.py \
                         tests/ops/test_phase1_kernel.py tests/layers/test_layers_gpu.py tests/ops ;;
         layers)     run_step layers 400 "$PY" benchmarks/bench_layers.py --profile --json "$OUT/layers.json" ;;
         phase1)     run_step phase1 200 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;

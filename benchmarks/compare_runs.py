@@ -1,11 +1,14 @@
 """Two run directories side by side: do they hold the same results?
 
-    python benchmarks/compare_runs.py RUN_A RUN_B [--rtol 0]
+    python benchmarks/compare_runs.py RUN_A RUN_B [--rtol 0] [--atol 0]
 
-Compares every number of ``summary.json`` (largest relative difference, and where) and the rows of
-``residuals.parquet`` (sorted by prompt, layer, head, position). Exit status 0 when every difference is
-within ``--rtol`` (default 0: bitwise equal), 1 otherwise. Used to check that a run spread over several
-GPUs (``--device-map``) or sharded over ranks (``torchrun``) gives the single-GPU run's answers.
+Compares every number of ``summary.json`` (largest relative difference, and where; ``world_size``,
+which says how the run was made, is left out) and the rows of ``residuals.parquet`` (sorted by
+prompt, layer, head, position; a partitioned table from ``torchrun`` reads as one). Differences of at
+most ``--atol`` count as none (a solver's certificate near 0 moves with summation order). Exit status
+0 when every difference is within ``--rtol`` (default 0: bitwise equal), 1 otherwise. Used to check
+that a run spread over several GPUs (``--device-map``) or sharded over ranks (``torchrun``) gives the
+single-GPU run's answers.
 """
 
 from __future__ import annotations
@@ -28,24 +31,28 @@ def _leaves(obj, prefix=""):
         yield prefix, obj
 
 
-def _rel(a, b) -> float:
+def _rel(a, b, atol: float) -> float:
     if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
         return 0.0 if a == b else math.inf
     if math.isnan(a) and math.isnan(b):
         return 0.0
-    return 0.0 if a == b else abs(a - b) / max(abs(a), abs(b))
+    return 0.0 if abs(a - b) <= atol else abs(a - b) / max(abs(a), abs(b))
 
 
-def compare(run_a: Path, run_b: Path) -> dict:
+#: summary keys that describe how a run was made rather than what it found
+NOT_RESULTS = ("world_size",)
+
+
+def compare(run_a: Path, run_b: Path, atol: float = 0.0) -> dict:
     """``{"summary": (max rel diff, key), "residuals": (max rel diff, column), "rows": (n_a, n_b)}``."""
     import numpy as np
     import pyarrow.parquet as pq
 
-    sa = dict(_leaves(json.loads((run_a / "summary.json").read_text())))
-    sb = dict(_leaves(json.loads((run_b / "summary.json").read_text())))
+    sa, sb = ({key: v for key, v in _leaves(json.loads((run / "summary.json").read_text()))
+               if key not in NOT_RESULTS} for run in (run_a, run_b))
     worst = (0.0, None)
     for key in sorted(sa.keys() | sb.keys()):
-        d = _rel(sa[key], sb[key]) if key in sa and key in sb else math.inf
+        d = _rel(sa[key], sb[key], atol) if key in sa and key in sb else math.inf
         worst = max(worst, (d, key), key=lambda x: x[0])
     keys = [(k, "ascending") for k in ("prompt", "layer", "head", "pos")]
     ta = pq.read_table(run_a / "residuals.parquet").sort_by(keys)
@@ -64,8 +71,9 @@ def compare(run_a: Path, run_b: Path) -> dict:
                 d = math.inf
             else:
                 ok = ~np.isnan(a)
+                diff = np.abs(a[ok] - b[ok])
                 den = np.maximum(np.maximum(np.abs(a[ok]), np.abs(b[ok])), 1e-300)
-                d = float(np.max(np.abs(a[ok] - b[ok]) / den, initial=0.0))
+                d = float(np.max(np.where(diff <= atol, 0.0, diff / den), initial=0.0))
         col_worst = max(col_worst, (d, name), key=lambda x: x[0])
     return {"summary": worst, "residuals": col_worst, "rows": (ta.num_rows, tb.num_rows)}
 
@@ -74,9 +82,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_a", type=Path)
     p.add_argument("run_b", type=Path)
-    p.add_argument("--rtol", type=float, default=0.0)
+    p.add_argument("--rtol", type=float, default=0.0, help="largest relative difference allowed")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute differences up to this count as none")
     a = p.parse_args(argv)
-    r = compare(a.run_a, a.run_b)
+    r = compare(a.run_a, a.run_b, a.atol)
     (ds, ks), (dr, kr), (na, nb) = r["summary"], r["residuals"], r["rows"]
     print(f"summary.json: largest relative difference {ds:.3g}" + (f" ({ks})" if ds else ""))
     print(f"residuals.parquet: {na:,} vs {nb:,} rows; largest relative difference {dr:.3g}"

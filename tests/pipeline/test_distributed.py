@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -30,6 +32,15 @@ def _close(a, b, path="summary"):
         assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (path, a, b)
     elif not isinstance(a, float):
         assert a == b, (path, a, b)
+
+
+COMPARE = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_runs.py"
+
+
+def _compare(a, b, *extra) -> subprocess.CompletedProcess:
+    """``benchmarks/compare_runs.py``, the check a user runs on two run directories."""
+    return subprocess.run([sys.executable, str(COMPARE), *extra, str(a), str(b)], capture_output=True, text=True,
+                          timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +72,8 @@ def test_two_ranks_equal_one(one, tmp_path, mode):
     ca = pq.read_table(one / "comparator.parquet").sort_by(keys[:3]).to_pydict()
     cb = pq.read_table(two / "comparator.parquet").sort_by(keys[:3]).to_pydict()
     _close(ca, cb, "comparator")
+    proc = _compare(one, two, "--rtol", "1e-9", "--atol", "1e-12")  # the same verdict from the user's tool
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_a_model_spread_block_by_block_is_captured_layer_by_layer(one, tmp_path):
@@ -83,6 +96,19 @@ def test_a_model_spread_block_by_block_is_captured_layer_by_layer(one, tmp_path)
     assert manifest["device_map"] == {n: "cpu" for n in names}
     assert summary == json.loads((one / "summary.json").read_text())
     assert pq.read_table(out / "residuals.parquet").equals(pq.read_table(one / "residuals.parquet"))
+    proc = _compare(one, out)
+    assert proc.returncode == 0 and "same results" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_compare_runs_names_what_differs(one, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(one, other)
+    summary = json.loads((other / "summary.json").read_text())
+    summary["q_geo"] *= 1 + 1e-6
+    (other / "summary.json").write_text(json.dumps(summary))
+    proc = _compare(one, other)
+    assert proc.returncode == 1 and "(q_geo)" in proc.stdout and "DIFFERENT" in proc.stdout, proc.stdout
+    assert _compare(one, other, "--rtol", "1e-5").returncode == 0
 
 
 def test_device_map_refuses_bad_requests(tmp_path):

@@ -13,11 +13,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 
 import torch
+from _common import write_json
 
 
 def _layer(name: str, hidden: int):
@@ -130,9 +130,7 @@ def main(argv=None):
             result[part] = fidelity(a.T, a.families.split(","), a.dtypes.split(","), lengths)
         else:
             result[part] = {"overhead": overhead, "end_to_end": end_to_end}[part](a.T)
-        if a.json:  # after every part, so a run cut short keeps what it measured
-            with open(a.json, "w") as fh:
-                json.dump(result, fh, indent=2)
+        write_json(a.json, result)  # after every part, so a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

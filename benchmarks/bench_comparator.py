@@ -14,7 +14,6 @@ problems/s, the solver's certificates and the agreement with ``scipy.optimize.ls
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -164,9 +164,7 @@ def main(argv=None) -> dict:
         "scipy": check,
         "peak_gpu_gib": peak,
     }
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(a.json, result)
     return result
 
 

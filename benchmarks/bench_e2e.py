@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import platform
 import pstats
 import resource
@@ -27,6 +26,7 @@ import tempfile
 import time
 
 import torch
+from _common import write_json
 
 
 def _peak_rss_gib() -> float:
@@ -126,9 +126,7 @@ def main(argv=None) -> dict:
     for r in rows:
         ratio = f"{base / r['seconds']:.2f}x" if base else "-"
         print(f"{r['mode']:8s} {r['seconds']:8.2f}s {r['per_s'] / 1e6:13.2f} M {ratio:>10s}")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(a.json, result)
     return result
 
 

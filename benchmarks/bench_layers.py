@@ -17,25 +17,14 @@ overhead to beat. ``--phase1`` lists the phase-1 forward kernels to time the OSD
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 
 import torch
+from _common import bench, rel, write_json
 
 
-def _bench(fn, name: str | None = None) -> float:
-    """Median ms; printed as soon as measured (``name``), so a run cut short still reports."""
-    from triton.testing import do_bench
-
-    ms = do_bench(fn, warmup=10, rep=100, return_mode="median")
-    if name:
-        print(f"  measured {name}: {ms:.3f} ms", flush=True)
-    return ms
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
+def _bench(fn, name: str) -> float:
+    return bench(fn, name, warmup=10, rep=100)  # fewer repetitions than the kernel scripts: layers are slow
 
 
 def _fwd_bwd(layer, x):
@@ -93,7 +82,7 @@ def layer_rows(a) -> tuple[dict, dict]:
     for ours_name, theirs_name, ours_cls, theirs_cls, kw in pairs:
         ours, theirs = _pair(ours_cls, theirs_cls, hidden, H, K, 0.0, **kw)
         with torch.no_grad():
-            checks[f"{ours_name}(eta=0) vs {theirs_name}, bf16 rel"] = _rel(ours(x)[0], theirs(x)[0])
+            checks[f"{ours_name}(eta=0) vs {theirs_name}, bf16 rel"] = rel(ours(x)[0], theirs(x)[0])
         ours.eta = a.eta
         print(f"  check {ours_name}(eta=0) vs {theirs_name}: {checks[f'{ours_name}(eta=0) vs {theirs_name}, bf16 rel']:.2e}")
         variants = [(theirs_name, theirs, None)] + [(f"{ours_name}[{m}]", ours, m) for m in a.phase1.split(",")]
@@ -209,9 +198,7 @@ def main(argv=None) -> dict:
         "layers_ms": layers,
         "kernels_ms": kernels,
     }
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(a.json, result)
     return result
 
 

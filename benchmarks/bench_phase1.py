@@ -14,25 +14,10 @@ Times are ``triton.testing.do_bench`` medians.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 
 import torch
-
-
-def _bench(fn, name: str | None = None) -> float:
-    """Median ms; printed as soon as measured (``name``), so a run cut short still reports."""
-    from triton.testing import do_bench
-
-    ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
-    if name:
-        print(f"  measured {name}: {ms:.3f} ms", flush=True)
-    return ms
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
+from _common import bench, rel, write_json
 
 
 def main(argv=None) -> dict:
@@ -68,9 +53,9 @@ def main(argv=None) -> dict:
         ref = osdn_phase1(k.double(), beta.double(), **kw)
         for method in ("sequential", "parallel"):
             got = osdn_precondition(k, beta, **kw, return_trajectory=True, method=method)
-            errors[f"{method}: write_key (bf16 out)"] = _rel(got.write_key, ref.write_key)
-            errors[f"{method}: d (fp32)"] = _rel(got.d, ref.d)
-            errors[f"{method}: d_final (fp32)"] = _rel(got.d_final, ref.d_final)
+            errors[f"{method}: write_key (bf16 out)"] = rel(got.write_key, ref.write_key)
+            errors[f"{method}: d (fp32)"] = rel(got.d, ref.d)
+            errors[f"{method}: d_final (fp32)"] = rel(got.d_final, ref.d_final)
         del ref, got
     Tg = min(T, a.T_grad)
     k64 = k[:, :Tg].double().requires_grad_(True)
@@ -80,8 +65,8 @@ def main(argv=None) -> dict:
     kg = k[:, :Tg].clone().requires_grad_(True)
     bg = beta[:, :Tg].clone().requires_grad_(True)
     dk, db = torch.autograd.grad(osdn_precondition(kg, bg, **kw), (kg, bg), grad_outputs=dwk[:, :Tg])  # auto
-    errors[f"grad k (bf16 out, T={Tg})"] = _rel(dk, ref_dk)
-    errors[f"grad beta (bf16 out, T={Tg})"] = _rel(db, ref_db)
+    errors[f"grad k (bf16 out, T={Tg})"] = rel(dk, ref_dk)
+    errors[f"grad beta (bf16 out, T={Tg})"] = rel(db, ref_db)
     del k64, b64, ref_wk, ref_dk, ref_db, dk, db
     kg, bg = k.clone().requires_grad_(True), beta.clone().requires_grad_(True)
 
@@ -110,19 +95,19 @@ def main(argv=None) -> dict:
         "phase1 sequential fwd+bwd": phase1_bwd,
         "phase1 parallel fwd+bwd": lambda: phase1_bwd("parallel"),
     }
-    rows = {name: _bench(fn, name) for name, fn in timed.items()}
+    rows = {name: bench(fn, name) for name, fn in timed.items()}
     phase2 = {}
     try:
         from fla.ops.delta_rule import chunk_delta_rule
 
-        phase2["fwd"] = _bench(lambda: chunk_delta_rule(q, k, v, beta), "fla chunk_delta_rule fwd")
+        phase2["fwd"] = bench(lambda: chunk_delta_rule(q, k, v, beta), "fla chunk_delta_rule fwd")
         qg, kg2, vg, bg2 = (x.clone().requires_grad_(True) for x in (q, k, v, beta))
 
         def phase2_bwd():
             o, _ = chunk_delta_rule(qg, kg2, vg, bg2)
             torch.autograd.grad(o, (qg, kg2, vg, bg2), grad_outputs=v)
 
-        phase2["fwd+bwd"] = _bench(phase2_bwd, "fla chunk_delta_rule fwd+bwd")
+        phase2["fwd+bwd"] = bench(phase2_bwd, "fla chunk_delta_rule fwd+bwd")
         rows["fla chunk_delta_rule fwd (phase 2)"] = phase2["fwd"]
         rows["fla chunk_delta_rule fwd+bwd (phase 2)"] = phase2["fwd+bwd"]
     except ImportError as e:
@@ -151,9 +136,7 @@ def main(argv=None) -> dict:
             "parallel fwd+bwd": rows["phase1 parallel fwd+bwd"] / phase2["fwd+bwd"] if phase2 else None,
         },
     }
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(a.json, result)
     return result
 
 

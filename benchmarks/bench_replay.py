@@ -10,17 +10,11 @@ same run) after checking the fused replay against an fp64 reference at the bench
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 
 import torch
-
-
-def _bench(fn, reps: int = 20) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=max(100, reps), return_mode="median")
+from _common import bench, rel, write_json
 
 
 def _timed_once(fn) -> float:
@@ -29,10 +23,6 @@ def _timed_once(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
-
-
-def _rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def main(argv=None) -> dict:
@@ -62,16 +52,16 @@ def main(argv=None) -> dict:
     # Correctness at the benchmark shape, against fp64 on the same device.
     ref = delta_rule_recurrence(q, k, v, beta, dtype=torch.float64)
     got = fused_replay(q, k, v, beta)
-    errors = {n: _rel(getattr(got, n), getattr(ref, n)) for n in ("o", "loss_before", "loss_after", "final_state")}
+    errors = {n: rel(getattr(got, n), getattr(ref, n)) for n in ("o", "loss_before", "loss_after", "final_state")}
 
     rows = []
-    t_fused = _bench(lambda: fused_replay(q, k, v, beta))
+    t_fused = bench(lambda: fused_replay(q, k, v, beta), rep=100)
     rows.append(("fused replay (ours, fp32)", t_fused))
     t_fla = None
     try:
         from fla.ops.delta_rule import fused_recurrent_delta_rule
 
-        t_fla = _bench(lambda: fused_recurrent_delta_rule(q, k, v, beta, output_final_state=True))
+        t_fla = bench(lambda: fused_recurrent_delta_rule(q, k, v, beta, output_final_state=True), rep=100)
         rows.append(("fla fused_recurrent_delta_rule (fp32)", t_fla))
     except ImportError:
         pass
@@ -87,7 +77,7 @@ def main(argv=None) -> dict:
             if bv > V:
                 continue
             for nw in (1, 2, 4):
-                ms = _bench(lambda: fused_replay(q, k, v, beta, block_v=bv, num_warps=nw))
+                ms = bench(lambda: fused_replay(q, k, v, beta, block_v=bv, num_warps=nw), rep=100)
                 sweep.append(dict(block_v=bv, num_warps=nw, ms=ms))
                 print(f"sweep block_v={bv:4d} num_warps={nw}: {ms:8.3f} ms"
                       + (f"  ({t_fla / ms:.2f}x fla)" if t_fla else ""), flush=True)
@@ -111,9 +101,7 @@ def main(argv=None) -> dict:
         "ms": {name: ms for name, ms in rows},
         "sweep": sweep,
     }
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(a.json, result)
     return result
 
 

@@ -1,0 +1,35 @@
+"""What the benchmark scripts share: GPU timing, relative error against a reference, result files.
+
+The scripts import it as ``_common`` (``python benchmarks/<script>.py`` puts this folder on the path).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from osdn_diag._atomic import atomic_write_text
+
+
+def bench(fn, name: str | None = None, *, warmup: int = 25, rep: int = 200) -> float:
+    """Median milliseconds of ``fn`` (``triton.testing.do_bench``); printed as soon as measured when
+    ``name`` is given, so a run cut short still reports what it measured."""
+    from triton.testing import do_bench
+
+    ms = do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    if name:
+        print(f"  measured {name}: {ms:.3f} ms", flush=True)
+    return ms
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in fp64 (``b`` the reference)."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def write_json(path: str | None, result: dict) -> None:
+    """``result`` as indented JSON at ``path`` (nothing when ``path`` is None), written atomically."""
+    if path:
+        atomic_write_text(path, json.dumps(result, indent=2))

@@ -26,7 +26,7 @@ from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_
 from .._checks import check_box
 from ..ops.osdn_chunk import chunk_osdn
 from ..ops.osdn_recurrent import fused_recurrent_osdn
-from ..ops.phase1 import osdn_precondition
+from ..ops.phase1 import METHODS, osdn_precondition
 
 if TYPE_CHECKING:
     from fla.models.utils import Cache
@@ -44,12 +44,14 @@ def _is_number(x: object) -> bool:
     return not isinstance(x, bool) and isinstance(x, (int, float))
 
 
-def check_osdn_args(*, eta: object, d_min: object, d_max: object, phase1_eps: object) -> None:
+def check_osdn_args(*, eta: object, d_min: object, d_max: object, phase1_eps: object,
+                    phase1_method: object = "auto") -> None:
     """Check the phase-1 hyper-parameters; raise ``ValueError`` naming the first bad one.
 
     * ``eta``: a finite number ``>= 0``;
     * ``d_min``, ``d_max``: finite numbers with ``0 < d_min <= d_max`` (the layers need a box);
-    * ``phase1_eps``: a number ``> 0``.
+    * ``phase1_eps``: a number ``> 0``;
+    * ``phase1_method``: one of :data:`osdn_diag.ops.phase1.METHODS`.
     """
     if not _is_number(eta) or not math.isfinite(eta) or eta < 0:
         raise ValueError(f"argument 'eta': expected a finite number >= 0, got {eta!r}")
@@ -59,12 +61,14 @@ def check_osdn_args(*, eta: object, d_min: object, d_max: object, phase1_eps: ob
     check_box(d_min, d_max)  # 'd_min' > 0, 'd_max' >= d_min
     if not (isinstance(phase1_eps, (int, float)) and phase1_eps > 0):
         raise ValueError(f"argument 'phase1_eps': expected a number > 0, got {phase1_eps!r}")
+    if phase1_method not in METHODS:
+        raise ValueError(f"argument 'phase1_method': expected one of {', '.join(METHODS)}, got {phase1_method!r}")
 
 
 def osdn_state_update(layer, q, k, v, beta, *, g, retention, d0, initial_state, cu_seqlens,
                       q_len: int, use_cache: bool):
     """Both OSDN phases for ``layer`` (which holds ``eta, d_min, d_max, beta_aware, phase1_eps,
-    mode, training, head_k_dim``).
+    phase1_method, mode, training, head_k_dim``).
 
     Args:
         q, k: ``[B, T, H, K]`` normalised; v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
@@ -94,7 +98,7 @@ def osdn_state_update(layer, q, k, v, beta, *, g, retention, d0, initial_state, 
         return res.o, res.final_state, (res.d_final if use_cache else None)
     p1 = osdn_precondition(
         k, beta, retention=retention, d0=d0, **phase1, cu_seqlens=cu_seqlens,
-        return_trajectory=use_cache, validate=False,
+        return_trajectory=use_cache, validate=False, method=layer.phase1_method,
     )
     write_key, d_final = (p1.write_key, p1.d_final) if use_cache else (p1, None)
     o, final_state = chunk_osdn(

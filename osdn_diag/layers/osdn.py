@@ -76,6 +76,8 @@ class OSDN(OSDNLayerMixin, nn.Module):
         apf: learned token/head-wise retention ``r = sigmoid(Linear(hidden → num_heads))``.
         learn_d0: learned ``[H, K]`` initial preconditioner.
         phase1_eps: floor on ‖k_t‖² in phase 1.
+        phase1_method: phase 1's forward kernel, as ``osdn_precondition(method=)``: ``"auto"``
+            (:data:`osdn_diag.ops.phase1.AUTO_METHOD`), ``"sequential"`` or ``"parallel"``.
 
     Forward returns ``(o, None, past_key_values)`` like DeltaNet.
     """
@@ -105,12 +107,13 @@ class OSDN(OSDNLayerMixin, nn.Module):
         apf: bool = False,
         learn_d0: bool = False,
         phase1_eps: float = 1e-6,
+        phase1_method: str = "auto",
         **kwargs,
     ) -> None:
         super().__init__()
 
         # OSDN arguments first: a bad box / step size is a ValueError naming the argument.
-        check_osdn_args(eta=eta, d_min=d_min, d_max=d_max, phase1_eps=phase1_eps)
+        check_osdn_args(eta=eta, d_min=d_min, d_max=d_max, phase1_eps=phase1_eps, phase1_method=phase1_method)
         if mode == 'fused_chunk':
             raise NotImplementedError("fused_chunk is deprecated in fla; use `chunk`.")
         if mode not in ('chunk', 'fused_recurrent'):
@@ -130,6 +133,7 @@ class OSDN(OSDNLayerMixin, nn.Module):
         self.apf = bool(apf)
         self.learn_d0 = bool(learn_d0)
         self.phase1_eps = float(phase1_eps)
+        self.phase1_method = phase1_method
 
         if d_model is not None:
             hidden_size = d_model
@@ -187,7 +191,7 @@ class OSDN(OSDNLayerMixin, nn.Module):
 
     def extra_repr(self) -> str:
         return (f"eta={self.eta}, box=[{self.d_min}, {self.d_max}], beta_aware={self.beta_aware}, "
-                f"apf={self.apf}, learn_d0={self.learn_d0}")
+                f"apf={self.apf}, learn_d0={self.learn_d0}, phase1_method={self.phase1_method!r}")
 
     # ------------------------------------------------------------------------------------------------
     def project(self, hidden_states, conv_states=None, use_cache=False, cu_seqlens=None):

@@ -73,6 +73,8 @@ class OSGDN(OSDNLayerMixin, GatedDeltaNet):
         apf: learned token/value-head-wise retention ``r = sigmoid(Linear(hidden → num_v_heads))``.
         learn_d0: learned ``[num_v_heads, head_dim]`` initial preconditioner.
         phase1_eps: floor on ‖k_t‖² in phase 1.
+        phase1_method: phase 1's forward kernel, as ``osdn_precondition(method=)``: ``"auto"``
+            (:data:`osdn_diag.ops.phase1.AUTO_METHOD`), ``"sequential"`` or ``"parallel"``.
 
     Forward returns ``(o, None, past_key_values)`` like GatedDeltaNet.
     """
@@ -100,11 +102,12 @@ class OSGDN(OSDNLayerMixin, GatedDeltaNet):
         apf: bool = False,
         learn_d0: bool = False,
         phase1_eps: float = 1e-6,
+        phase1_method: str = "auto",
         **kwargs,
     ) -> None:
         # Checked before GatedDeltaNet builds anything, so that each is a ValueError naming it
         # (GatedDeltaNet itself asserts on `mode` and lets a bad head grouping through to the kernel).
-        check_osdn_args(eta=eta, d_min=d_min, d_max=d_max, phase1_eps=phase1_eps)
+        check_osdn_args(eta=eta, d_min=d_min, d_max=d_max, phase1_eps=phase1_eps, phase1_method=phase1_method)
         if mode not in ('chunk', 'fused_recurrent'):
             raise ValueError(f"argument 'mode': expected 'chunk' or 'fused_recurrent', got {mode!r}")
         hv = num_heads if num_v_heads is None else num_v_heads
@@ -127,13 +130,15 @@ class OSGDN(OSDNLayerMixin, GatedDeltaNet):
         self.apf = bool(apf)
         self.learn_d0 = bool(learn_d0)
         self.phase1_eps = float(phase1_eps)
+        self.phase1_method = phase1_method
         self.num_groups = self.num_v_heads // self.num_heads
 
         self._build_osdn_parameters(hidden_size, self.num_v_heads)
 
     def extra_repr(self) -> str:
         return (f"eta={self.eta}, box=[{self.d_min}, {self.d_max}], beta_aware={self.beta_aware}, "
-                f"apf={self.apf}, learn_d0={self.learn_d0}, num_v_heads={self.num_v_heads}")
+                f"apf={self.apf}, learn_d0={self.learn_d0}, num_v_heads={self.num_v_heads}, "
+                f"phase1_method={self.phase1_method!r}")
 
     # ------------------------------------------------------------------------------------------------
     def project(self, hidden_states, conv_states=None, use_cache=False, cu_seqlens=None):

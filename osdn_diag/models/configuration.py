@@ -4,7 +4,8 @@
 :class:`~fla.models.GatedDeltaNetConfig`, each with the phase-1 arguments of the layers
 (:class:`osdn_diag.layers.OSDN`, :class:`osdn_diag.layers.OSGDN`):
 
-* ``eta`` (0.003), ``d_min`` (0.5), ``d_max`` (2.0), ``beta_aware`` (True), ``phase1_eps`` (1e-6);
+* ``eta`` (0.003), ``d_min`` (0.5), ``d_max`` (2.0), ``beta_aware`` (True), ``phase1_eps`` (1e-6),
+  ``phase1_method`` ("auto": phase 1's forward kernel);
 * ``apf`` (False): learned retention of the preconditioner per token and head;
 * ``learn_d0`` (False): learned initial preconditioner per head and key channel.
 
@@ -23,11 +24,11 @@ from ..layers._common import check_osdn_args
 __all__ = ["OSDN_ARG_NAMES", "OSDNConfig", "OSGDNConfig", "osdn_layer_kwargs"]
 
 #: The config attributes that the OSDN / OSGDN layers take on top of their fla counterparts.
-OSDN_ARG_NAMES = ("eta", "d_min", "d_max", "beta_aware", "apf", "learn_d0", "phase1_eps")
+OSDN_ARG_NAMES = ("eta", "d_min", "d_max", "beta_aware", "apf", "learn_d0", "phase1_eps", "phase1_method")
 
 
-def _set_osdn_args(config, eta, d_min, d_max, beta_aware, apf, learn_d0, phase1_eps) -> None:
-    check_osdn_args(eta=eta, d_min=d_min, d_max=d_max, phase1_eps=phase1_eps)
+def _set_osdn_args(config, eta, d_min, d_max, beta_aware, apf, learn_d0, phase1_eps, phase1_method) -> None:
+    check_osdn_args(eta=eta, d_min=d_min, d_max=d_max, phase1_eps=phase1_eps, phase1_method=phase1_method)
     config.eta = eta
     config.d_min = d_min
     config.d_max = d_max
@@ -35,6 +36,7 @@ def _set_osdn_args(config, eta, d_min, d_max, beta_aware, apf, learn_d0, phase1_
     config.apf = bool(apf)
     config.learn_d0 = bool(learn_d0)
     config.phase1_eps = phase1_eps
+    config.phase1_method = phase1_method
 
 
 def osdn_layer_kwargs(config) -> dict:
@@ -56,9 +58,10 @@ class OSDNConfig(DeltaNetConfig):
         apf: bool = False,
         learn_d0: bool = False,
         phase1_eps: float = 1e-6,
+        phase1_method: str = "auto",
         **kwargs,
     ):
-        _set_osdn_args(self, eta, d_min, d_max, beta_aware, apf, learn_d0, phase1_eps)
+        _set_osdn_args(self, eta, d_min, d_max, beta_aware, apf, learn_d0, phase1_eps, phase1_method)
         super().__init__(**kwargs)
 
 
@@ -77,7 +80,8 @@ class OSGDNConfig(GatedDeltaNetConfig):
         apf: bool = False,
         learn_d0: bool = False,
         phase1_eps: float = 1e-6,
+        phase1_method: str = "auto",
         **kwargs,
     ):
-        _set_osdn_args(self, eta, d_min, d_max, beta_aware, apf, learn_d0, phase1_eps)
+        _set_osdn_args(self, eta, d_min, d_max, beta_aware, apf, learn_d0, phase1_eps, phase1_method)
         super().__init__(**kwargs)

@@ -77,14 +77,22 @@ def test_eta0_equals_fla_deltanet(fp32_chunk_delta_rule, T, kw):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("phase1_method", ["sequential", "parallel"])
 @pytest.mark.parametrize("apf,learn_d0", [(False, False), (True, True)], ids=["plain", "apf_d0"])
-def test_two_phase_forward_equals_fp64_reference(apf, learn_d0):
-    """Kernels (phase 1 + chunk_osdn) on the layer's own q/k/v/β equal the token-by-token fp64
-    references (osdn_phase1 for d, then math.osdn), through the same o_norm/o_proj."""
+def test_two_phase_forward_equals_fp64_reference(apf, learn_d0, phase1_method, monkeypatch):
+    """Kernels (phase 1, by the forward kernel the layer names, + chunk_osdn) on the layer's own
+    q/k/v/β equal the token-by-token fp64 references (osdn_phase1 for d, then math.osdn), through the
+    same o_norm/o_proj."""
+    import osdn_diag.ops.phase1_parallel as parallel
     from osdn_diag.math import osdn_phase1
 
+    launched = []
+    original = parallel.parallel_fwd
+    monkeypatch.setattr(parallel, "parallel_fwd", lambda *a, **o: launched.append(1) or original(*a, **o))
+
     torch.manual_seed(1)
-    layer = _layer(eta=0.5, apf=apf, learn_d0=learn_d0)  # a big η: d moves well away from 1
+    # a big η: d moves well away from 1
+    layer = _layer(eta=0.5, apf=apf, learn_d0=learn_d0, phase1_method=phase1_method)
     _perturb_osdn_params(layer, seed=1)
     x = torch.randn(2, 70, HIDDEN)
     with torch.no_grad():
@@ -99,6 +107,7 @@ def test_two_phase_forward_equals_fp64_reference(apf, learn_d0):
         assert (d - 1).abs().max() > 0.05
         assert d.min() >= layer.d_min - 1e-12 and d.max() <= layer.d_max + 1e-12
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert bool(launched) is (phase1_method == "parallel")
 
 
 @pytest.mark.parametrize("use_gate", [False, True], ids=["norm", "gated_norm"])
@@ -166,6 +175,7 @@ def test_d0_gradient_matches_finite_difference():
         ({"eta": -0.1}, "eta"),
         ({"eta": float("nan")}, "eta"),
         ({"d_max": float("inf")}, "d_max"),
+        ({"phase1_method": "fast"}, "phase1_method"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(kw, name):

@@ -187,6 +187,7 @@ def test_state_dict_is_gated_deltanets_plus_osdn_parameters_and_init():
         ({"eta": -0.1}, "eta"),
         ({"eta": float("nan")}, "eta"),
         ({"phase1_eps": 0.0}, "phase1_eps"),
+        ({"phase1_method": "blocked"}, "phase1_method"),
         ({"num_v_heads": 3}, "num_v_heads"),
         ({"num_v_heads": 1}, "num_v_heads"),
         ({"mode": "fused_chunk"}, "mode"),

@@ -90,15 +90,17 @@ def test_save_pretrained_then_auto_load_gives_identical_model(kind, tmp_path):
     included), every tensor (r_proj and d0 too: loading must not re-initialise them), same logits."""
     from transformers import AutoModelForCausalLM
 
-    model = _model(kind, eta=0.2, d_max=3.0, beta_aware=False, apf=True, learn_d0=True).eval()
+    model = _model(kind, eta=0.2, d_max=3.0, beta_aware=False, apf=True, learn_d0=True,
+                   phase1_method="parallel").eval()
     _perturb_osdn_params(model)
     model.save_pretrained(tmp_path, safe_serialization=True)
     assert list(tmp_path.glob("*.safetensors"))
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(loaded) is type(model) and loaded.config.model_type == kind
-    for name in ("eta", "d_max", "beta_aware", "apf", "learn_d0"):
+    for name in ("eta", "d_max", "beta_aware", "apf", "learn_d0", "phase1_method"):
         assert getattr(loaded.config, name) == getattr(model.config, name), name
+    assert {layer.phase1_method for layer in _osdn_layers(loaded)} == {"parallel"}
     want, got = model.state_dict(), loaded.state_dict()
     assert set(got) == set(want)
     for name in want:
@@ -106,6 +108,12 @@ def test_save_pretrained_then_auto_load_gives_identical_model(kind, tmp_path):
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["osdn", "osgdn"])
+def test_a_bad_phase1_argument_fails_at_the_config(kind):
+    with pytest.raises(ValueError, match="'phase1_method'"):
+        _config(kind, phase1_method="fast")
 
 
 @pytest.mark.parametrize("kind", ["osdn", "osgdn"])

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .._checks import check_box
 from ..math.phase1 import _validate
+from ._common import load_d0, sequence_bounds
 from .phase1 import _contig, _d0_mode, _params, _ret_mode
 
 __all__ = ["FusedRecurrentResult", "fused_recurrent_osdn", "fused_recurrent_osdn_fwd_kernel"]
@@ -70,12 +71,7 @@ def fused_recurrent_osdn_fwd_kernel(
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
+    bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -90,12 +86,7 @@ def fused_recurrent_osdn_fwd_kernel(
     # interpreter mis-types a block-and-scalar mask.)
     m_kd = o_k < tl.where(i_v == 0, K, 0)
 
-    if D0 == 1:
-        b_d = tl.load(d0 + i_h * K + o_k, mask=m_k, other=1.0).to(tl.float32)
-    elif D0 == 2:
-        b_d = tl.load(d0 + i_nh * K + o_k, mask=m_k, other=1.0).to(tl.float32)
-    else:
-        b_d = tl.full([BK], 1.0, dtype=tl.float32)
+    b_d = load_d0(d0, i_nh, i_h, o_k, m_k, K, BK, D0, tl.float32)
     b_S = tl.zeros([BV, BK], dtype=tl.float32)
     if USE_H0:
         b_S += tl.load(h0 + (i_nh * V + o_v[:, None]) * K + o_k[None, :], mask=m_vk, other=0.0).to(tl.float32)

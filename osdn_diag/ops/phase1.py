@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from ..math.phase1 import Phase1Result, _validate
+from ._common import load_d0, sequence_bounds
 
 __all__ = ["osdn_precondition", "osdn_phase1_bwd_kernel", "osdn_phase1_fwd_kernel"]
 
@@ -133,12 +134,7 @@ def osdn_phase1_fwd_kernel(
         if tl.load(skip + i_nh) != 0:
             return
     i_n, i_h = i_nh // H, i_nh % H
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
+    bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     ACC = scalars.dtype.element_ty  # the compute dtype: fp32, or fp64 for fp64 keys
@@ -149,12 +145,7 @@ def osdn_phase1_fwd_kernel(
     eps = tl.load(scalars + 1)
     d_min = tl.load(scalars + 2)
     d_max = tl.load(scalars + 3)
-    if D0 == 1:
-        b_d = tl.load(d0 + i_h * K + o_k, mask=m_k, other=1.0).to(ACC)
-    elif D0 == 2:
-        b_d = tl.load(d0 + i_nh * K + o_k, mask=m_k, other=1.0).to(ACC)
-    else:
-        b_d = tl.full([BK], 1.0, dtype=ACC)
+    b_d = load_d0(d0, i_nh, i_h, o_k, m_k, K, BK, D0, ACC)
 
     # Four tokens in flight: slot j holds token t + j and is refilled with token t + 4 + j right
     # after use, so each load has three steps of arithmetic to arrive. (A rotating `b0 = b1; ...`
@@ -274,12 +265,7 @@ def osdn_phase1_bwd_kernel(
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
+    bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     ACC = scalars.dtype.element_ty

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import load_d0, sequence_bounds
 from .phase1 import MAX_K, _contig, _d0_mode, _params, _ret_mode, sequential_fwd
 
 __all__ = ["ROUNDS", "parallel_fwd"]
@@ -58,29 +59,6 @@ def _compose(a1, b1, lo1, hi1, a2, b2, lo2, hi2):
     lo = tl.minimum(tl.maximum(a2 * tl.where(a2 == 0, 0.0, lo1) + b2, lo2), hi2)
     hi = tl.minimum(tl.maximum(a2 * tl.where(a2 == 0, 0.0, hi1) + b2, lo2), hi2)
     return a2 * a1, a2 * b1 + b2, lo, hi
-
-
-@triton.jit
-def _bounds(cu_seqlens, i_n, T, VARLEN: tl.constexpr):
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-    return bos, eos
-
-
-@triton.jit
-def _load_d0(d0, i_nh, i_h, o_k, m_k, K: tl.constexpr, BK: tl.constexpr, D0: tl.constexpr):
-    """d_0 of (sequence, head) ``i_nh``: ones, shared per head ``[H, K]`` or per sequence ``[N, H, K]``."""
-    if D0 == 1:
-        b_d = tl.load(d0 + i_h * K + o_k, mask=m_k, other=1.0).to(tl.float32)
-    elif D0 == 2:
-        b_d = tl.load(d0 + i_nh * K + o_k, mask=m_k, other=1.0).to(tl.float32)
-    else:
-        b_d = tl.full([BK], 1.0, dtype=tl.float32)
-    return b_d
 
 
 @triton.jit
@@ -178,7 +156,7 @@ def picard_sweep_kernel(
     ``coef = (α, γ)``). Returns at once for a pair already settled (``state[nh] != 0``)."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = _bounds(cu_seqlens, i_n, T, VARLEN)
+    bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
     t0 = bos + i_j * BT
     if FIRST:
         going = t0 < eos
@@ -198,7 +176,7 @@ def picard_sweep_kernel(
             d_min = -float("inf")
             d_max = float("inf")
         if FIRST:
-            b_d = _load_d0(d0, i_nh, i_h, o_k, m_k, K, BK, D0)
+            b_d = load_d0(d0, i_nh, i_h, o_k, m_k, K, BK, D0, tl.float32)
         else:
             b_d = tl.load(d_in + (i_nh.to(tl.int64) * NC + i_j) * K + o_k, mask=m_k, other=1.0)
         sa = tl.full([BK], 1.0, tl.float32)
@@ -253,7 +231,7 @@ def picard_carry_kernel(
     i_nh, i_k = tl.program_id(0), tl.program_id(1)
     if tl.load(state + i_nh) == 0:
         i_n, i_h = i_nh // H, i_nh % H
-        bos, eos = _bounds(cu_seqlens, i_n, T, VARLEN)
+        bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
         n_chunks = (eos - bos + BT - 1) // BT
         o_c = tl.arange(0, BC)
         go = n_chunks >= 0  # true (a scalar tensor, as the verdict below)
@@ -269,7 +247,7 @@ def picard_carry_kernel(
             if go:
                 o_k = i_k * BKC + tl.arange(0, BKC)
                 m_k = o_k < K
-                b_d = _load_d0(d0, i_nh, i_h, o_k, m_k, K, BKC, D0)
+                b_d = load_d0(d0, i_nh, i_h, o_k, m_k, K, BKC, D0, tl.float32)
                 for j0 in range(0, n_chunks, BC):
                     rows = j0 + o_c
                     m = (rows < n_chunks)[:, None] & m_k[None, :]

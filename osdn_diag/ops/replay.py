@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..math.recurrence import RecurrenceResult
+from ._common import sequence_bounds
 
 __all__ = ["fused_replay"]
 
@@ -60,12 +61,7 @@ def _replay_kernel(
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
+    bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K

@@ -85,6 +85,10 @@ def main(argv=None) -> int:
     p.add_argument("--rtol", type=float, default=0.0, help="largest relative difference allowed")
     p.add_argument("--atol", type=float, default=0.0, help="absolute differences up to this count as none")
     a = p.parse_args(argv)
+    for name, run in (("RUN_A", a.run_a), ("RUN_B", a.run_b)):
+        missing = [f for f in ("summary.json", "residuals.parquet") if not (run / f).exists()]
+        if missing:
+            p.error(f"{name} {str(run)!r}: no {' or '.join(missing)} (expected a finished run directory)")
     r = compare(a.run_a, a.run_b, a.atol)
     (ds, ks), (dr, kr), (na, nb) = r["summary"], r["residuals"], r["rows"]
     print(f"summary.json: largest relative difference {ds:.3g}" + (f" ({ks})" if ds else ""))

@@ -109,6 +109,8 @@ def test_compare_runs_names_what_differs(one, tmp_path):
     proc = _compare(one, other)
     assert proc.returncode == 1 and "(q_geo)" in proc.stdout and "DIFFERENT" in proc.stdout, proc.stdout
     assert _compare(one, other, "--rtol", "1e-5").returncode == 0
+    proc = _compare(one, tmp_path / "nowhere")
+    assert proc.returncode == 2 and "RUN_B" in proc.stderr and "no summary.json" in proc.stderr, proc.stderr
 
 
 def test_device_map_refuses_bad_requests(tmp_path):

@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
 
     sweep = []
     if a.sweep:
-        for bv in (4, 8, 16, 32):
+        for bv in (2, 4, 8, 16, 32):
             if bv > V:
                 continue
             for nw in (1, 2, 4):

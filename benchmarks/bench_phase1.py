@@ -32,6 +32,7 @@ def main(argv=None) -> dict:
         raise SystemExit("bench_phase1 needs a CUDA GPU")
 
     from osdn_diag.math import osdn_phase1
+    from osdn_diag.ops.osdn_recurrent import fused_recurrent_osdn
     from osdn_diag.ops.phase1 import osdn_precondition
 
     dev, bf16 = "cuda", torch.bfloat16
@@ -92,6 +93,8 @@ def main(argv=None) -> dict:
         "phase1 fwd (auto), with argument checks": lambda: osdn_precondition(k, beta, **kw),
         "phase1 fwd (auto) + trajectory": lambda: osdn_precondition(k, beta, **kw, validate=False,
                                                                     return_trajectory=True),
+        # Both phases in one recurrent kernel (the layers' inference path for short inputs), for scale.
+        "fused recurrent OSDN, phases 1 + 2": lambda: fused_recurrent_osdn(q, k, v, beta, **kw, validate=False),
         "phase1 sequential fwd+bwd": phase1_bwd,
         "phase1 parallel fwd+bwd": lambda: phase1_bwd("parallel"),
     }

@@ -16,17 +16,17 @@ import torch
 
 from osdn_diag.math import osdn_phase1
 from osdn_diag.math.phase1 import Phase1Result
-from osdn_diag.ops.phase1_parallel import parallel_fwd
+from osdn_diag.ops.phase1_parallel import TOL_D, parallel_fwd
 
 
-def _parallel(k, beta, *, chunk, rounds=32, settled="all", **kw):
+def _parallel(k, beta, *, chunk, rounds=32, settled="all", stats=None, **kw):
     """The token-parallel kernel (the entry point picks a 64-token chunk: these tests call the
     launcher directly so that chunks and sequences cross at awkward places). ``settled``: which
     (sequence, head) pairs the Picard rounds must have answered — ``"all"``, ``"none"`` or ``"some"``
     (the rest: the sequential kernel)."""
     cu = kw.get("cu_seqlens")
     N = k.shape[0] if cu is None else cu.numel() - 1
-    stats = {}
+    stats = {} if stats is None else stats
     wk, dt, dfin = parallel_fwd(k, beta, kw.get("retention"), kw.get("d0"), cu, N, kw.get("eta", 0.003),
                                 kw.get("d_min", 0.5), kw.get("d_max", 2.0), kw.get("beta_aware", True),
                                 1e-6, True, chunk=chunk, rounds=rounds, stats=stats)
@@ -136,6 +136,41 @@ def test_settled_and_unsettled_pairs_in_one_call(fla_kernels):
     got = _parallel(_dev(k), _dev(beta), eta=3.0, chunk=16, rounds=2, settled="some")
     assert _rel(got.d, ref.d) <= TOL and _rel(got.d_final, ref.d_final) <= TOL
     assert _rel(got.write_key, ref.write_key) <= TOL
+
+
+def _settling_round(k, beta, eta):
+    """The first round whose trajectory the kernel's criterion accepts, by the same rounds in fp64
+    (``benchmarks/picard_convergence.py``): twice the drift estimate's largest entry ≤ ``TOL_D``. Box
+    [0.5, 2], d0 = 1, beta-aware; one sequence and head."""
+    s, b = (k * k)[0, :, 0], beta[0, :, 0]                    # [T, K], [T]
+    alpha = eta * b / s.sum(-1).clamp_min(1e-6)
+    gam = alpha * b
+    c = alpha - gam * s.sum(-1)
+    for r in range(1, 20):
+        d, walk = torch.ones(s.shape[1], dtype=F64), []
+        for t in range(s.shape[0]):
+            walk.append(d)
+            d = (d + c[t] * s[t]).clamp(0.5, 2.0)
+        c_next = alpha - gam * (torch.stack(walk) * s).sum(-1)
+        if 2 * float(torch.cumsum((c_next - c).abs()[:, None] * s, 0).max()) <= TOL_D:
+            return r
+        c = c_next
+    raise AssertionError("no round settles")
+
+
+def test_a_pair_settles_once_its_trajectory_is_within_tol_d(fla_kernels):
+    """The verdict is the trajectory's estimated error, not the step sizes' movement: the kernel stops
+    at the round the fp64 rounds predict (here the 4th, with a margin of 2x on either side of the
+    threshold), and what it emits is within ``TOL_D`` of phase 1 in every entry."""
+    k, beta, _ = _case(8, 1, 512, 1, 16)
+    expected = _settling_round(k, beta, 0.02)
+    assert expected == 4
+    ref = osdn_phase1(k, beta, eta=0.02)
+    stats = {}
+    got = _parallel(_dev(k), _dev(beta), eta=0.02, chunk=64, rounds=6, stats=stats)
+    assert stats["rounds"] == expected
+    assert float((got.d.double().cpu() - ref.d).abs().max()) <= TOL_D
+    assert float((got.d_final.double().cpu() - ref.d_final).abs().max()) <= TOL_D
 
 
 def test_bad_arguments():

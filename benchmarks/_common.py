@@ -6,6 +6,7 @@ The scripts import it as ``_common`` (``python benchmarks/<script>.py`` puts thi
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -21,6 +22,28 @@ def bench(fn, name: str | None = None, *, warmup: int = 25, rep: int = 200) -> f
     if name:
         print(f"  measured {name}: {ms:.3f} ms", flush=True)
     return ms
+
+
+def device_and_host_ms(fn, calls: int = 20) -> tuple[float, float]:
+    """``(device, host)`` milliseconds per call of ``fn``: the sum of its kernels' device time (torch
+    profiler) and the time the host takes to issue it without waiting. A call's wall time is about
+    the larger of the two: where the host is larger, the kernels wait for their launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    device = sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e3
+    torch.cuda.synchronize()
+    return device, host
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -202,8 +202,9 @@ def fused_recurrent_osdn(
     BK = triton.next_power_of_2(K)
     # 8 state rows × 1 warp per program, as in the replay kernel: on the H200 (B=8, T=4096, H=8,
     # K=V=128, bf16) 5.50 ms, against 13.49 ms for the earlier 32 rows of a [BV, K] tile; decoding one
-    # token for 64 sequences takes the same 0.17 ms either way.
-    BV = min(triton.next_power_of_2(V), 8)
+    # token for 64 sequences takes the same 0.17 ms either way. On CPU tensors the kernel runs under
+    # Triton's interpreter, where every program costs Python time: fewer, wider ones there.
+    BV = min(triton.next_power_of_2(V), 8 if q.is_cuda else 32)
     fused_recurrent_osdn_fwd_kernel[(N * H, triton.cdiv(V, BV))](
         q, k, v, beta,
         dummy if g is None else g,

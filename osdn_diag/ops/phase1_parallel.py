@@ -34,7 +34,7 @@ are close, and the verdict doubles the estimate to cover the rest. On random uni
 is within 1 % of the true error at every round (``benchmarks/picard_convergence.py``). At the
 paper's setting (T = 4,096, K = 128, η = 0.003) the second round's trajectory is within 1.0e-6 of
 the fp64 sweep (largest entry 3.1e-6), closer than the sequential fp32 kernel's 3.2e-6 (1.2e-5), and
-settles. At η = 0.03 the rounds need about six; at 0.3 they do not converge, and the sequential
+settles. At η = 0.03 the rounds need five; at 0.3 they do not converge, and the sequential
 kernel answers (the rounds then cost ~0.2 ms on top). Timings: ``benchmarks/bench_phase1.py``.
 """
 

@@ -1,7 +1,7 @@
 """End to end: the paper-scale diagnostic — capture + replay + summary — on one GPU or several.
 
     python benchmarks/bench_e2e.py [--model random:deltanet-340m] [--prompts 48] [--T 2048]
-                                   [--batch-size 8] [--mode stream,stored] [--profile] [--json FILE]
+                                   [--batch-size 8] [--mode stream,stored] [--profile] [--stages] [--json FILE]
     torchrun --nproc-per-node 2 benchmarks/bench_e2e.py ...      (prompts sharded across the GPUs)
     python benchmarks/bench_e2e.py --device-map balanced ...     (one model spread over the GPUs)
 
@@ -11,6 +11,10 @@ runs it: ``stream`` (``run --stream``: every call replayed on the GPU as it is c
 ``stored`` (``run``: the capture written to disk in fp32, then read back and replayed). The table
 gives the wall time of each (all ranks, barrier to barrier), the measurements per second, q_geo and
 the peak host memory of rank 0. ``--profile`` adds an untimed stream run under cProfile (rank 0).
+``--stages`` adds an untimed stream run with wall-clock timers around the pipeline's stages, per
+thread (cProfile under Python 3.12 records every thread at once, which muddles a pipeline whose
+parquet writer runs beside the replay): where the host's time goes, and how long the replay waits
+for the writer.
 """
 
 from __future__ import annotations
@@ -33,6 +37,80 @@ def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
 
 
+#: (module, attribute path, label): the stages ``--stages`` times. Each is looked up where the pipeline
+#: calls it (``replayer`` imports ``to_device`` and ``replay_call`` by name). Inclusive times: a
+#: stage's time contains the stages it calls (indented).
+STAGES = (
+    ("osdn_diag.pipeline", "_CaptureSession.__init__", "set-up: prompts, manifest"),
+    ("osdn_diag.pipeline", "_CaptureSession.run", "forwards, each call replayed as captured"),
+    ("osdn_diag.replayer", "Replayer.add", "  replay one call (everything below)"),
+    ("osdn_diag.replayer", "to_device", "    the record to the replay device"),
+    ("osdn_diag.replayer", "replay_call", "    replay kernel and per-token columns"),
+    ("osdn_diag.metrics.ratios", "RatioAccumulator.add", "    ratio statistics (two accumulators)"),
+    ("osdn_diag.metrics.audit", "AuditAccumulator.add", "    assumption audit"),
+    ("osdn_diag.replayer", "Replayer._queue_problems", "    comparator problems (queued; solved in batches)"),
+    ("osdn_diag.replayer", "Replayer.flush", "comparator solve (from the queue, or at the end)"),
+    ("osdn_diag.replayer", "_arrow_table", "    the call's parquet rows"),
+    ("osdn_diag.pipeline", "_ParquetEncoder.write", "  waiting to hand rows to the writer"),
+    ("osdn_diag.pipeline", "_ParquetEncoder.close", "waiting for the writer to finish"),
+    ("pyarrow.parquet", "ParquetWriter.write_table", "parquet encoding"),
+    ("osdn_diag.pipeline", "_finish_replay", "summary, comparator table, files"),
+    ("osdn_diag.pipeline", "_CaptureSession.finish", "the manifest, completed"),
+)
+
+
+class _StageTimers:
+    """Wraps each of :data:`STAGES` with a wall-clock timer for the duration of a ``with`` block; the
+    originals are restored on exit, also on error."""
+
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+        self.totals: dict[tuple[str, str], list] = {}
+
+    def _wrap(self, label, fn):
+        import threading
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                key = (label, threading.current_thread().name)
+                with self.lock:
+                    entry = self.totals.setdefault(key, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += time.perf_counter() - t0
+        return timed
+
+    def __enter__(self):
+        import importlib
+
+        self.saved = []
+        for module, path, label in STAGES:
+            owner = importlib.import_module(module)
+            *parents, name = path.split(".")
+            for part in parents:
+                owner = getattr(owner, part)
+            fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            self.saved.append((owner, name, fn))
+            setattr(owner, name, self._wrap(label, fn))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in reversed(self.saved):
+            setattr(owner, name, fn)
+
+    def table(self, wall: float) -> str:
+        lines = [f"{'stage (inclusive wall time)':56s} {'thread':>18s} {'calls':>6s} {'seconds':>8s} {'of run':>7s}"]
+        for _, _, label in STAGES:
+            for (lab, thread), (calls, secs) in self.totals.items():
+                if lab == label:
+                    lines.append(f"{label:56s} {thread:>18s} {calls:6d} {secs:8.2f} {100 * secs / wall:6.1f}%")
+        return "\n".join(lines)
+
+
 def _one(mode: str, loaded, out: str, a, ranks, progress=False) -> dict:
     from osdn_diag.pipeline import capture_run, replay_run, stream_run
 
@@ -52,6 +130,7 @@ def main(argv=None) -> dict:
     p.add_argument("--mode", default="stream,stored", help="comma-separated: stream, stored")
     p.add_argument("--dir", help="where run directories go (default: a temporary directory)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--stages", action="store_true", help="also an untimed stream run timed stage by stage")
     p.add_argument("--device-map", help="spread the model over this machine's GPUs: auto, balanced, sequential")
     p.add_argument("--json")
     a = p.parse_args(argv)
@@ -107,6 +186,20 @@ def main(argv=None) -> dict:
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
             print(f"cProfile of a stream run (rank 0):\n{buf.getvalue()}")
+    stages = None
+    if a.stages:  # untimed: the timers' own cost is small, but the run is not the one in the table
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        with _StageTimers() as timers:
+            t0 = time.perf_counter()
+            _one("stream", loaded, f"{root}/staged", a, ranks)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        if ranks.is_main:
+            print(f"stream run, stage by stage ({wall:.2f} s; rank 0):\n{timers.table(wall)}")
+            stages = dict(seconds=wall, stages=[dict(stage=k[0], thread=k[1], calls=v[0], seconds=v[1])
+                                                for k, v in timers.totals.items()])
     ranks.barrier()
     if a.dir is None and ranks.is_main:
         shutil.rmtree(root, ignore_errors=True)  # a stored run at paper scale is tens of GB
@@ -116,7 +209,7 @@ def main(argv=None) -> dict:
         model=a.model, prompts=a.prompts, T=a.T, batch_size=a.batch_size, world=ranks.world,
         device_map=a.device_map, placement=placement, run_dir=root if a.dir else None,
         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
-        torch=torch.__version__, load_s=load_s, warmup_s=warm_s, rows=rows,
+        torch=torch.__version__, load_s=load_s, warmup_s=warm_s, rows=rows, stages=stages,
     )
     spread = f", device map {a.device_map} over {len(set(placement.values()))} device(s)" if placement else ""
     print(f"\n{a.model}, {a.prompts} prompts x {a.T} tokens, batch {a.batch_size}, {ranks.world} process(es) "

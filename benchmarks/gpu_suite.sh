@@ -53,7 +53,7 @@ for step in "${steps[@]}"; do
         replay)     run_step replay 180 "$PY" benchmarks/bench_replay.py --sweep --json "$OUT/replay.json" ;;
         comparator) run_step comparator 120 "$PY" benchmarks/bench_comparator.py --json "$OUT/comparator.json" ;;
         capture)    run_step capture 300 "$PY" benchmarks/bench_capture.py --json "$OUT/capture.json" ;;
-        e2e)        run_step e2e 300 "$PY" benchmarks/bench_e2e.py --mode stream --profile --json "$OUT/e2e.json" ;;
+        e2e)        run_step e2e 300 "$PY" benchmarks/bench_e2e.py --mode stream --stages --json "$OUT/e2e.json" ;;
         e2e_stored) run_step e2e_stored 300 "$PY" benchmarks/bench_e2e.py --prompts 8 --mode stream,stored \
                         --json "$OUT/e2e_stored.json" ;;
         e2e_1b)     run_step e2e_1b 300 "$PY" benchmarks/bench_e2e.py --model random:deltanet-1.3b --mode stream \

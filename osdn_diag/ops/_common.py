@@ -1,4 +1,4 @@
-"""Triton pieces every per-(sequence, head) kernel of :mod:`osdn_diag.ops` starts with."""
+"""Triton pieces the per-(sequence, head) kernels of :mod:`osdn_diag.ops` share."""
 
 from __future__ import annotations
 
@@ -30,3 +30,16 @@ def load_d0(d0, i_nh, i_h, o_k, m_k, K: tl.constexpr, BK: tl.constexpr, D0: tl.c
     else:
         b_d = tl.full([BK], 1.0, dtype=ACC)
     return b_d
+
+
+@triton.jit
+def step_size_terms(b_s, b_beta, eta, eps, BETA_AWARE: tl.constexpr):
+    """``(α, γ)`` of one token's phase-1 step size ``c = α − γ ⟨d, s⟩`` (Eq. 7): ``α = η p / max(‖k‖², ε)``
+    and ``γ = α p``, with ``p = β`` (beta-aware) or 1 and ``s = k ⊙ k``. Both depend on the token
+    alone, which keeps the division off the chain that runs through ``d``."""
+    if BETA_AWARE:
+        p = b_beta
+    else:
+        p = 1.0
+    alpha = eta * p / tl.maximum(tl.sum(b_s, axis=0), eps)
+    return alpha, alpha * p

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .._checks import check_box
 from ..math.phase1 import _validate
-from ._common import load_d0, sequence_bounds
+from ._common import load_d0, sequence_bounds, step_size_terms
 from .phase1 import _contig, _d0_mode, _params, _ret_mode
 
 __all__ = ["FusedRecurrentResult", "fused_recurrent_osdn", "fused_recurrent_osdn_fwd_kernel"]
@@ -110,12 +110,8 @@ def fused_recurrent_osdn_fwd_kernel(
         tl.store(o + tok * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         # Phase 1: d_t -> d_{t+1} (the same arithmetic as osdn_diag.ops.phase1's sweep).
         b_s = b_k * b_k
-        if BETA_AWARE:
-            p = b_beta
-        else:
-            p = 1.0
-        alpha = eta * p / tl.maximum(tl.sum(b_s, axis=0), eps)
-        c = alpha - alpha * p * tl.sum(b_d * b_s, axis=0)
+        alpha, gam = step_size_terms(b_s, b_beta, eta, eps, BETA_AWARE)
+        c = alpha - gam * tl.sum(b_d * b_s, axis=0)
         if RET == 1:
             b_d = tl.load(r + tok).to(tl.float32) * b_d + c * b_s
         elif RET == 2:

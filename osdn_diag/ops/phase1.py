@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from ..math.phase1 import Phase1Result, _validate
-from ._common import load_d0, sequence_bounds
+from ._common import load_d0, sequence_bounds, step_size_terms
 
 __all__ = ["osdn_precondition", "osdn_phase1_bwd_kernel", "osdn_phase1_fwd_kernel"]
 
@@ -99,14 +99,9 @@ def _fwd_step(b_d, b_k, b_beta, b_r, t, eos, i_h, o_k, wk, dt, eta, eps, d_min, 
     if STORE_D:
         tl.store(dt + tok * K + o_k, b_d, mask=m)
     b_s = b_k * b_k
-    if BETA_AWARE:
-        p = b_beta
-    else:
-        p = 1.0
     # c = η p (1 − p a) / n = α − γ a: α, γ depend on the token alone, so the division stays off
     # the d-dependent chain (reduction a → one FMA → the update), which is what bounds the sweep.
-    alpha = eta * p / tl.maximum(tl.sum(b_s, axis=0), eps)
-    gam = alpha * p
+    alpha, gam = step_size_terms(b_s, b_beta, eta, eps, BETA_AWARE)
     a = tl.sum(b_d * b_s, axis=0)
     c = alpha - gam * a
     if RET == 0:
@@ -354,8 +349,9 @@ def _contig(x):
 #: its rounds do not settle to the sequential kernel); fp64 keys always run sequentially. On an H200
 #: (B=8, T=4096, H=8, K=128, bf16, η=0.003) the parallel kernel alone is faster (0.33–0.53 vs 0.84 ms,
 #: depending on the host), but the OSDN layer's forward is not (2.37 vs 2.07 ms; DeltaNet 1.77 ms): its
-#: ten launches cost host time in a forward that is already bound by launches. ``benchmarks/bench_phase1.py`` and
-#: ``bench_layers.py`` time both. Layers choose per instance with ``phase1_method=``.
+#: ten launches cost host time in a forward that is already bound by launches.
+#: ``benchmarks/bench_phase1.py`` and ``bench_layers.py`` time both. Layers choose per instance with
+#: ``phase1_method=``.
 AUTO_METHOD = "sequential"
 METHODS = ("auto", "sequential", "parallel")
 

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import load_d0, sequence_bounds
+from ._common import load_d0, sequence_bounds, step_size_terms
 from .phase1 import MAX_K, _contig, _d0_mode, _params, _ret_mode, sequential_fwd
 
 __all__ = ["ROUNDS", "TOL_D", "parallel_fwd"]
@@ -111,12 +111,7 @@ def _step(b_d, sa, sb, slo, shi, drift, b_k, b_r, x0, x1, x2, t, end, i_h, o_k,
     m = o_k < tl.where(ok, K, 0)
     b_s = b_k * b_k
     if FIRST:
-        if BETA_AWARE:
-            p = x0
-        else:
-            p = 1.0
-        alpha = eta * p / tl.maximum(tl.sum(b_s, axis=0), eps)
-        gam = alpha * p
+        alpha, gam = step_size_terms(b_s, x0, eta, eps, BETA_AWARE)
         tl.store(coef + 2 * tok, alpha, mask=ok)
         tl.store(coef + 2 * tok + 1, gam, mask=ok)
     else:

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import platform
 import pstats
 import resource
 import shutil
 import tempfile
+import threading
 import time
 
 import torch
@@ -64,14 +66,10 @@ class _StageTimers:
     originals are restored on exit, also on error."""
 
     def __init__(self):
-        import threading
-
         self.lock = threading.Lock()
         self.totals: dict[tuple[str, str], list] = {}
 
     def _wrap(self, label, fn):
-        import threading
-
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             try:
@@ -85,8 +83,6 @@ class _StageTimers:
         return timed
 
     def __enter__(self):
-        import importlib
-
         self.saved = []
         for module, path, label in STAGES:
             owner = importlib.import_module(module)

@@ -46,6 +46,29 @@ def device_and_host_ms(fn, calls: int = 20) -> tuple[float, float]:
     return device, host
 
 
+def kernel_timeline(fn, calls: int = 10) -> list[tuple[str, float]]:
+    """The kernels of one call of ``fn`` in launch order, ``(name, median device µs)``: where a call's
+    GPU time goes, kernel by kernel (launches of one kernel with different constants keep their
+    places). Every call must launch the same kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.time_range.start)
+    per_call = len(kernels) // calls
+    if per_call * calls != len(kernels):
+        raise RuntimeError(f"{len(kernels)} kernels in {calls} calls: not the same kernels every call")
+    names = [kernels[i].name for i in range(per_call)]
+    times = torch.tensor([e.time_range.elapsed_us() for e in kernels], dtype=torch.float64)
+    return list(zip(names, times.view(calls, per_call).median(0).values.tolist()))
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in fp64 (``b`` the reference)."""
     a, b = a.detach().double(), b.detach().double()

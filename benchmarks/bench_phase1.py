@@ -1,7 +1,7 @@
 """OSDN phase 1 (the Triton preconditioner sweep) against phase 2 (fla's ``chunk_delta_rule``) on the
 same shape, measured in the same run (GPU only).
 
-    python benchmarks/bench_phase1.py [--B 8 --T 4096 --H 8 --K 128] [--json FILE]
+    python benchmarks/bench_phase1.py [--B 8 --T 4096 --H 8 --K 128] [--sweep] [--json FILE]
 
 Phase 1 has two forward kernels, measured side by side: the sequential sweep over T (one program per
 sequence×head, the layers' default) and the token-parallel one (:mod:`osdn_diag.ops.phase1_parallel`:
@@ -11,7 +11,9 @@ phase 1 ≤ 25 % of phase 2. Before timing, the kernel is checked against the fp
 (``osdn_phase1`` and torch.autograd through it) at the benchmark shape. Times are
 ``triton.testing.do_bench`` medians; a second table splits the forwards into GPU work (the kernels'
 device time, torch profiler) and host time (issuing one call), since the wall time of a kernel with
-many launches is the host's when the host is slower.
+many launches is the host's when the host is slower. A third table lists the token-parallel
+forward's kernels in launch order with their device time; ``--sweep`` adds its GPU time over chunk
+sizes and the first round that writes k̃ (``emit_from``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import argparse
 import platform
 
 import torch
-from _common import bench, device_and_host_ms, rel, write_json
+from _common import bench, device_and_host_ms, kernel_timeline, rel, write_json
 
 
 def main(argv=None) -> dict:
@@ -29,6 +31,7 @@ def main(argv=None) -> dict:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--eta", type=float, default=0.003)
     p.add_argument("--T-grad", type=int, default=256, help="tokens in the gradient check")
+    p.add_argument("--sweep", action="store_true", help="the token-parallel forward over chunk and emit_from")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -80,8 +83,8 @@ def main(argv=None) -> dict:
 
     from osdn_diag.ops.phase1_parallel import parallel_fwd
 
-    def parallel(eta, stats=None, store_d=False):
-        return parallel_fwd(k, beta, None, None, None, B, eta, 0.5, 2.0, True, 1e-6, store_d, stats=stats)
+    def parallel(eta, stats=None, store_d=False, **kw):
+        return parallel_fwd(k, beta, None, None, None, B, eta, 0.5, 2.0, True, 1e-6, store_d, stats=stats, **kw)
 
     settling = {}
     with torch.no_grad():
@@ -136,9 +139,30 @@ def main(argv=None) -> dict:
         base = split.get("fla chunk_delta_rule fwd (phase 2)")
         ratio = f"{100 * dev_ms / base[0]:13.1f} %" if base and "phase 2" not in name else "              -"
         print(f"{name:42s} {dev_ms:9.3f} {host_ms:9.3f} {ratio:>15s}")
+    timeline = kernel_timeline(lambda: parallel(a.eta))
+    print(f"\n{'token-parallel forward, kernel by kernel':42s} {'GPU us':>9s}")
+    for name, us in timeline:
+        print(f"{name[:42]:42s} {us:9.1f}")
+    print(f"{'total':42s} {sum(us for _, us in timeline):9.1f}")
+    sweep = {}
+    if a.sweep:
+        print(f"\n{'token-parallel forward':42s} {'GPU ms':>9s} {'rounds':>7s} {'GPU vs phase 2':>15s}")
+        for chunk in (64, 128, 256):
+            for emit_from in (1, 2):
+                st = {}
+                with torch.no_grad():
+                    parallel(a.eta, st, chunk=chunk, emit_from=emit_from)
+                dev_ms, _ = device_and_host_ms(lambda: parallel(a.eta, chunk=chunk, emit_from=emit_from))
+                name = f"chunk {chunk}, emit_from {emit_from}"
+                sweep[name] = {"gpu_ms": dev_ms, **st}
+                base = split.get("fla chunk_delta_rule fwd (phase 2)")
+                ratio = f"{100 * dev_ms / base[0]:13.1f} %" if base else "              -"
+                print(f"{name:42s} {dev_ms:9.3f} {st['rounds']:7d} {ratio:>15s}")
     result = {
         "shape": dict(B=B, T=T, H=H, K=K, dtype="bf16", eta=a.eta),
         "device_and_host_ms": split,
+        "parallel_kernels_us": timeline,
+        "parallel_sweep": sweep,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,

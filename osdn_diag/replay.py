@@ -65,7 +65,8 @@ class FidelityError(RuntimeError):
 class CallReplay:
     """Per-token results of one captured call, flattened in (sequence, head, position) order.
 
-    ``columns`` maps column names to 1-D CPU tensors of equal length; ``fidelity`` is the largest
+    ``columns`` maps column names to 1-D CPU tensors of equal length, ``device_columns`` the same
+    columns where the replay ran (for statistics taken on the GPU); ``fidelity`` is the largest
     relative output error over the call's (sequence, head) pairs; ``nonfinite`` counts the
     (sequence, head) pairs whose inputs held NaN/Inf; ``grid`` keeps ``loss_before`` and the
     ``loss_after`` and the token-level ``finite`` mask in the call's own ``[B, T, H]`` layout.
@@ -77,6 +78,7 @@ class CallReplay:
     sequence_lengths: list[int] = field(default_factory=list)
     tolerance: float = 0.0
     grid: dict[str, torch.Tensor] = field(default_factory=dict)
+    device_columns: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _finite_mask(call: KernelCall) -> torch.Tensor:
@@ -189,11 +191,17 @@ def replay_call(
     rel = per_stream[0].sqrt() / per_stream[1].sqrt().clamp_min(torch.finfo(dtype).tiny)
     worst_t = torch.where(ok_stream, rel, 0.0).amax() if rel.numel() else rel.new_zeros(())
     # Everything the host needs, in one transfer per dtype.
-    values = torch.stack([per_token[name][row, t, head] for name in per_token]).cpu()
-    ints = torch.stack([seq, head, pos, ok_stream[stream].long()]).to(torch.int32).cpu()
+    values_dev = torch.stack([per_token[name][row, t, head] for name in per_token])
+    ints_dev = torch.stack([seq, head, pos, ok_stream[stream].long()]).to(torch.int32)
+    values, ints = values_dev.cpu(), ints_dev.cpu()
     worst, nonfinite = float(worst_t), int((~ok_stream).sum())
-    columns = {name: values[i] for i, name in enumerate(per_token)}
-    columns.update(sequence=ints[0], head=ints[1], pos=ints[2], finite=ints[3].bool())
+
+    def as_columns(values, ints):
+        columns = {name: values[i] for i, name in enumerate(per_token)}
+        columns.update(sequence=ints[0], head=ints[1], pos=ints[2], finite=ints[3].bool())
+        return columns
+
+    columns = as_columns(values, ints)
     tol = default_tolerance(call) if tolerance is None else tolerance
     if not math.isfinite(worst) or worst > tol:
         raise FidelityError(
@@ -208,6 +216,7 @@ def replay_call(
         sequence_lengths=[e - s for _, s, e in segments],
         tolerance=tol,
         grid={"loss_before": res.loss_before, "loss_after": res.loss_after, "finite": finite},
+        device_columns=columns if values_dev.device.type == "cpu" else as_columns(values_dev, ints_dev),
     )
 
 

@@ -103,8 +103,8 @@ class Replayer:
         self.tolerances[call.layer] = res.tolerance
         self.nonfinite[call.layer] += res.nonfinite
         tasks = [str(self.prompts.get(p, {}).get("task", "")) for p in stored.prompts]
-        self.ratios.add(call.layer, res.columns, tasks, res.sequence_lengths)
-        self.post.add(call.layer, res.columns, tasks, res.sequence_lengths)
+        for acc in (self.ratios, self.post):
+            acc.add(call.layer, res.device_columns, tasks, res.sequence_lengths, call.num_heads)
         self.audit.add(call, res.grid["loss_before"], res.grid["finite"])
         if self.retention is not None:
             _add_retention(self.retention, call, stored.prompts, self.prompts, res.sequence_lengths)

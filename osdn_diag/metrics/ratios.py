@@ -88,34 +88,46 @@ class RatioAccumulator:
         columns: Mapping[str, torch.Tensor],
         tasks: list[str],
         lengths: list[int],
+        num_heads: int | None = None,
     ) -> None:
         """Add one replayed call. ``columns`` holds ``sequence``, ``head``, ``pos``, ``finite`` and the
-        ratio column (1-D, one entry per token); ``tasks[i]`` and ``lengths[i]`` describe the call's
-        i-th sequence."""
+        ratio column (1-D, one entry per token, on any one device); ``tasks[i]`` and ``lengths[i]``
+        describe the call's i-th sequence; ``num_heads`` defaults to the largest head + 1.
+
+        The sums are taken where the columns are (on a GPU: one transfer of the per-cell sums, no
+        other wait) and are deterministic: a stable sort by cell and one segmented sum per cell,
+        where scattered atomic adds would add in a different order on every run (rows that come in cell
+        order, as a replay's do, are not sorted again)."""
         if self.column not in columns:
             return
-        finite = columns["finite"]
-        self.excluded_nonfinite += int((~finite).sum())
-        q = columns[self.column][finite].to(torch.float64)
-        seq = columns["sequence"][finite].long()
-        head = columns["head"][finite].long()
-        length = torch.tensor(lengths, dtype=torch.float64)[seq]
-        rel = columns["pos"][finite].to(torch.float64) / length
+        finite = columns["finite"].bool()
+        dev = finite.device
+        q = torch.where(finite, columns[self.column].to(torch.float64), 1.0)
+        seq = columns["sequence"].long()
+        head = columns["head"].long()
+        length = torch.tensor(lengths, dtype=torch.float64, device=dev)[seq]
+        rel = columns["pos"].to(torch.float64) / length
         bins = (rel * self.num_bins).floor().long().clamp_(0, self.num_bins - 1)
-        n_heads = int(head.max()) + 1 if head.numel() else 1
-        code = (seq * n_heads + head) * self.num_bins + bins
-        size = len(lengths) * n_heads * self.num_bins
-        sums = torch.stack([
-            torch.bincount(code, minlength=size).double(),
-            torch.bincount(code, weights=(q == 0).double(), minlength=size),
-            torch.bincount(code, weights=q.clamp_min(Q_FLOOR).log(), minlength=size),
-            torch.bincount(code, weights=q, minlength=size),
-        ]).cpu()  # one transfer: reading cells one by one from a GPU would synchronise per number
-        for c, (n, n_zero, s_log, s) in enumerate(sums.T.tolist()):
+        if num_heads is None:
+            num_heads = int(head.max()) + 1 if head.numel() else 1
+        code = (seq * num_heads + head) * self.num_bins + bins
+        size = len(lengths) * num_heads * self.num_bins
+        w = finite.to(torch.float64)
+        values = torch.stack([w, w * (q == 0), w * q.clamp_min(Q_FLOOR).log(), w * q, 1.0 - w], dim=1)
+        if not bool((code[1:] >= code[:-1]).all()):  # a replay's rows come in cell order already
+            code, order = torch.sort(code, stable=True)
+            values = values[order]
+        bounds = torch.searchsorted(code, torch.arange(size + 1, device=dev))
+        sums = torch.segment_reduce(values, "sum", lengths=bounds.diff(), axis=0, unsafe=True)
+        sums = sums.cpu().tolist()  # the one transfer
+        excluded = 0.0
+        for c, (n, n_zero, s_log, s, n_bad) in enumerate(sums):
+            excluded += n_bad
             if n:
-                sq, rest = divmod(c, n_heads * self.num_bins)
+                sq, rest = divmod(c, num_heads * self.num_bins)
                 h, b = divmod(rest, self.num_bins)
                 self.cells[(layer, h, tasks[sq], b)] += RatioStats(int(n), int(n_zero), s_log, s)
+        self.excluded_nonfinite += int(excluded)
 
     def merge(self, other: RatioAccumulator) -> None:
         for key, stats in other.cells.items():

@@ -9,15 +9,15 @@ make a round:
 
 1. *carry* — one program per (sequence, head, 16 channels) composes the chunk maps by an associative
    scan over the chunks and applies them to ``d_0``: the ``d`` entering each chunk, and the final ``d``;
-2. *sweep* — one program per (64-token chunk, sequence, head) walks its chunk from that ``d`` under the
-   current step sizes: it emits ``k̃_t = D_t ⊙ k_t`` (and ``D_t``), computes the next step sizes and
-   how far they moved, and composes the chunk's maps *under the next step sizes* into the one map
-   the next round's carry applies.
+2. *sweep* — one program per (chunk of :data:`CHUNK` tokens, sequence, head) walks its chunk from
+   that ``d`` under the current step sizes: it emits ``k̃_t = D_t ⊙ k_t`` (and ``D_t``), computes the
+   next step sizes and how far they moved, and composes the chunk's maps *under the next step
+   sizes* into the one map the next round's carry applies.
 
 With the step sizes fixed a map acts on each channel alone, so the walk needs no exchange between
 threads, and the one reduction per token (the next ``c_t``) is off the token-to-token chain. The
-sequential depth is a chunk (64 tokens), not the sequence; the chunks of every sequence and head run
-at once. A first sweep, with ``d`` frozen at ``d_0``, gives the first guess.
+sequential depth is a chunk, not the sequence; the chunks of every sequence and head run at once.
+A first sweep, with ``d`` frozen at ``d_0``, gives the first guess.
 
 **No host synchronisation.** A fixed number of rounds is launched; each (sequence, head) stops on the
 device once its trajectory has settled (the carry reads the sweep's verdict and marks it done, and
@@ -47,11 +47,18 @@ import triton.language as tl
 from ._common import load_d0, sequence_bounds, step_size_terms
 from .phase1 import MAX_K, _contig, _d0_mode, _params, _ret_mode, sequential_fwd
 
-__all__ = ["ROUNDS", "TOL_D", "parallel_fwd"]
+__all__ = ["CHUNK", "EMIT_FROM", "ROUNDS", "TOL_D", "parallel_fwd"]
+
+#: Tokens per sweep program. Longer chunks mean fewer programs and chunk maps for the same work per
+#: token: 128 beat 64 on an H200 at the paper's shape (``bench_phase1.py --sweep``).
+CHUNK = 128
 
 #: Picard rounds launched before the sequential kernel takes over the unsettled (sequence, head) pairs:
 #: enough for the paper's η = 0.003 (see above); beyond it the sequential sweep is the faster answer.
 ROUNDS = 3
+#: The first round whose trajectory may stand. Rounds before it walk without writing ``k̃`` (half
+#: a sweep's memory traffic) and get no verdict: at the paper's setting round 1 never settles.
+EMIT_FROM = 2
 #: How far (absolute, in every channel and token) a settled trajectory may be from phase 1's, by the
 #: estimate of the module docstring: the largest error of the sequential fp32 kernel at the paper's
 #: setting (1.2e-5), rounded down.
@@ -99,7 +106,7 @@ def _load(k, beta, r, c, coef, t, end, i_h, o_k,
 def _step(b_d, sa, sb, slo, shi, drift, b_k, b_r, x0, x1, x2, t, end, i_h, o_k,
           c_out, coef, wk, dt, eta, eps, d_min, d_max,
           H: tl.constexpr, K: tl.constexpr, RET: tl.constexpr, BOX: tl.constexpr,
-          BETA_AWARE: tl.constexpr, STORE_D: tl.constexpr, FIRST: tl.constexpr):
+          BETA_AWARE: tl.constexpr, STORE_D: tl.constexpr, FIRST: tl.constexpr, EMIT: tl.constexpr):
     """One token of the sweep: the next step size from ``d_t``; ``k̃_t`` and ``d_t``; the chunk map under
     the next step sizes, extended by this token's map; ``d_t → d_{t+1}`` under this round's step size.
 
@@ -127,13 +134,14 @@ def _step(b_d, sa, sb, slo, shi, drift, b_k, b_r, x0, x1, x2, t, end, i_h, o_k,
         shi = tl.minimum(tl.maximum(shi + c_next * b_s, d_min), d_max)
     else:
         sa, sb, slo, shi = _compose(sa, sb, slo, shi, b_r, c_next * b_s, d_min, d_max)
-    if not FIRST:
+    if EMIT:
         # Algorithm 1: the write key uses d_t, before the update.
         tl.store(wk + tok * K + o_k, (b_d * b_k).to(wk.dtype.element_ty), mask=m)
         if STORE_D:
             tl.store(dt + tok * K + o_k, b_d, mask=m)
-        # Past the end every term is 0: no verdict either way.
+        # The verdict's estimate (only a sweep that emits gets one). Past the end every term is 0.
         drift += tl.abs(c_next - x0) * b_s
+    if not FIRST:
         if RET == 0:
             b_d = b_d + x0 * b_s
         else:
@@ -149,14 +157,16 @@ def picard_sweep_kernel(
     c_out, coef, err, summ, wk, dt,
     T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     RET: tl.constexpr, D0: tl.constexpr, BOX: tl.constexpr, BETA_AWARE: tl.constexpr,
-    STORE_D: tl.constexpr, VARLEN: tl.constexpr, FIRST: tl.constexpr,
+    STORE_D: tl.constexpr, VARLEN: tl.constexpr, FIRST: tl.constexpr, EMIT: tl.constexpr,
 ):
     """Chunk ``j`` of (sequence, head) ``nh`` under the step sizes ``c_in``, from ``d_in[nh, j]``:
     writes ``k̃`` and ``D`` (``STORE_D``), the next step sizes ``c_out``, ``err[nh, j, :]`` (the drift:
     ``Σ_t |c_out,t − c_in,t| s_t`` over the chunk, per channel) and ``summ[nh, j] = (a, b, lo, hi)``, the
     chunk's maps under ``c_out`` composed.
     ``FIRST``: the first guess, ``d`` frozen at ``d_0`` (writes ``c_out``, ``summ`` and the per-token
-    ``coef = (α, γ)``). Returns at once for a pair already settled (``state[nh] != 0``)."""
+    ``coef = (α, γ)``). ``EMIT``: write ``k̃``, ``D`` and the drift (a sweep whose trajectory cannot
+    stand, as no verdict follows it, skips them). Returns at once for a pair already settled
+    (``state[nh] != 0``)."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
@@ -195,26 +205,26 @@ def picard_sweep_kernel(
         for t in range(t0, end, 4):
             b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k0, r0, a0, b0, g0, t + 0, end,
                                                  i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
-                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST)
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT)
             k0, r0, a0, b0, g0 = _load(k, beta, r, c_in, coef, t + 4, end, i_h, o_k, H, K, BK, RET, FIRST)
             b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k1, r1, a1, b1, g1, t + 1, end,
                                                  i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
-                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST)
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT)
             k1, r1, a1, b1, g1 = _load(k, beta, r, c_in, coef, t + 5, end, i_h, o_k, H, K, BK, RET, FIRST)
             b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k2, r2, a2, b2, g2, t + 2, end,
                                                  i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
-                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST)
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT)
             k2, r2, a2, b2, g2 = _load(k, beta, r, c_in, coef, t + 6, end, i_h, o_k, H, K, BK, RET, FIRST)
             b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k3, r3, a3, b3, g3, t + 3, end,
                                                  i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
-                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST)
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT)
             k3, r3, a3, b3, g3 = _load(k, beta, r, c_in, coef, t + 7, end, i_h, o_k, H, K, BK, RET, FIRST)
         base = summ + (i_nh.to(tl.int64) * NC + i_j) * 4 * K
         tl.store(base + 0 * K + o_k, sa, mask=m_k)
         tl.store(base + 1 * K + o_k, sb, mask=m_k)
         tl.store(base + 2 * K + o_k, slo, mask=m_k)
         tl.store(base + 3 * K + o_k, shi, mask=m_k)
-        if not FIRST:
+        if EMIT:
             tl.store(err + (i_nh.to(tl.int64) * NC + i_j) * K + o_k, drift, mask=m_k)
 
 
@@ -276,12 +286,15 @@ def picard_carry_kernel(
 
 
 def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps, store_d,
-                 chunk: int = 64, rounds: int = ROUNDS, stats: dict | None = None):
+                 chunk: int = CHUNK, rounds: int = ROUNDS, emit_from: int | None = None,
+                 stats: dict | None = None):
     """Phase 1's forward by Picard rounds over whole sequences; returns ``(write_key, d trajectory or
     None, d_final)`` like :func:`osdn_diag.ops.phase1.phase1_fwd` (``d`` and ``d_final`` fp32).
 
-    Launches ``rounds`` rounds and then the sequential kernel for the (sequence, head) pairs that have
-    not settled, without waiting for the GPU (variable lengths: one wait, for the longest sequence).
+    Launches ``rounds`` rounds (those from ``emit_from``, default ``min(EMIT_FROM, rounds)``, on
+    write ``k̃`` and may settle) and then the sequential kernel for the (sequence, head) pairs that
+    have not settled, without waiting for the GPU (variable lengths: one wait, for the longest
+    sequence).
     ``stats``, if given, waits and receives ``rounds`` (the most any settled pair took), ``settled``
     and ``sequential`` (how many pairs settled, how many the sequential kernel computed)."""
     B, T, H, K = k.shape
@@ -291,6 +304,10 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
         raise ValueError(f"argument 'k': K <= {MAX_K} supported, got {K}")
     if rounds < 1:
         raise ValueError(f"argument 'rounds': expected >= 1, got {rounds}")
+    emit_from = min(EMIT_FROM, rounds) if emit_from is None else emit_from
+    if not 1 <= emit_from <= rounds:
+        raise ValueError(f"argument 'emit_from': expected 1 <= emit_from <= rounds = {rounds}, "
+                         f"got {emit_from}")
     k, beta, retention, d0 = map(_contig, (k, beta, retention, d0))
     dev = k.device
     longest = T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if N else 0
@@ -317,10 +334,11 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
                        BETA_AWARE=bool(beta_aware), STORE_D=store_d, VARLEN=varlen)
     grid = (NC, N * H)
 
-    def sweep(c_in, c_out, first):
+    def sweep(c_in, c_out, first, emit=False):
         picard_sweep_kernel[grid](k, beta, r_arg, d0_arg, scalars, cu_arg, c_in, d_in, state,
                                   c_out, coef, err, summ, wk, dummy if dt is None else dt, T, NC, **consts,
-                                  BK=triton.next_power_of_2(K), **sweep_flags, FIRST=first, num_warps=1)
+                                  BK=triton.next_power_of_2(K), **sweep_flags, FIRST=first, EMIT=emit,
+                                  num_warps=1)
 
     def carry(round_, check, check_only=False):
         picard_carry_kernel[(N * H, triton.cdiv(K, BKC))](
@@ -331,8 +349,8 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
 
     sweep(dummy, c[1], True)  # c[1]: the first guess, from d frozen at d_0
     for i in range(1, rounds + 1):
-        carry(i, check=i > 1)
-        sweep(c[i % 2], c[(i + 1) % 2], False)
+        carry(i, check=i - 1 >= emit_from)  # the verdict on round i - 1
+        sweep(c[i % 2], c[(i + 1) % 2], False, emit=i >= emit_from)
     carry(rounds + 1, check=True, check_only=True)
     sequential_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps,
                    out=(wk, dt, dfin), skip=state)

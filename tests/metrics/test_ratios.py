@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -71,3 +72,48 @@ def test_merge_equals_one_pass(seed):
     sa, sb = whole.summary(), left.summary()
     assert sa["n"] == sb["n"] and math.isclose(sa["q_geo"], sb["q_geo"], rel_tol=1e-12)
     assert sa["by_layer"] == sb["by_layer"]
+
+
+@given(seed=st.integers(0, 10_000), lengths=st.lists(st.integers(1, 20), min_size=1, max_size=3))
+def test_row_order_does_not_matter(seed, lengths):
+    """Rows out of cell order (sorted internally) summarise as rows in order do."""
+    cols = _call(seed, lengths, 3)
+    perm = torch.randperm(cols["pos"].numel(), generator=torch.Generator().manual_seed(seed))
+    shuffled = {k: v[perm] for k, v in cols.items()}
+    tasks = [f"t{i}" for i in range(len(lengths))]
+    ordered, unordered = RatioAccumulator(num_bins=4), RatioAccumulator(num_bins=4)
+    ordered.add(2, cols, tasks, lengths)
+    unordered.add(2, shuffled, tasks, lengths)
+    assert ordered.cells.keys() == unordered.cells.keys()
+    for key, stats in ordered.cells.items():
+        other = unordered.cells[key]
+        assert (stats.n, stats.n_zero) == (other.n, other.n_zero)
+        assert math.isclose(stats.sum_log, other.sum_log, rel_tol=1e-12, abs_tol=1e-12)
+        assert math.isclose(stats.sum, other.sum, rel_tol=1e-12, abs_tol=1e-12)
+    assert ordered.excluded_nonfinite == unordered.excluded_nonfinite
+
+
+def test_heads_beyond_the_largest_seen_are_counted_apart():
+    """``num_heads`` larger than the heads present (a head all non-finite, say) keeps each row's head."""
+    cols = _call(0, [5, 3], 2)
+    acc = RatioAccumulator(num_bins=2)
+    acc.add(0, cols, ["a", "b"], [5, 3], num_heads=4)
+    heads = {key[1] for key in acc.cells}
+    assert heads == {0, 1}
+    assert sum(s.n for s in acc.cells.values()) == int(cols["finite"].sum())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_sums_on_the_gpu_equal_the_host_sums():
+    cols = _call(7, [300, 41, 1000], 4)
+    tasks = ["x", "y", "x"]
+    host, gpu = RatioAccumulator(), RatioAccumulator()
+    host.add(1, cols, tasks, [300, 41, 1000])
+    gpu.add(1, {k: v.cuda() for k, v in cols.items()}, tasks, [300, 41, 1000], num_heads=4)
+    assert host.cells.keys() == gpu.cells.keys()
+    for key, stats in host.cells.items():
+        other = gpu.cells[key]
+        assert (stats.n, stats.n_zero) == (other.n, other.n_zero)
+        assert math.isclose(stats.sum_log, other.sum_log, rel_tol=1e-12)
+        assert math.isclose(stats.sum, other.sum, rel_tol=1e-12)
+    assert host.excluded_nonfinite == gpu.excluded_nonfinite

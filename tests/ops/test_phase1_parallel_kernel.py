@@ -20,8 +20,8 @@ from osdn_diag.ops.phase1_parallel import TOL_D, parallel_fwd
 
 
 def _parallel(k, beta, *, chunk, rounds=32, settled="all", stats=None, **kw):
-    """The token-parallel kernel (the entry point picks a 64-token chunk: these tests call the
-    launcher directly so that chunks and sequences cross at awkward places). ``settled``: which
+    """The token-parallel kernel (the entry point picks a chunk of ``CHUNK`` tokens: these tests call
+    the launcher directly so that chunks and sequences cross at awkward places). ``settled``: which
     (sequence, head) pairs the Picard rounds must have answered — ``"all"``, ``"none"`` or ``"some"``
     (the rest: the sequential kernel)."""
     cu = kw.get("cu_seqlens")
@@ -127,7 +127,7 @@ def test_the_sequential_kernel_answers_for_pairs_the_rounds_leave(fla_kernels):
 
 
 def test_settled_and_unsettled_pairs_in_one_call(fla_kernels):
-    """Head 0's keys are zero (d never moves: settled in the first round), head 1's drive the clamp at
+    """Head 0's keys are zero (d never moves: settled in the first round that may), head 1's drive the clamp at
     a large η (unsettled after two rounds): each pair keeps the answer of whichever kernel computed it,
     and the guard keeps the sequential kernel off the settled one."""
     k, beta, kw = _case(6, 2, 90, 2, 16, awkward=True)
@@ -173,6 +173,20 @@ def test_a_pair_settles_once_its_trajectory_is_within_tol_d(fla_kernels):
     assert float((got.d_final.double().cpu() - ref.d_final).abs().max()) <= TOL_D
 
 
+@pytest.mark.parametrize("emit_from", [1, 2, 3])
+def test_rounds_before_emit_from_never_settle(fla_kernels, emit_from):
+    """Zero keys: d never moves and every round's verdict is "settled"; the first verdict given is on
+    round ``emit_from`` (the rounds before it write no k̃), and the answer is the same."""
+    k, beta, _ = _case(9, 1, 70, 2, 16)
+    k[:, :, 1] = 0
+    ref = osdn_phase1(k, beta, eta=0.003)
+    stats = {}
+    wk, dt, dfin = parallel_fwd(_dev(k), _dev(beta), None, None, None, 1, 0.003, 0.5, 2.0, True, 1e-6, True,
+                                chunk=16, rounds=3, emit_from=emit_from, stats=stats)
+    assert stats["settled"] == 2 and stats["rounds"] >= emit_from
+    assert _rel(dt, ref.d) <= TOL and _rel(wk, ref.write_key) <= TOL and _rel(dfin, ref.d_final) <= TOL
+
+
 def test_bad_arguments():
     k = torch.nn.functional.normalize(torch.randn(1, 8, 1, 4), dim=-1)
     b = torch.rand(1, 8, 1)
@@ -180,6 +194,8 @@ def test_bad_arguments():
         parallel_fwd(k.double(), b.double(), None, None, None, 1, 0.003, 0.5, 2.0, True, 1e-6, False)
     with pytest.raises(ValueError, match="rounds"):
         parallel_fwd(k, b, None, None, None, 1, 0.003, 0.5, 2.0, True, 1e-6, False, rounds=0)
+    with pytest.raises(ValueError, match="emit_from"):
+        parallel_fwd(k, b, None, None, None, 1, 0.003, 0.5, 2.0, True, 1e-6, False, rounds=2, emit_from=3)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter's bf16 arithmetic is not the GPU's")

@@ -3,6 +3,7 @@
 #
 #   OUT=/path/to/results bash benchmarks/gpu_suite.sh [step ...]
 #
+# Ends with benchmarks/targets.py: the performance targets beside their measured values.
 # Steps (default: all, in this order): tests, layers, phase1, replay, comparator, capture, e2e,
 # e2e_stored, e2e_1b, memory; and, not in the default list, e2e_ddp (every GPU of the machine under
 # torchrun) and device_map (the 1.3B shape spread over every GPU by --device-map, against one GPU).
@@ -50,7 +51,10 @@ for step in "${steps[@]}"; do
                         tests/ops/test_phase1_kernel.py tests/layers/test_layers_gpu.py tests/ops ;;
         layers)     run_step layers 400 "$PY" benchmarks/bench_layers.py --profile --json "$OUT/layers.json" ;;
         phase1)     run_step phase1 200 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;
-        replay)     run_step replay 180 "$PY" benchmarks/bench_replay.py --sweep --json "$OUT/replay.json" ;;
+        replay)     run_step replay 240 bash -c '
+                        set -e; "$0" benchmarks/bench_replay.py --sweep --json "$1/replay.json"
+                        for kv in 64 256; do
+                            "$0" benchmarks/bench_replay.py --K $kv --V $kv --skip-torch --json "$1/replay_k$kv.json"; done' "$PY" "$OUT" ;;
         comparator) run_step comparator 120 "$PY" benchmarks/bench_comparator.py --json "$OUT/comparator.json" ;;
         capture)    run_step capture 300 "$PY" benchmarks/bench_capture.py --json "$OUT/capture.json" ;;
         e2e)        run_step e2e 300 "$PY" benchmarks/bench_e2e.py --mode stream --stages --json "$OUT/e2e.json" ;;
@@ -72,5 +76,7 @@ for step in "${steps[@]}"; do
         *) echo "unknown step $step (tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_ddp device_map)"; exit 2 ;;
     esac
 done
+# The targets, each beside its measured value, from whatever the steps above left in $OUT.
+"$PY" benchmarks/targets.py "$OUT" --json "$OUT/targets.json" | tee "$OUT/targets.txt"
 tar czf "$OUT/gpu_suite.tgz" --exclude=gpu_suite.tgz -C "$OUT" .
 echo "results: $OUT/gpu_suite.tgz"

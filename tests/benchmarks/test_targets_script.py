@@ -1,0 +1,104 @@
+"""``benchmarks/targets.py``: the targets table reads what the benchmarks write, judges each target by its
+own threshold, and says what was not measured instead of failing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+RESULTS = BENCH / "results"
+
+
+@pytest.fixture(scope="module")
+def targets():
+    sys.path.insert(0, str(BENCH))  # the script imports its sibling ``_common``
+    try:
+        spec = importlib.util.spec_from_file_location("targets", BENCH / "targets.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _write(folder: Path, name: str, data: dict) -> None:
+    (folder / name).write_text(json.dumps(data))
+
+
+def _replay(ours: float, fla: float, err: float = 3e-7, K: int = 128) -> dict:
+    return {"shape": {"K": K, "V": K}, "errors_vs_fp64": {"o": err, "loss_after": err / 2},
+            "ms": {"fused replay (ours, fp32)": ours, "fla fused_recurrent_delta_rule (fp32)": fla}}
+
+
+def _e2e(seconds: float, T: int = 2048, prompts: int = 48, rss: float = 2.4) -> dict:
+    return {"model": "random:deltanet-340m", "prompts": prompts, "T": T,
+            "rows": [{"mode": "stream", "seconds": seconds, "n": 10, "peak_rss_gib": rss}]}
+
+
+def _phase1(gpu1: float, gpu2: float) -> dict:
+    return {"device_and_host_ms": {"phase1 parallel fwd": [gpu1, 0.5],
+                                   "fla chunk_delta_rule fwd (phase 2)": [gpu2, 0.6]},
+            "ms": {"phase1 parallel fwd": 0.5, "fla chunk_delta_rule fwd (phase 2)": 0.6}}
+
+
+
+def test_each_target_is_judged_by_its_threshold(targets, tmp_path, capsys):
+    _write(tmp_path, "replay.json", _replay(3.0, 4.8))
+    _write(tmp_path, "replay_k64.json", _replay(2.0, 4.4, K=64))
+    _write(tmp_path, "e2e.json", _e2e(10.5))                       # over the 10 s limit
+    _write(tmp_path, "e2e_1b.json", _e2e(7.0))
+    _write(tmp_path, "phase1.json", _phase1(0.120, 0.500))          # 24 %: met
+    _write(tmp_path, "comparator.json", {"seconds": {"total": 0.6}, "shape": {"P": 9216, "T": 2048, "K": 128},
+                                         "max_gap": 1e-10})
+    _write(tmp_path, "memory.json", _e2e(1.0, T=20000, prompts=1, rss=8.5))  # over 8 GiB
+    rows = targets.main([str(tmp_path)])
+    got = {r["target"]: r for r in rows}
+    assert len(got) == 9
+    met = [r["met"] for r in rows]
+    # replay 1.6x (met), stretch (not), K=64 and K=256 reported / not measured, e2e over, 1.3B reported,
+    # phase 1 met, comparator met, memory over.
+    assert met == [True, False, None, None, False, None, True, True, False]
+    assert rows[3]["measured"] is None and "not measured" in capsys.readouterr().out
+    assert rows[6]["ratio"] == "24.0 %"
+
+
+def test_an_inaccurate_replay_misses_its_target_however_fast(targets, tmp_path):
+    _write(tmp_path, "replay.json", _replay(1.0, 4.8, err=2e-5))
+    assert targets.rows(tmp_path)[0]["met"] is False
+
+
+def test_phase1_over_a_quarter_is_not_met(targets, tmp_path):
+    _write(tmp_path, "phase1.json", _phase1(0.141, 0.518))
+    row = [r for r in targets.rows(tmp_path) if r["target"].startswith("phase 1")][0]
+    assert row["met"] is False and row["ratio"] == "27.2 %"
+
+
+def test_a_truncated_file_is_named(targets, tmp_path):
+    (tmp_path / "e2e.json").write_text('{"rows": [')
+    with pytest.raises(SystemExit, match="e2e.json"):
+        targets.rows(tmp_path)
+
+
+def test_the_recorded_results_still_parse(targets, tmp_path):
+    """The files in ``benchmarks/results`` are what the benchmarks write: the table reads them all."""
+    recorded = {
+        "replay.json": "replay_h200_2026-11-29_s5_k128.json",
+        "replay_k64.json": "replay_h200_2026-11-29_s5_k64.json",
+        "replay_k256.json": "replay_h200_2026-11-29_s5_k256.json",
+        "e2e.json": "e2e_340m_h200_2026-11-29_s6.json",
+        "e2e_1b.json": "e2e_1.3b_h200_2026-11-29_s6.json",
+        "phase1.json": "phase1_h200_2026-11-29_s6.json",
+        "comparator.json": "comparator_h200_2026-11-29_s6.json",
+        "memory.json": "e2e_memory20k_h200_2026-11-29_s6.json",
+    }
+    for name, src in recorded.items():
+        shutil.copy(RESULTS / src, tmp_path / name)
+    rows = targets.rows(tmp_path)
+    assert all(r["measured"] is not None for r in rows)
+    assert rows[0]["met"] is True and rows[4]["met"] is True  # replay >= 1x fla; e2e <= 10 s

@@ -24,10 +24,8 @@ def bench(fn, name: str | None = None, *, warmup: int = 25, rep: int = 200) -> f
     return ms
 
 
-def device_and_host_ms(fn, calls: int = 20) -> tuple[float, float]:
-    """``(device, host)`` milliseconds per call of ``fn``: the sum of its kernels' device time (torch
-    profiler) and the time the host takes to issue it without waiting. A call's wall time is about
-    the larger of the two: where the host is larger, the kernels wait for their launches."""
+def _profiled(fn, calls: int):
+    """The torch profiler's record of ``calls`` calls of ``fn`` (GPU activity), after three untimed."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -37,6 +35,14 @@ def device_and_host_ms(fn, calls: int = 20) -> tuple[float, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def device_and_host_ms(fn, calls: int = 20) -> tuple[float, float]:
+    """``(device, host)`` milliseconds per call of ``fn``: the sum of its kernels' device time (torch
+    profiler) and the time the host takes to issue it without waiting. A call's wall time is about
+    the larger of the two: where the host is larger, the kernels wait for their launches."""
+    prof = _profiled(fn, calls)
     device = sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -50,15 +56,7 @@ def kernel_timeline(fn, calls: int = 10) -> list[tuple[str, float]]:
     """The kernels of one call of ``fn`` in launch order, ``(name, median device µs)``: where a call's
     GPU time goes, kernel by kernel (launches of one kernel with different constants keep their
     places). Every call must launch the same kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    prof = _profiled(fn, calls)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: e.time_range.start)
     per_call = len(kernels) // calls

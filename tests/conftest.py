@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +99,22 @@ def fp32_chunk_delta_rule(monkeypatch):
         )
 
     monkeypatch.setattr(dn, "chunk_delta_rule", chunk_delta_rule)
+
+
+@pytest.fixture(scope="session")
+def benchmark_script():
+    """``benchmark_script(name)``: ``benchmarks/<name>.py`` as a module (the scripts are not a package;
+    they import their sibling ``_common``, so the folder is on the path while one loads)."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+
+    def load(name: str):
+        sys.path.insert(0, str(folder))
+        try:
+            spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod
+        finally:
+            sys.path.remove(str(folder))
+
+    return load

@@ -3,10 +3,8 @@ own threshold, and says what was not measured instead of failing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,15 +14,8 @@ RESULTS = BENCH / "results"
 
 
 @pytest.fixture(scope="module")
-def targets():
-    sys.path.insert(0, str(BENCH))  # the script imports its sibling ``_common``
-    try:
-        spec = importlib.util.spec_from_file_location("targets", BENCH / "targets.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+def targets(benchmark_script):
+    return benchmark_script("targets")
 
 
 def _write(folder: Path, name: str, data: dict) -> None:

@@ -3,20 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "picard_convergence.py"
 
 
 @pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("picard_convergence", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def script(benchmark_script):
+    return benchmark_script("picard_convergence")
 
 
 def test_rounds_converge_to_the_exact_sweep_at_small_eta(script, capsys):

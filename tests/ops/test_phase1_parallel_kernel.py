@@ -173,15 +173,32 @@ def test_a_pair_settles_once_its_trajectory_is_within_tol_d(fla_kernels):
     assert float((got.d_final.double().cpu() - ref.d_final).abs().max()) <= TOL_D
 
 
+def _allocations_filled_with(monkeypatch, fill: float) -> None:
+    """``torch.empty``/``empty_like`` return tensors filled with ``fill`` (integers: 0) for the rest
+    of the test: a kernel that reads a buffer nobody wrote then answers differently per fill."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def filled(t):
+        return t.fill_(fill) if t.is_floating_point() else t.zero_()
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: filled(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: filled(real_like(*a, **kw)))
+
+
+@pytest.mark.parametrize("fill", [0.0, float("nan")])
 @pytest.mark.parametrize("emit_from", [1, 2, 3])
-def test_rounds_before_emit_from_never_settle(fla_kernels, emit_from):
+def test_rounds_before_emit_from_never_settle(fla_kernels, monkeypatch, emit_from, fill):
     """Zero keys: d never moves and every round's verdict is "settled"; the first verdict given is on
-    round ``emit_from`` (the rounds before it write no k̃), and the answer is the same."""
+    round ``emit_from`` (the rounds before it write no k̃ and no drift), and the answer is the same —
+    whatever the unwritten buffers hold (a verdict on a round that wrote no drift would read zeros
+    as "settled" and leave k̃ unwritten)."""
     k, beta, _ = _case(9, 1, 70, 2, 16)
     k[:, :, 1] = 0
     ref = osdn_phase1(k, beta, eta=0.003)
+    k, beta = _dev(k), _dev(beta)
+    _allocations_filled_with(monkeypatch, fill)
     stats = {}
-    wk, dt, dfin = parallel_fwd(_dev(k), _dev(beta), None, None, None, 1, 0.003, 0.5, 2.0, True, 1e-6, True,
+    wk, dt, dfin = parallel_fwd(k, beta, None, None, None, 1, 0.003, 0.5, 2.0, True, 1e-6, True,
                                 chunk=16, rounds=3, emit_from=emit_from, stats=stats)
     assert stats["settled"] == 2 and stats["rounds"] >= emit_from
     assert _rel(dt, ref.d) <= TOL and _rel(wk, ref.write_key) <= TOL and _rel(dfin, ref.d_final) <= TOL

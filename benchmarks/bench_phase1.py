@@ -134,10 +134,14 @@ def main(argv=None) -> dict:
     split = {name: device_and_host_ms(timed[name]) for name in ("phase1 sequential fwd", "phase1 parallel fwd")}
     if phase2:
         split["fla chunk_delta_rule fwd (phase 2)"] = device_and_host_ms(lambda: chunk_delta_rule(q, k, v, beta))
+
+    def gpu_share(gpu_ms: float) -> str:
+        base = split.get("fla chunk_delta_rule fwd (phase 2)")
+        return f"{100 * gpu_ms / base[0]:13.1f} %" if base else "              -"
+
     print(f"\n{'forward':42s} {'GPU ms':>9s} {'host ms':>9s} {'GPU vs phase 2':>15s}")
     for name, (dev_ms, host_ms) in split.items():
-        base = split.get("fla chunk_delta_rule fwd (phase 2)")
-        ratio = f"{100 * dev_ms / base[0]:13.1f} %" if base and "phase 2" not in name else "              -"
+        ratio = gpu_share(dev_ms) if "phase 2" not in name else "              -"
         print(f"{name:42s} {dev_ms:9.3f} {host_ms:9.3f} {ratio:>15s}")
     timeline = kernel_timeline(lambda: parallel(a.eta))
     print(f"\n{'token-parallel forward, kernel by kernel':42s} {'GPU us':>9s}")
@@ -155,9 +159,7 @@ def main(argv=None) -> dict:
                 dev_ms, _ = device_and_host_ms(lambda: parallel(a.eta, chunk=chunk, emit_from=emit_from))
                 name = f"chunk {chunk}, emit_from {emit_from}"
                 sweep[name] = {"gpu_ms": dev_ms, **st}
-                base = split.get("fla chunk_delta_rule fwd (phase 2)")
-                ratio = f"{100 * dev_ms / base[0]:13.1f} %" if base else "              -"
-                print(f"{name:42s} {dev_ms:9.3f} {st['rounds']:7d} {ratio:>15s}")
+                print(f"{name:42s} {dev_ms:9.3f} {st['rounds']:7d} {gpu_share(dev_ms):>15s}")
     result = {
         "shape": dict(B=B, T=T, H=H, K=K, dtype="bf16", eta=a.eta),
         "device_and_host_ms": split,

@@ -18,23 +18,22 @@ from pathlib import Path
 
 from _common import write_json
 
-#: (file, what it measures) of every input, for the "not measured" rows.
+#: Every input: its name in ``DIR`` and the benchmark that writes it.
 FILES = {
-    "replay": "replay.json",
-    "replay_k64": "replay_k64.json",
-    "replay_k256": "replay_k256.json",
-    "e2e": "e2e.json",
-    "e2e_1b": "e2e_1b.json",
-    "phase1": "phase1.json",
-    "comparator": "comparator.json",
-    "memory": "memory.json",
+    "replay": ("replay.json", "bench_replay.py"),
+    "replay_k64": ("replay_k64.json", "bench_replay.py --K 64 --V 64"),
+    "replay_k256": ("replay_k256.json", "bench_replay.py --K 256 --V 256"),
+    "e2e": ("e2e.json", "bench_e2e.py --mode stream"),
+    "e2e_1b": ("e2e_1b.json", "bench_e2e.py --model random:deltanet-1.3b --mode stream"),
+    "phase1": ("phase1.json", "bench_phase1.py"),
+    "comparator": ("comparator.json", "bench_comparator.py"),
+    "memory": ("memory.json", "bench_e2e.py --prompts 1 --T 20000 --batch-size 1"),
 }
 OURS, FLA = "fused replay (ours, fp32)", "fla fused_recurrent_delta_rule (fp32)"
 PHASE1, PHASE2 = "phase1 parallel fwd", "fla chunk_delta_rule fwd (phase 2)"
 
 
-def _load(folder: Path, name: str) -> dict | None:
-    path = folder / FILES[name]
+def _load(path: Path) -> dict | None:
     if not path.exists():
         return None
     try:
@@ -43,96 +42,101 @@ def _load(folder: Path, name: str) -> dict | None:
         raise SystemExit(f"{path}: not valid JSON ({e}); was the benchmark cut short?") from e
 
 
-def _missing(label: str) -> dict:
-    return {"target": label, "measured": None, "ratio": None, "met": None}
-
-
-def _stream_row(result: dict, path: str) -> dict:
-    rows = [r for r in result.get("rows", []) if r.get("mode") == "stream"]
+def _stream_row(result: dict) -> dict:
+    rows = [r for r in result["rows"] if r["mode"] == "stream"]
     if not rows:
-        raise SystemExit(f"{path}: no 'stream' row in 'rows' (expected bench_e2e.py --mode stream output)")
+        raise KeyError("a 'stream' row in 'rows'")
     return rows[0]
 
 
-def _replay_row(result: dict | None, label: str, threshold: float | None) -> dict:
-    if result is None:
-        return _missing(label)
-    ms = result["ms"]
-    ratio = ms[FLA] / ms[OURS]
-    err = max(result["errors_vs_fp64"].values())
-    shape = result["shape"]
+def _replay(threshold: float | None):
+    def row(result: dict) -> dict:
+        ms = result["ms"]
+        ratio = ms[FLA] / ms[OURS]
+        err = max(result["errors_vs_fp64"].values())
+        return {
+            "measured": f"{ms[OURS]:.3f} ms vs fla {ms[FLA]:.3f} ms (K = V = {result['shape']['K']}), "
+                        f"error {err:.1e}",
+            "ratio": f"{ratio:.2f}x",
+            "met": None if threshold is None else bool(ratio >= threshold and err <= 1e-5),
+        }
+    return row
+
+
+def _e2e(limit: float | None):
+    def row(result: dict) -> dict:
+        stream = _stream_row(result)
+        return {
+            "measured": f"{stream['seconds']:.2f} s, {stream['n']:,} measurements ({result['model']}, "
+                        f"{result['prompts']} x {result['T']})",
+            "ratio": f"{stream['seconds'] / limit:.2f} of the limit" if limit else "-",
+            "met": bool(stream["seconds"] <= limit) if limit else None,
+        }
+    return row
+
+
+def _phase1(result: dict) -> dict:
+    split = result["device_and_host_ms"]
+    gpu1, gpu2 = split[PHASE1][0], split[PHASE2][0]
+    wall1, wall2 = result["ms"][PHASE1], result["ms"][PHASE2]
     return {
-        "target": label,
-        "measured": f"{ms[OURS]:.3f} ms vs fla {ms[FLA]:.3f} ms (K = V = {shape['K']}), error {err:.1e}",
-        "ratio": f"{ratio:.2f}x",
-        "met": None if threshold is None else bool(ratio >= threshold and err <= 1e-5),
+        "measured": f"{gpu1:.3f} vs {gpu2:.3f} ms of GPU work; wall {wall1:.3f} vs {wall2:.3f} ms "
+                    f"({100 * wall1 / wall2:.0f} %)",
+        "ratio": f"{100 * gpu1 / gpu2:.1f} %",
+        "met": bool(gpu1 <= 0.25 * gpu2),
     }
+
+
+def _comparator(result: dict) -> dict:
+    total, shape = result["seconds"]["total"], result["shape"]
+    return {
+        "measured": f"{total:.2f} s for {shape['P']:,} problems (T = {shape['T']}, K = {shape['K']}), "
+                    f"max gap {result['max_gap']:.1e}",
+        "ratio": f"{total / 10:.2f} of the limit",
+        "met": bool(total <= 10 and shape["P"] >= 9216),
+    }
+
+
+def _memory(result: dict) -> dict:
+    rss = _stream_row(result)["peak_rss_gib"]
+    return {
+        "measured": f"peak RSS {rss:.2f} GiB, {result['prompts']} x {result['T']:,} tokens",
+        "ratio": f"{rss / 8:.2f} of the limit",
+        "met": bool(rss < 8 and result["T"] >= 20000),
+    }
+
+
+#: (input, target, how its row is read from the input), in the table's order.
+TARGETS = (
+    ("replay", "replay >= 1.0x fla fp32 fused_recurrent_delta_rule, <= 1e-5 vs fp64", _replay(1.0)),
+    ("replay", "replay stretch >= 3x fla", _replay(3.0)),
+    ("replay_k64", "replay at K = V = 64, reported", _replay(None)),
+    ("replay_k256", "replay at K = V = 256, reported", _replay(None)),
+    ("e2e", "paper-scale diagnostic (340M, 48 x 2,048) <= 10 s", _e2e(10.0)),
+    ("e2e_1b", "the same at the 1.3B shape, reported", _e2e(None)),
+    ("phase1", "phase 1 <= 25 % of phase 2 (B=8, T=4096, H=8, K=128), by GPU work", _phase1),
+    ("comparator", "comparator gap, 9,216 problems (T = 2048, K = 128) <= 10 s", _comparator),
+    ("memory", "streaming capture of one 20,000-token prompt (340M) < 8 GiB host RAM", _memory),
+)
 
 
 def rows(folder: Path) -> list[dict]:
     """The table's rows: ``target``, ``measured`` (None: not measured), ``ratio``, ``met`` (None: a
-    figure to report, not a target)."""
-    got = {name: _load(folder, name) for name in FILES}
-    out = [
-        _replay_row(got["replay"], "replay >= 1.0x fla fp32 fused_recurrent_delta_rule, <= 1e-5 vs fp64", 1.0),
-        _replay_row(got["replay"], "replay stretch >= 3x fla", 3.0),
-        _replay_row(got["replay_k64"], "replay at K = V = 64, reported", None),
-        _replay_row(got["replay_k256"], "replay at K = V = 256, reported", None),
-    ]
-    for name, label, limit in (("e2e", "paper-scale diagnostic (340M, 48 x 2,048) <= 10 s", 10.0),
-                               ("e2e_1b", "the same at the 1.3B shape, reported", None)):
-        result = got[name]
+    figure to report, not a target). A file without a field its row needs stops the script, naming
+    the file, the field and the benchmark that writes the file."""
+    loaded = {name: _load(folder / file) for name, (file, _) in FILES.items()}
+    out = []
+    for name, label, read in TARGETS:
+        result = loaded[name]
         if result is None:
-            out.append(_missing(label))
+            out.append({"target": label, "measured": None, "ratio": None, "met": None})
             continue
-        row = _stream_row(result, FILES[name])
-        out.append({
-            "target": label,
-            "measured": f"{row['seconds']:.2f} s, {row['n']:,} measurements ({result['model']}, "
-                        f"{result['prompts']} x {result['T']})",
-            "ratio": f"{row['seconds'] / limit:.2f} of the limit" if limit else "-",
-            "met": bool(row["seconds"] <= limit) if limit else None,
-        })
-    result = got["phase1"]
-    label = "phase 1 <= 25 % of phase 2 (B=8, T=4096, H=8, K=128), by GPU work"
-    if result is None:
-        out.append(_missing(label))
-    else:
-        split = result["device_and_host_ms"]
-        gpu1, gpu2 = split[PHASE1][0], split[PHASE2][0]
-        wall1, wall2 = result["ms"][PHASE1], result["ms"][PHASE2]
-        out.append({
-            "target": label,
-            "measured": f"{gpu1:.3f} vs {gpu2:.3f} ms of GPU work; wall {wall1:.3f} vs {wall2:.3f} ms "
-                        f"({100 * wall1 / wall2:.0f} %)",
-            "ratio": f"{100 * gpu1 / gpu2:.1f} %",
-            "met": bool(gpu1 <= 0.25 * gpu2),
-        })
-    result = got["comparator"]
-    label = "comparator gap, 9,216 problems (T = 2048, K = 128) <= 10 s"
-    if result is None:
-        out.append(_missing(label))
-    else:
-        total, shape = result["seconds"]["total"], result["shape"]
-        out.append({
-            "target": label,
-            "measured": f"{total:.2f} s for {shape['P']:,} problems (T = {shape['T']}, K = {shape['K']}), "
-                        f"max gap {result['max_gap']:.1e}",
-            "ratio": f"{total / 10:.2f} of the limit",
-            "met": bool(total <= 10 and shape["P"] >= 9216),
-        })
-    result = got["memory"]
-    label = "streaming capture of one 20,000-token prompt (340M) < 8 GiB host RAM"
-    if result is None:
-        out.append(_missing(label))
-    else:
-        row = _stream_row(result, FILES["memory"])
-        out.append({
-            "target": label,
-            "measured": f"peak RSS {row['peak_rss_gib']:.2f} GiB, {result['prompts']} x {result['T']:,} tokens",
-            "ratio": f"{row['peak_rss_gib'] / 8:.2f} of the limit",
-            "met": bool(row["peak_rss_gib"] < 8 and result["T"] >= 20000),
-        })
+        try:
+            out.append({"target": label, **read(result)})
+        except (KeyError, IndexError, TypeError) as e:
+            file, writer = FILES[name]
+            raise SystemExit(f"{folder / file}: no {e} where the target '{label}' reads it "
+                             f"(expected the JSON of benchmarks/{writer} --json)") from e
     return out
 
 

@@ -216,7 +216,7 @@ def replay_call(
         sequence_lengths=[e - s for _, s, e in segments],
         tolerance=tol,
         grid={"loss_before": res.loss_before, "loss_after": res.loss_after, "finite": finite},
-        device_columns=columns if values_dev.device.type == "cpu" else as_columns(values_dev, ints_dev),
+        device_columns=as_columns(values_dev, ints_dev),  # on the CPU: the same tensors as ``columns``
     )
 
 

@@ -38,7 +38,6 @@ def _phase1(gpu1: float, gpu2: float) -> dict:
             "ms": {"phase1 parallel fwd": 0.5, "fla chunk_delta_rule fwd (phase 2)": 0.6}}
 
 
-
 def test_each_target_is_judged_by_its_threshold(targets, tmp_path, capsys):
     _write(tmp_path, "replay.json", _replay(3.0, 4.8))
     _write(tmp_path, "replay_k64.json", _replay(2.0, 4.4, K=64))
@@ -73,6 +72,16 @@ def test_phase1_over_a_quarter_is_not_met(targets, tmp_path):
 def test_a_truncated_file_is_named(targets, tmp_path):
     (tmp_path / "e2e.json").write_text('{"rows": [')
     with pytest.raises(SystemExit, match="e2e.json"):
+        targets.rows(tmp_path)
+
+
+@pytest.mark.parametrize("name,data,field", [
+    ("phase1.json", {"ms": {}}, "device_and_host_ms"),             # an older bench_phase1, say
+    ("e2e.json", _e2e(4.6) | {"rows": [{"mode": "stored", "seconds": 9.0}]}, "stream"),
+])
+def test_a_file_without_a_field_is_named_with_its_writer(targets, tmp_path, name, data, field):
+    _write(tmp_path, name, data)
+    with pytest.raises(SystemExit, match=rf"{name}: no .*{field}.*expected the JSON of benchmarks/bench_"):
         targets.rows(tmp_path)
 
 

@@ -12,7 +12,10 @@ make a round:
 2. *sweep* — one program per (chunk of :data:`CHUNK` tokens, sequence, head) walks its chunk from
    that ``d`` under the current step sizes: it emits ``k̃_t = D_t ⊙ k_t`` (and ``D_t``), computes the
    next step sizes and how far they moved, and composes the chunk's maps *under the next step
-   sizes* into the one map the next round's carry applies.
+   sizes* into the one map the next round's carry applies. Where the next round's trajectory cannot
+   stand (it comes before ``emit_from``: by default, the first guess's successor) the composition
+   keeps only the maps' affine parts and applies the box once, after the chunk: exact while the box
+   is inactive inside the chunk, and a guess either way, which the rounds after it correct.
 
 With the step sizes fixed a map acts on each channel alone, so the walk needs no exchange between
 threads, and the one reduction per token (the next ``c_t``) is off the token-to-token chain. The
@@ -106,7 +109,8 @@ def _load(k, beta, r, c, coef, t, end, i_h, o_k,
 def _step(b_d, sa, sb, slo, shi, drift, b_k, b_r, x0, x1, x2, t, end, i_h, o_k,
           c_out, coef, wk, dt, eta, eps, d_min, d_max,
           H: tl.constexpr, K: tl.constexpr, RET: tl.constexpr, BOX: tl.constexpr,
-          BETA_AWARE: tl.constexpr, STORE_D: tl.constexpr, FIRST: tl.constexpr, EMIT: tl.constexpr):
+          BETA_AWARE: tl.constexpr, STORE_D: tl.constexpr, FIRST: tl.constexpr, EMIT: tl.constexpr,
+          EXACT: tl.constexpr):
     """One token of the sweep: the next step size from ``d_t``; ``k̃_t`` and ``d_t``; the chunk map under
     the next step sizes, extended by this token's map; ``d_t → d_{t+1}`` under this round's step size.
 
@@ -127,13 +131,18 @@ def _step(b_d, sa, sb, slo, shi, drift, b_k, b_r, x0, x1, x2, t, end, i_h, o_k,
     gam_a = gam * tl.sum(b_d * b_s, axis=0)
     c_next = alpha - gam_a
     tl.store(c_out + tok, c_next, mask=ok)
-    # The next round's chunk map: this token's map (under c_next) after those before it.
+    # The next round's chunk map: this token's map (under c_next) after those before it; without
+    # EXACT, its affine part only (the box is applied once, after the chunk).
     if RET == 0:  # slope 1: the composition is a shift, clamped
         sb = sb + c_next * b_s
-        slo = tl.minimum(tl.maximum(slo + c_next * b_s, d_min), d_max)
-        shi = tl.minimum(tl.maximum(shi + c_next * b_s, d_min), d_max)
-    else:
+        if EXACT:
+            slo = tl.minimum(tl.maximum(slo + c_next * b_s, d_min), d_max)
+            shi = tl.minimum(tl.maximum(shi + c_next * b_s, d_min), d_max)
+    elif EXACT:
         sa, sb, slo, shi = _compose(sa, sb, slo, shi, b_r, c_next * b_s, d_min, d_max)
+    else:
+        sa = b_r * sa
+        sb = b_r * sb + c_next * b_s
     if EMIT:
         # Algorithm 1: the write key uses d_t, before the update.
         tl.store(wk + tok * K + o_k, (b_d * b_k).to(wk.dtype.element_ty), mask=m)
@@ -158,6 +167,7 @@ def picard_sweep_kernel(
     T, NC, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr,
     RET: tl.constexpr, D0: tl.constexpr, BOX: tl.constexpr, BETA_AWARE: tl.constexpr,
     STORE_D: tl.constexpr, VARLEN: tl.constexpr, FIRST: tl.constexpr, EMIT: tl.constexpr,
+    EXACT: tl.constexpr,
 ):
     """Chunk ``j`` of (sequence, head) ``nh`` under the step sizes ``c_in``, from ``d_in[nh, j]``:
     writes ``k̃`` and ``D`` (``STORE_D``), the next step sizes ``c_out``, ``err[nh, j, :]`` (the drift:
@@ -165,8 +175,9 @@ def picard_sweep_kernel(
     chunk's maps under ``c_out`` composed.
     ``FIRST``: the first guess, ``d`` frozen at ``d_0`` (writes ``c_out``, ``summ`` and the per-token
     ``coef = (α, γ)``). ``EMIT``: write ``k̃``, ``D`` and the drift (a sweep whose trajectory cannot
-    stand, as no verdict follows it, skips them). Returns at once for a pair already settled
-    (``state[nh] != 0``)."""
+    stand, as no verdict follows it, skips them). ``EXACT``: ``summ`` with every token's clamp; else
+    its affine part, clamped to the box once (for a successor whose trajectory cannot stand either).
+    Returns at once for a pair already settled (``state[nh] != 0``)."""
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
@@ -196,29 +207,52 @@ def picard_sweep_kernel(
         slo = tl.full([BK], -float("inf"), tl.float32)
         shi = tl.full([BK], float("inf"), tl.float32)
         drift = tl.zeros([BK], tl.float32)
-        # Four tokens in flight (as in the sequential kernel): slot j holds token t + j and is refilled
-        # with token t + 4 + j right after use, so each load has three steps of work to arrive.
+        # Eight tokens in flight: slot j holds token t + j and is refilled with token t + 8 + j right
+        # after use, so each load has seven steps of work to arrive (four were measurably too few).
         k0, r0, a0, b0, g0 = _load(k, beta, r, c_in, coef, t0 + 0, end, i_h, o_k, H, K, BK, RET, FIRST)
         k1, r1, a1, b1, g1 = _load(k, beta, r, c_in, coef, t0 + 1, end, i_h, o_k, H, K, BK, RET, FIRST)
         k2, r2, a2, b2, g2 = _load(k, beta, r, c_in, coef, t0 + 2, end, i_h, o_k, H, K, BK, RET, FIRST)
         k3, r3, a3, b3, g3 = _load(k, beta, r, c_in, coef, t0 + 3, end, i_h, o_k, H, K, BK, RET, FIRST)
-        for t in range(t0, end, 4):
+        k4, r4, a4, b4, g4 = _load(k, beta, r, c_in, coef, t0 + 4, end, i_h, o_k, H, K, BK, RET, FIRST)
+        k5, r5, a5, b5, g5 = _load(k, beta, r, c_in, coef, t0 + 5, end, i_h, o_k, H, K, BK, RET, FIRST)
+        k6, r6, a6, b6, g6 = _load(k, beta, r, c_in, coef, t0 + 6, end, i_h, o_k, H, K, BK, RET, FIRST)
+        k7, r7, a7, b7, g7 = _load(k, beta, r, c_in, coef, t0 + 7, end, i_h, o_k, H, K, BK, RET, FIRST)
+        for t in range(t0, end, 8):
             b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k0, r0, a0, b0, g0, t + 0, end,
                                                  i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
-                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT)
-            k0, r0, a0, b0, g0 = _load(k, beta, r, c_in, coef, t + 4, end, i_h, o_k, H, K, BK, RET, FIRST)
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT, EXACT)
+            k0, r0, a0, b0, g0 = _load(k, beta, r, c_in, coef, t + 8, end, i_h, o_k, H, K, BK, RET, FIRST)
             b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k1, r1, a1, b1, g1, t + 1, end,
                                                  i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
-                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT)
-            k1, r1, a1, b1, g1 = _load(k, beta, r, c_in, coef, t + 5, end, i_h, o_k, H, K, BK, RET, FIRST)
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT, EXACT)
+            k1, r1, a1, b1, g1 = _load(k, beta, r, c_in, coef, t + 9, end, i_h, o_k, H, K, BK, RET, FIRST)
             b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k2, r2, a2, b2, g2, t + 2, end,
                                                  i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
-                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT)
-            k2, r2, a2, b2, g2 = _load(k, beta, r, c_in, coef, t + 6, end, i_h, o_k, H, K, BK, RET, FIRST)
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT, EXACT)
+            k2, r2, a2, b2, g2 = _load(k, beta, r, c_in, coef, t + 10, end, i_h, o_k, H, K, BK, RET, FIRST)
             b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k3, r3, a3, b3, g3, t + 3, end,
                                                  i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
-                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT)
-            k3, r3, a3, b3, g3 = _load(k, beta, r, c_in, coef, t + 7, end, i_h, o_k, H, K, BK, RET, FIRST)
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT, EXACT)
+            k3, r3, a3, b3, g3 = _load(k, beta, r, c_in, coef, t + 11, end, i_h, o_k, H, K, BK, RET, FIRST)
+            b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k4, r4, a4, b4, g4, t + 4, end,
+                                                 i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT, EXACT)
+            k4, r4, a4, b4, g4 = _load(k, beta, r, c_in, coef, t + 12, end, i_h, o_k, H, K, BK, RET, FIRST)
+            b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k5, r5, a5, b5, g5, t + 5, end,
+                                                 i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT, EXACT)
+            k5, r5, a5, b5, g5 = _load(k, beta, r, c_in, coef, t + 13, end, i_h, o_k, H, K, BK, RET, FIRST)
+            b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k6, r6, a6, b6, g6, t + 6, end,
+                                                 i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT, EXACT)
+            k6, r6, a6, b6, g6 = _load(k, beta, r, c_in, coef, t + 14, end, i_h, o_k, H, K, BK, RET, FIRST)
+            b_d, sa, sb, slo, shi, drift = _step(b_d, sa, sb, slo, shi, drift, k7, r7, a7, b7, g7, t + 7, end,
+                                                 i_h, o_k, c_out, coef, wk, dt, eta, eps, d_min, d_max,
+                                                 H, K, RET, BOX, BETA_AWARE, STORE_D, FIRST, EMIT, EXACT)
+            k7, r7, a7, b7, g7 = _load(k, beta, r, c_in, coef, t + 15, end, i_h, o_k, H, K, BK, RET, FIRST)
+        if not EXACT:  # the box, once for the chunk
+            slo = tl.zeros([BK], tl.float32) + d_min
+            shi = tl.zeros([BK], tl.float32) + d_max
         base = summ + (i_nh.to(tl.int64) * NC + i_j) * 4 * K
         tl.store(base + 0 * K + o_k, sa, mask=m_k)
         tl.store(base + 1 * K + o_k, sb, mask=m_k)
@@ -257,7 +291,8 @@ def picard_carry_kernel(
                 at = (i_nh.to(tl.int64) * NC + rows)[:, None] * K + o_ka[None, :]
                 total += tl.sum(tl.load(err + at, mask=(rows < n_chunks)[:, None] & (o_ka < K)[None, :],
                                         other=0.0), axis=0)
-            # Written so that a NaN drift counts as unsettled (the sequential kernel then answers).
+            # A NaN drift counts as unsettled (the sequential kernel then answers): tl.max would drop it.
+            total = tl.where(total == total, total, float("inf"))
             settled = 2.0 * tl.max(total, axis=0) <= tl.load(scalars + 4)
             go = settled == 0
             if settled:
@@ -334,11 +369,12 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
                        BETA_AWARE=bool(beta_aware), STORE_D=store_d, VARLEN=varlen)
     grid = (NC, N * H)
 
-    def sweep(c_in, c_out, first, emit=False):
+    def sweep(i, c_in, c_out):
+        # Round i's maps need their clamps only if round i + 1's trajectory may stand.
         picard_sweep_kernel[grid](k, beta, r_arg, d0_arg, scalars, cu_arg, c_in, d_in, state,
                                   c_out, coef, err, summ, wk, dummy if dt is None else dt, T, NC, **consts,
-                                  BK=triton.next_power_of_2(K), **sweep_flags, FIRST=first, EMIT=emit,
-                                  num_warps=1)
+                                  BK=triton.next_power_of_2(K), **sweep_flags, FIRST=i == 0,
+                                  EMIT=i >= emit_from, EXACT=i + 1 >= emit_from, num_warps=1)
 
     def carry(round_, check, check_only=False):
         picard_carry_kernel[(N * H, triton.cdiv(K, BKC))](
@@ -347,10 +383,10 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
             BC=max(16, min(64, triton.next_power_of_2(NC))), D0=_d0_mode(d0), VARLEN=varlen,
             CHECK=check, CHECK_ONLY=check_only, num_warps=2)
 
-    sweep(dummy, c[1], True)  # c[1]: the first guess, from d frozen at d_0
+    sweep(0, dummy, c[1])  # c[1]: the first guess, from d frozen at d_0
     for i in range(1, rounds + 1):
         carry(i, check=i - 1 >= emit_from)  # the verdict on round i - 1
-        sweep(c[i % 2], c[(i + 1) % 2], False, emit=i >= emit_from)
+        sweep(i, c[i % 2], c[(i + 1) % 2])
     carry(rounds + 1, check=True, check_only=True)
     sequential_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_aware, eps,
                    out=(wk, dt, dfin), skip=state)

@@ -88,17 +88,18 @@ def test_a_file_without_a_field_is_named_with_its_writer(targets, tmp_path, name
 def test_the_recorded_results_still_parse(targets, tmp_path):
     """The files in ``benchmarks/results`` are what the benchmarks write: the table reads them all."""
     recorded = {
-        "replay.json": "replay_h200_2026-11-29_s5_k128.json",
+        "replay.json": "replay_h200_2026-11-30_s7_k128.json",
         "replay_k64.json": "replay_h200_2026-11-29_s5_k64.json",
         "replay_k256.json": "replay_h200_2026-11-29_s5_k256.json",
-        "e2e.json": "e2e_340m_h200_2026-11-29_s6.json",
-        "e2e_1b.json": "e2e_1.3b_h200_2026-11-29_s6.json",
-        "phase1.json": "phase1_h200_2026-11-29_s6.json",
-        "comparator.json": "comparator_h200_2026-11-29_s6.json",
-        "memory.json": "e2e_memory20k_h200_2026-11-29_s6.json",
+        "e2e.json": "e2e_340m_stages_h200_2026-11-30_s7.json",
+        "e2e_1b.json": "e2e_1.3b_h200_2026-11-30_s7.json",
+        "phase1.json": "phase1_h200_2026-11-30_s7.json",
+        "comparator.json": "comparator_h200_2026-11-30_s7.json",
+        "memory.json": "e2e_memory20k_h200_2026-11-30_s7.json",
     }
     for name, src in recorded.items():
         shutil.copy(RESULTS / src, tmp_path / name)
     rows = targets.rows(tmp_path)
     assert all(r["measured"] is not None for r in rows)
-    assert rows[0]["met"] is True and rows[4]["met"] is True  # replay >= 1x fla; e2e <= 10 s
+    # Every target met but the replay's 3x stretch; the "reported" rows have no threshold.
+    assert [r["met"] for r in rows] == [True, False, None, None, True, None, True, True, True], rows

@@ -12,7 +12,8 @@
 # Each step runs under its own time limit (seconds; override with e.g. LIMIT_tests=300) and its
 # output goes to $OUT/<step>.txt (and .json for the benchmarks) as soon as it ends, so a step that
 # runs out of time still leaves the others' results. Everything is also packed into $OUT/gpu_suite.tgz
-# (one file: some machines return only a few files per command). The device_map step needs accelerate
+# after every step (one file: some machines return only a few files per command, and a command that
+# runs out of time still returns the steps it finished). The device_map step needs accelerate
 # (the `multi-gpu` extra).
 #
 # The first call of each Triton kernel at a new shape compiles and autotunes (fla's chunk kernels:
@@ -35,6 +36,13 @@ limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
 XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n ${TEST_WORKERS:-8}"
 
+# Everything in $OUT so far, as $OUT/gpu_suite.tgz: written beside $OUT and moved in, so the archive
+# is never half-written and never reads itself.
+pack() {
+    local tmp="${OUT%/}.gpu_suite.tgz.tmp"
+    tar czf "$tmp" --exclude=gpu_suite.tgz -C "$OUT" . && mv -f "$tmp" "$OUT/gpu_suite.tgz"
+}
+
 run_step() {
     local name=$1 default=$2; shift 2
     local t0=$SECONDS
@@ -43,6 +51,7 @@ run_step() {
     local rc=$?
     echo "== $name: rc=$rc, $((SECONDS - t0)) s"
     tail -n 25 "$OUT/$name.txt"
+    pack  # after every step: a command cut short still leaves one file with the steps it finished
 }
 
 for step in "${steps[@]}"; do
@@ -78,5 +87,5 @@ for step in "${steps[@]}"; do
 done
 # The targets, each beside its measured value, from whatever the steps above left in $OUT.
 "$PY" benchmarks/targets.py "$OUT" --json "$OUT/targets.json" | tee "$OUT/targets.txt"
-tar czf "$OUT/gpu_suite.tgz" --exclude=gpu_suite.tgz -C "$OUT" .
+pack
 echo "results: $OUT/gpu_suite.tgz"

@@ -1,0 +1,54 @@
+"""``benchmarks/gpu_suite.sh`` without a GPU: its steps run a stand-in Python that records what it was
+asked to run, so what is tested is the script's own work — the per-step outputs and the archive a
+machine that returns few files gets back."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# The stand-in: a benchmark "runs" by printing its command line; targets.py, the suite's last step,
+# prints the archive's members as they are when it starts.
+FAKE_PYTHON = """#!/usr/bin/env bash
+if [ "$1" = benchmarks/targets.py ]; then tar tzf "$2/gpu_suite.tgz"; exit 0; fi
+echo "ran $*"
+"""
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("tar") is None,
+                                reason="needs bash and tar")
+
+
+def _suite(tmp_path: Path, *steps: str) -> subprocess.CompletedProcess:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(fake)}
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), *steps], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_each_step_is_packed_as_soon_as_it_ends(tmp_path):
+    done = _suite(tmp_path, "comparator", "phase1")
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "out"
+    # Before the last step started, the archive already held both steps' outputs.
+    listed = (out / "targets.txt").read_text().split()
+    assert {"./comparator.txt", "./phase1.txt"} <= set(listed)
+    with tarfile.open(out / "gpu_suite.tgz") as tar:
+        members = {m.name for m in tar.getmembers()}
+        text = tar.extractfile("./comparator.txt").read().decode()
+    assert {"./comparator.txt", "./phase1.txt", "./targets.txt"} <= members
+    assert "gpu_suite.tgz" not in " ".join(members)  # it never packs itself
+    assert text.startswith("ran benchmarks/bench_comparator.py --json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "python"]  # no temporary left
+
+
+def test_an_unknown_step_is_named(tmp_path):
+    done = _suite(tmp_path, "comparatr")
+    assert done.returncode == 2 and "unknown step comparatr" in done.stdout

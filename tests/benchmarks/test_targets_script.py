@@ -89,8 +89,8 @@ def test_the_recorded_results_still_parse(targets, tmp_path):
     """The files in ``benchmarks/results`` are what the benchmarks write: the table reads them all."""
     recorded = {
         "replay.json": "replay_h200_2026-11-30_s7_k128.json",
-        "replay_k64.json": "replay_h200_2026-11-29_s5_k64.json",
-        "replay_k256.json": "replay_h200_2026-11-29_s5_k256.json",
+        "replay_k64.json": "replay_h200_2026-11-30_s7_k64.json",
+        "replay_k256.json": "replay_h200_2026-11-30_s7_k256.json",
         "e2e.json": "e2e_340m_stages_h200_2026-11-30_s7.json",
         "e2e_1b.json": "e2e_1.3b_h200_2026-11-30_s7.json",
         "phase1.json": "phase1_h200_2026-11-30_s7.json",

@@ -347,8 +347,8 @@ def _contig(x):
 #: The forward kernel ``method="auto"`` runs for fp16/bf16/fp32 keys: ``"sequential"`` (one token at a
 #: time) or ``"parallel"`` (:mod:`osdn_diag.ops.phase1_parallel`, which hands the (sequence, head) pairs
 #: its rounds do not settle to the sequential kernel); fp64 keys always run sequentially. On an H200
-#: (B=8, T=4096, H=8, K=128, bf16, η=0.003) the parallel kernel alone is faster (0.14 ms of GPU work,
-#: 0.35–0.59 ms of wall time depending on the host, against 0.84 ms), but the OSDN layer's forward is
+#: (B=8, T=4096, H=8, K=128, bf16, η=0.003) the parallel kernel alone is faster (0.126 ms of GPU work,
+#: 0.35–0.63 ms of wall time depending on the host, against 0.84 ms), but the OSDN layer's forward is
 #: not (2.37 vs 2.07 ms; DeltaNet 1.77 ms): its ten launches cost host time in a forward that is
 #: already bound by launches.
 #: ``benchmarks/bench_phase1.py`` and ``bench_layers.py`` time both. Layers choose per instance with

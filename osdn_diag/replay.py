@@ -10,7 +10,10 @@ records
 with ``residual_ratio = 1`` where ``loss_before == 0`` (the paper's convention). It also recomputes
 the layer output and compares it with what the kernel returned (``fidelity``): a large error means the
 adapter misread the kernel, and replay fails loudly rather than report numbers about another
-recurrence.
+recurrence. Where the kernel returned its fp32 final state (capture asks every kernel for it), the
+replay's final state is compared with it too (``state_fidelity``): the output is rounded to the
+model's dtype, the state is not, so on the paths that keep their state in fp32 registers the state
+comparison sees a misread input at the 1e-4 level that the output comparison cannot.
 
 Sequences whose captured inputs hold NaN/Inf are replayed on zeros, flagged ``finite = False`` per
 (sequence, head) and left out of every statistic, with a count.
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .capture.kernel_inputs import unit_roundoff
 from .capture.record import KernelCall
 from .math.closed_forms import residual_ratio
 from .math.recurrence import delta_rule_recurrence
@@ -31,7 +35,9 @@ __all__ = [
     "CallReplay",
     "DEFAULT_TOLERANCE",
     "FidelityError",
+    "default_state_tolerance",
     "default_tolerance",
+    "working_precision",
     "replay",
     "replay_call",
 ]
@@ -57,6 +63,29 @@ def default_tolerance(call: KernelCall) -> float:
     return DEFAULT_TOLERANCE.get(call.input_dtype, 1e-2)
 
 
+#: Largest accepted relative final-state error ‖S_replay − S_kernel‖_F / ‖S_kernel‖_F per (sequence,
+#: head), by the precision the kernel's recurrence works in (:func:`working_precision`). A path that
+#: keeps its state, keys and gates in fp32 registers agrees with the fp32 replay to ~1e-6; fla's chunk
+#: paths multiply 16-bit (or tf32) operands and store intermediates in the input dtype.
+STATE_TOLERANCE = {"float32": 1e-4, "tfloat32": 5e-2, "float16": 5e-2, "bfloat16": 5e-2}
+
+
+def working_precision(call: KernelCall) -> str:
+    """The precision the kernel's recurrence computed in: ``"float32"`` for the fused recurrent kernels
+    (registers) and the reference stand-in, the input dtype for fla's chunk paths with 16-bit inputs,
+    ``"tfloat32"`` for fla's chunk paths with fp32 inputs on a GPU (tf32 dot products)."""
+    if call.flags.get("kernels") != "fla" or call.flags.get("path", "chunk") != "chunk":
+        return "float32"
+    if call.input_dtype in ("bfloat16", "float16"):
+        return call.input_dtype
+    return "tfloat32" if call.flags.get("device") == "cuda" else "float32"
+
+
+def default_state_tolerance(call: KernelCall) -> float:
+    """The final-state fidelity tolerance for a call, by :func:`working_precision`."""
+    return STATE_TOLERANCE[working_precision(call)]
+
+
 class FidelityError(RuntimeError):
     """The replayed outputs do not match the kernel's: the capture does not describe the kernel."""
 
@@ -70,6 +99,10 @@ class CallReplay:
     relative output error over the call's (sequence, head) pairs; ``nonfinite`` counts the
     (sequence, head) pairs whose inputs held NaN/Inf; ``grid`` keeps ``loss_before`` and the
     ``loss_after`` and the token-level ``finite`` mask in the call's own ``[B, T, H]`` layout.
+    ``state_fidelity`` is the largest relative final-state error over the finite (sequence, head)
+    pairs against the kernel's own final state (``None`` when the record has none), and
+    ``state_rounding_units`` the same error in units of the unit roundoff of the kernel's working
+    precision (:func:`working_precision`): a few units or less is what rounding explains.
     """
 
     columns: dict[str, torch.Tensor]
@@ -79,12 +112,15 @@ class CallReplay:
     tolerance: float = 0.0
     grid: dict[str, torch.Tensor] = field(default_factory=dict)
     device_columns: dict[str, torch.Tensor] = field(default_factory=dict)
+    state_fidelity: float | None = None
+    state_tolerance: float = 0.0
+    state_rounding_units: float | None = None
 
 
 def _finite_mask(call: KernelCall) -> torch.Tensor:
     """``[B, T, H]``: True where every captured input of that token and head is finite."""
     ok = torch.isfinite(call.beta)
-    for x in (call.q, call.k, call.v, call.g, call.d):
+    for x in (call.q, call.k, call.v, call.g, call.d, call.write_key):
         if x is not None:
             ok &= torch.isfinite(x).all(-1) if x.dim() == 4 else torch.isfinite(x)
     return ok
@@ -100,15 +136,17 @@ def _zero_nonfinite(x: torch.Tensor | None, bad: torch.Tensor) -> torch.Tensor |
 def _recurrence_inputs(call: KernelCall, dtype: torch.dtype, bad: torch.Tensor | None) -> dict:
     """The call as arguments of the recurrence (both backends take the same ones); tokens marked
     ``bad`` (``[B, T, H]``, non-finite inputs) are replayed on zeros."""
-    q, k, v, beta, g, d = call.q, call.k, call.v, call.beta, call.g, call.d
+    q, k, v, beta, g, d, wk = call.q, call.k, call.v, call.beta, call.g, call.d, call.write_key
     init = call.initial_state
     if bad is not None:
-        q, k, v, beta, g, d = (_zero_nonfinite(x, bad) for x in (q, k, v, beta, g, d))
+        q, k, v, beta, g, d, wk = (_zero_nonfinite(x, bad) for x in (q, k, v, beta, g, d, wk))
         if init is not None:
             init = torch.nan_to_num(init, nan=0.0, posinf=0.0, neginf=0.0)
+    if wk is None and d is not None:
+        wk = d.to(dtype) * k.to(dtype)
     return dict(
         q=q, k=k, v=v, beta=beta,
-        write_key=None if d is None else d.to(dtype) * k.to(dtype),
+        write_key=wk,
         g=g,
         scale=call.scale,
         initial_state=init,
@@ -140,6 +178,7 @@ def replay_call(
     backend: str = "torch",
     dtype: torch.dtype = torch.float32,
     tolerance: float | None = None,
+    state_tolerance: float | None = None,
 ) -> CallReplay:
     """Replay one captured call on the device its tensors are on.
 
@@ -148,10 +187,12 @@ def replay_call(
         backend: ``"torch"`` (the reference recurrence, any device) or ``"triton"`` (fused GPU kernel).
         dtype: replay precision, fp32 (default) or fp64.
         tolerance: largest accepted output error; default :func:`default_tolerance`.
-            ``math.inf`` disables the check.
+            ``math.inf`` disables the check (and the state check, unless ``state_tolerance`` is given).
+        state_tolerance: largest accepted final-state error; default :func:`default_state_tolerance`.
 
     Raises:
-        FidelityError: the replayed outputs differ from the kernel's by more than ``tolerance``.
+        FidelityError: the replayed outputs (or final states) differ from the kernel's by more than
+            the tolerance; the message names the layer, the kernel and its path.
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"argument 'dtype': expected torch.float32 or torch.float64, got {dtype}")
@@ -190,11 +231,23 @@ def replay_call(
     ok_stream = per_stream[2] == 0  # heads whose inputs are all finite in this sequence
     rel = per_stream[0].sqrt() / per_stream[1].sqrt().clamp_min(torch.finfo(dtype).tiny)
     worst_t = torch.where(ok_stream, rel, 0.0).amax() if rel.numel() else rel.new_zeros(())
+    # Final state per (sequence, head) against the kernel's fp32 one, over the finite streams.
+    state_t = None
+    if call.final_state is not None and res.final_state is not None and rel.numel():
+        kernel_s = call.final_state.to(dtype)
+        diff = (res.final_state.to(dtype) - kernel_s).square().sum((-2, -1)).sqrt().reshape(-1)
+        norm = kernel_s.square().sum((-2, -1)).sqrt().reshape(-1)
+        state_rel = diff / norm.clamp_min(torch.finfo(dtype).tiny)
+        state_t = torch.where(ok_stream, state_rel, 0.0).amax()
     # Everything the host needs, in one transfer per dtype.
     values_dev = torch.stack([per_token[name][row, t, head] for name in per_token])
     ints_dev = torch.stack([seq, head, pos, ok_stream[stream].long()]).to(torch.int32)
     values, ints = values_dev.cpu(), ints_dev.cpu()
-    worst, nonfinite = float(worst_t), int((~ok_stream).sum())
+    if state_t is None:
+        worst, nonfinite, state_err = float(worst_t), int((~ok_stream).sum()), None
+    else:
+        worst_state = torch.stack([worst_t, state_t, (~ok_stream).sum().to(dtype)]).cpu().tolist()
+        worst, state_err, nonfinite = worst_state[0], worst_state[1], int(worst_state[2])
 
     def as_columns(values, ints):
         columns = {name: values[i] for i, name in enumerate(per_token)}
@@ -203,12 +256,27 @@ def replay_call(
 
     columns = as_columns(values, ints)
     tol = default_tolerance(call) if tolerance is None else tolerance
+    where = (f"layer {call.layer} ({call.layer_name}, kernel {call.kernel}, "
+             f"{call.flags.get('path', 'chunk')} path, {call.input_dtype} inputs)")
     if not math.isfinite(worst) or worst > tol:
         raise FidelityError(
-            f"layer {call.layer} ({call.layer_name}, kernel {call.kernel}): replayed outputs differ "
-            f"from the kernel's by {worst:.3g} (relative), above the tolerance {tol:.1g} for "
-            f"{call.input_dtype} inputs — the capture adapter does not describe this kernel"
+            f"{where}: replayed outputs differ from the kernel's by {worst:.3g} (relative), above the "
+            f"tolerance {tol:.1g} — the capture adapter does not describe this kernel"
         )
+    if state_tolerance is None:
+        state_tol = math.inf if tolerance is not None and math.isinf(tolerance) else default_state_tolerance(call)
+    else:
+        state_tol = state_tolerance
+    precision = working_precision(call)
+    units = None
+    if state_err is not None:
+        units = state_err / unit_roundoff(precision)
+        if not math.isfinite(state_err) or state_err > state_tol:
+            raise FidelityError(
+                f"{where}: the replayed final state differs from the kernel's fp32 final state by "
+                f"{state_err:.3g} (relative; {units:.3g} units of {precision} rounding), above the "
+                f"tolerance {state_tol:.1g} — the record is not what the kernel read"
+            )
     return CallReplay(
         columns=columns,
         fidelity=worst,
@@ -217,6 +285,9 @@ def replay_call(
         tolerance=tol,
         grid={"loss_before": res.loss_before, "loss_after": res.loss_after, "finite": finite},
         device_columns=as_columns(values_dev, ints_dev),  # on the CPU: the same tensors as ``columns``
+        state_fidelity=state_err,
+        state_tolerance=state_tol,
+        state_rounding_units=units,
     )
 
 

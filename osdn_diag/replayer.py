@@ -23,7 +23,7 @@ from .capture.store import StoredCall, to_device
 from .metrics.audit import AuditAccumulator
 from .metrics.ratios import RatioAccumulator
 from .metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
-from .replay import replay_call
+from .replay import replay_call, working_precision
 
 __all__ = ["CONTRACT_COLUMNS", "Replayer", "comparator_summary", "repeat_boundaries"]
 
@@ -93,6 +93,10 @@ class Replayer:
         self.fidelity: dict[int, float] = defaultdict(float)
         self.tolerances: dict[int, float] = {}
         self.nonfinite: dict[int, int] = defaultdict(int)
+        # Final state against the kernel's, per layer: largest relative error, its tolerance, the
+        # same error in units of the working precision's rounding, and that precision.
+        self.state_fidelity: dict[int, float] = {}
+        self.state_meta: dict[int, tuple[float, float, str]] = {}
 
     def add(self, stored: StoredCall) -> pa.Table:
         call = to_device(stored.call, self.device)
@@ -102,6 +106,9 @@ class Replayer:
         self.fidelity[call.layer] = max(self.fidelity[call.layer], res.fidelity)
         self.tolerances[call.layer] = res.tolerance
         self.nonfinite[call.layer] += res.nonfinite
+        if res.state_fidelity is not None:
+            self._add_state(call.layer, res.state_fidelity, res.state_tolerance, res.state_rounding_units,
+                            working_precision(call))
         tasks = [str(self.prompts.get(p, {}).get("task", "")) for p in stored.prompts]
         for acc in (self.ratios, self.post):
             acc.add(call.layer, res.device_columns, tasks, res.sequence_lengths, call.num_heads)
@@ -111,6 +118,11 @@ class Replayer:
         if self.comparator_tables is not None:
             self._queue_problems(_Problems.of(stored, call, res, self.prompts))
         return _arrow_table(stored, res, self.prompts, self.schema, self.np_dtype)
+
+    def _add_state(self, layer: int, err: float, tol: float, units: float, precision: str) -> None:
+        if err >= self.state_fidelity.get(layer, -1.0):
+            self.state_fidelity[layer] = err
+            self.state_meta[layer] = (tol, units, precision)
 
     def _queue_problems(self, problems: _Problems) -> None:
         """Theorem D.7's comparator is solved for many problems at once (its cost is per solver
@@ -147,6 +159,8 @@ class Replayer:
         for layer, err in other.fidelity.items():
             self.fidelity[layer] = max(self.fidelity[layer], err)
         self.tolerances.update(other.tolerances)
+        for layer, err in other.state_fidelity.items():
+            self._add_state(layer, err, *other.state_meta[layer])
         for layer, n in other.nonfinite.items():
             self.nonfinite[layer] += n
         if self.comparator_tables is not None and other.comparator_tables:
@@ -157,7 +171,7 @@ class Replayer:
         self.flush()
         return {name: getattr(self, name) for name in (
             "ratios", "post", "audit", "retention", "fidelity", "tolerances", "nonfinite",
-            "comparator_tables")}
+            "state_fidelity", "state_meta", "comparator_tables")}
 
     def summary(self) -> dict:
         boundary = repeat_boundaries(self.prompts.values())
@@ -169,6 +183,21 @@ class Replayer:
             "by_layer": {f"{k:03d}": v for k, v in sorted(self.fidelity.items())},
             "tolerance_by_layer": {f"{k:03d}": v for k, v in sorted(self.tolerances.items())},
         }
+        if self.state_fidelity:
+            layers = sorted(self.state_fidelity)
+            summary["fidelity"]["state"] = {
+                "max_rel_error": max(self.state_fidelity.values()),
+                "max_rounding_units": max(self.state_meta[k][1] for k in layers),
+                "by_layer": {
+                    f"{k:03d}": {
+                        "rel_error": self.state_fidelity[k],
+                        "tolerance": self.state_meta[k][0],
+                        "rounding_units": self.state_meta[k][1],
+                        "working_precision": self.state_meta[k][2],
+                    }
+                    for k in layers
+                },
+            }
         summary["assumptions"] = self.audit.summary()
         summary["nonfinite_heads_by_layer"] = {
             f"{k:03d}": v for k, v in sorted(self.nonfinite.items()) if v

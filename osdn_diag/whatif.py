@@ -50,7 +50,10 @@ class WhatIf:
             k, beta, retention=retention, eta=self.eta, d_min=self.d_min, d_max=self.d_max,
             beta_aware=self.beta_aware, cu_seqlens=call.cu_seqlens,
         )
-        return replace(call, d=pre.d.to(call.k.dtype), flags={**call.flags, "what_if": asdict(self)})
+        # The counterfactual writes with d ⊙ k in fp32: the kernel's stored write key and final state
+        # describe the model's own writes, not these.
+        return replace(call, d=pre.d.to(call.k.dtype), write_key=None, final_state=None,
+                       flags={**call.flags, "what_if": asdict(self)})
 
 
 def what_if_run(

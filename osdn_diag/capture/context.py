@@ -69,11 +69,13 @@ def _layer_classes() -> tuple[type, ...]:
     return tuple(classes)
 
 
-def _bind(fn: Callable, args: tuple, kwargs: dict) -> dict:
-    """All arguments of a call by name, defaults filled in, ``**kwargs`` flattened."""
+def _bind(fn: Callable, args: tuple, kwargs: dict, *, defaults: bool = True) -> dict:
+    """The arguments of a call by name, ``**kwargs`` flattened; with ``defaults``, every parameter
+    (defaults filled in), else only those the caller gave."""
     sig = inspect.signature(fn)
     bound = sig.bind_partial(*args, **kwargs)
-    bound.apply_defaults()
+    if defaults:
+        bound.apply_defaults()
     kw = dict(bound.arguments)
     for name, param in sig.parameters.items():
         if param.kind is inspect.Parameter.VAR_KEYWORD and name in kw:
@@ -186,20 +188,28 @@ class Capture:
                 self._phase1_d = None
                 if owner == self._current:
                     kw[PHASE1_D] = d
+            recording = self.enabled and self._current is not None
+            # The kernel is called with what the caller gave (plus the overrides below), by name.
+            call_kw = _bind(original, args, kwargs, defaults=False)
+            # Every kernel is asked for its fp32 final state (the state fidelity check compares the
+            # replay's with it); a caller that did not ask gets None in its place, as before.
+            wants_final = bool(kw.get("output_final_state", False))
+            if recording and "output_final_state" in kw:
+                call_kw["output_final_state"] = True
             wanted = None
             if getattr(site.adapter, "trajectory", False):
                 # A fused OSDN kernel: run it with the d trajectory on, record that exact d.
                 wanted = bool(kw.get("return_trajectory", False))
-                kw["return_trajectory"] = True
-                call_kw = {n: x for n, x in kw.items() if n != PHASE1_D}
+                call_kw["return_trajectory"] = True
                 out = site.adapter.reference(call_kw) if use_reference else original(**call_kw)
                 kw[PHASE1_D] = out.d
             else:
-                out = site.adapter.reference(kw) if use_reference else original(*args, **kwargs)
-            if self.enabled and self._current is not None:
+                out = site.adapter.reference(call_kw) if use_reference else original(**call_kw)
+            if recording:
                 index, name = self._current
                 with torch.no_grad():
-                    call = site.adapter.record(kw, out, layer=index, layer_name=name, kernel=site.name)
+                    call = site.adapter.record(kw, out, layer=index, layer_name=name, kernel=site.name,
+                                               fla=not use_reference)
                 call.flags["kernels"] = "reference" if use_reference else "fla"
                 call.flags["device"] = kw["q"].device.type
                 call.forward = self._forward
@@ -208,6 +218,8 @@ class Capture:
 
                     call = to_device(call, "cpu")
                 self._sink(call)
+            if recording and not wants_final:
+                out = site.adapter.strip_final_state(out)
             if wanted is False:
                 out = replace(out, d=None)
             return out

@@ -9,8 +9,13 @@ preconditioned layer), so that replay sees exactly the recurrence the kernel ran
 * ``v: [B, T, H, V]``, ``beta: [B, T, H]`` (after any in-kernel sigmoid);
 * ``g`` — log decay, ``[B, T, H]`` (head gate) or ``[B, T, H, K]`` (key-channel gate), or ``None``;
 * ``d: [B, T, H, K]`` — the write-key preconditioner (``k̃ = d ⊙ k``), or ``None`` (``d ≡ 1``);
+* ``write_key: [B, T, H, K]`` — the write key exactly as the kernel read it, where that is not the
+  fp32 product ``d ⊙ k`` (fla's preconditioned chunk paths and the OSDN layers' phase 2 store it in
+  the input dtype), else ``None``; replay writes with it when present;
 * ``initial_state: [N, H, V, K]`` (always the ``V×K`` convention; KDA's is transposed on capture);
 * ``o: [B, T, H, V]`` — what the kernel returned, for the fidelity check;
+* ``final_state: [N, H, V, K]`` — the kernel's own fp32 final state (capture asks every kernel for
+  it), for the state fidelity check, or ``None``;
 * ``cu_seqlens: [N + 1]`` for packed sequences (``B == 1``), or ``None`` (then ``N == B``).
 
 Tensors are stored in fp32 (the kernel's own dtype is kept in ``input_dtype``).
@@ -24,7 +29,7 @@ import torch
 
 __all__ = ["KernelCall", "TENSOR_FIELDS"]
 
-TENSOR_FIELDS = ("q", "k", "v", "beta", "g", "d", "initial_state", "o", "cu_seqlens")
+TENSOR_FIELDS = ("q", "k", "v", "beta", "g", "d", "write_key", "initial_state", "o", "final_state", "cu_seqlens")
 
 
 @dataclass
@@ -43,7 +48,9 @@ class KernelCall:
     scale: float
     g: torch.Tensor | None = None
     d: torch.Tensor | None = None
+    write_key: torch.Tensor | None = None
     initial_state: torch.Tensor | None = None
+    final_state: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     input_dtype: str = "float32"
     flags: dict = field(default_factory=dict)

@@ -4,7 +4,13 @@ Theorem D.7 (and Corollary A.2) assume unit keys, ``β_t ∈ (0, 1)``, ``d_t`` i
 ``[d_min, d_max]^K``, no state decay, and they say nothing about tokens whose residual is zero. For
 every (layer, head) the audit records, over the finite tokens:
 
-* ``max_unit_dev`` — ``max |‖k_t‖² − 1|`` (keys as the state update reads them);
+* ``max_unit_dev`` — ``max |‖k_t‖² − 1|`` over the keys exactly as the kernel read them: for fla's
+  chunk paths of a bf16 model these are bf16-rounded unit vectors, whose ``‖k‖²`` can sit ~4e-3 from 1
+  — near β = 1 that, not the model, sets ``q_t = (1 − β‖k‖²)²``;
+* ``keys_read_as`` and ``key_rounding_bound`` — the dtype(s) the kernel read its keys in and the
+  largest ``|‖k‖² − 1|`` that rounding a unit key to that dtype can cause, ``(1 + u)² − 1`` for the
+  dtype's unit roundoff ``u`` (7.8e-3 for bf16, 1.2e-7 for fp32); ``unit_keys`` allows that much on
+  top of ``unit_tol`` (``unit_keys_exact`` does not);
 * ``beta_min``, ``beta_max``;
 * ``d_min``, ``d_max`` of the write preconditioner (1 when the layer has none) and whether it stays
   inside the box;
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capture.kernel_inputs import unit_roundoff
 from ..capture.record import KernelCall
 
 __all__ = ["AuditAccumulator", "HeadAudit"]
@@ -38,6 +45,8 @@ class HeadAudit:
     n_zero_residual: int = 0
     n_newton_infeasible: int = 0
     decay: bool = False
+    key_rounding_bound: float = 0.0
+    keys_read_as: frozenset = frozenset()
 
     def merge(self, o: HeadAudit) -> None:
         self.n += o.n
@@ -47,16 +56,22 @@ class HeadAudit:
         self.n_zero_residual += o.n_zero_residual
         self.n_newton_infeasible += o.n_newton_infeasible
         self.decay = self.decay or o.decay
+        self.key_rounding_bound = max(self.key_rounding_bound, o.key_rounding_bound)
+        self.keys_read_as = self.keys_read_as | o.keys_read_as
 
     def as_dict(self, box: tuple[float, float], unit_tol: float) -> dict:
         lo, hi = box
-        unit = self.max_unit_dev <= unit_tol
+        exact = self.max_unit_dev <= unit_tol
+        unit = self.max_unit_dev <= unit_tol + self.key_rounding_bound
         beta_ok = 0 < self.beta_min and self.beta_max < 1
         d_ok = lo <= self.d_min and self.d_max <= hi
         return {
             "n": self.n,
             "max_unit_dev": self.max_unit_dev,
             "unit_keys": unit,
+            "unit_keys_exact": exact,
+            "keys_read_as": sorted(self.keys_read_as),
+            "key_rounding_bound": self.key_rounding_bound,
             "beta_min": self.beta_min,
             "beta_max": self.beta_max,
             "beta_in_open_unit_interval": beta_ok,
@@ -102,6 +117,8 @@ class AuditAccumulator:
             d = call.d.double()
             stats += [torch.where(ok[..., None], d, inf).amin((0, 1, 3)),
                       torch.where(ok[..., None], d, -inf).amax((0, 1, 3))]
+        read_as = str(call.flags.get("qk_read_as", "float32"))
+        rounding = (1.0 + unit_roundoff(read_as)) ** 2 - 1.0
         # One transfer for every head's numbers (reading them one by one would synchronise each time).
         rows = torch.stack(stats).cpu().T.tolist()
         for h, row in enumerate(rows):
@@ -118,6 +135,8 @@ class AuditAccumulator:
                 n_zero_residual=int(n_zero),
                 n_newton_infeasible=int(n_newton),
                 decay=call.g is not None,
+                key_rounding_bound=rounding,
+                keys_read_as=frozenset({read_as}),
             )
             self.heads.setdefault((call.layer, h), HeadAudit()).merge(audit)
 

@@ -4,7 +4,9 @@
 
 1. Fidelity: one fla layer per kernel family at the paper's 340M width (hidden 1024, 8 heads),
    T tokens, bf16 and fp32, chunk and fused-recurrent paths; the captured call is replayed with the
-   Triton backend and the relative output error against the kernel's own output is reported.
+   Triton backend and the relative output error against the kernel's own output is reported, with
+   the final-state error against the kernel's fp32 final state (and in units of the kernel's
+   working-precision rounding), and max |‖k‖² − 1| of the keys as the kernel read them.
 2. Overhead: forward time of the random 340M DeltaNet preset (bf16, 2 × T tokens) with and without
    capture (records kept in GPU memory).
 3. End to end: capture + replay + summary of the same model on 2 prompts × T tokens.
@@ -54,17 +56,25 @@ def fidelity(T: int, families=FAMILIES, dtypes=("bfloat16", "float32"), lengths=
                     with capture(layer, kernels="fla") as cap:
                         on = layer(x)[0]
                 call = cap.calls[0]
-                err = {}
+                err, res = {}, None
                 for backend in ("triton", "torch"):
-                    err[backend] = replay_call(call, backend=backend, tolerance=float("inf")).fidelity
+                    res = replay_call(call, backend=backend, tolerance=float("inf"))
+                    err[backend] = res.fidelity
+                k2 = call.k.double().square().sum(-1)
                 rows.append(
                     dict(layer=name, dtype=str(dtype).removeprefix("torch."), T=length, kernel=call.kernel,
                          identical=bool(torch.equal(on, off)), fidelity_triton=err["triton"],
-                         fidelity_torch=err["torch"])
+                         fidelity_torch=err["torch"],
+                         state_error=float("nan") if res.state_fidelity is None else res.state_fidelity,
+                         state_rounding_units=res.state_rounding_units or float("nan"),
+                         qk_read_as=call.flags.get("qk_read_as"),
+                         max_unit_dev=float((k2 - 1).abs().max()))
                 )
-                print(f"{name:24s} {rows[-1]['dtype']:9s} T={length:5d} {call.kernel:42s} "
-                      f"identical={rows[-1]['identical']!s:5s} err triton {err['triton']:.2e} torch {err['torch']:.2e}",
-                      flush=True)
+                r = rows[-1]
+                print(f"{name:24s} {r['dtype']:9s} T={length:5d} {call.kernel:42s} "
+                      f"identical={r['identical']!s:5s} err triton {err['triton']:.2e} torch {err['torch']:.2e} "
+                      f"state {r['state_error']:.2e} ({r['state_rounding_units']:.3g} units) "
+                      f"|k2-1| {r['max_unit_dev']:.1e} keys {r['qk_read_as']}", flush=True)
     return rows
 
 

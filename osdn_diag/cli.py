@@ -84,6 +84,11 @@ def _print_summary(summary: dict, run_dir) -> None:
     else:
         print(f"fidelity (replay vs kernel output, max relative error): "
               f"{summary['fidelity']['max_rel_error']:.2e}")
+        state = summary["fidelity"].get("state")
+        if state:
+            print(f"fidelity (replay vs the kernel's fp32 final state, max relative error): "
+                  f"{state['max_rel_error']:.2e} ({state['max_rounding_units']:.2g} units of the "
+                  "kernel's working-precision rounding)")
     if summary.get("excluded_nonfinite"):
         print(f"excluded (non-finite inputs): {summary['excluded_nonfinite']:,} tokens")
 

@@ -72,10 +72,14 @@ STATE_TOLERANCE = {"float32": 1e-4, "tfloat32": 5e-2, "float16": 5e-2, "bfloat16
 
 def working_precision(call: KernelCall) -> str:
     """The precision the kernel's recurrence computed in: ``"float32"`` for the fused recurrent kernels
-    (registers) and the reference stand-in, the input dtype for fla's chunk paths with 16-bit inputs,
+    (registers) and the reference stand-in, the input dtype for fla's chunk paths with 16-bit inputs
+    (and for the naive precond path, which holds its state in that dtype),
     ``"tfloat32"`` for fla's chunk paths with fp32 inputs on a GPU (tf32 dot products)."""
-    if call.flags.get("kernels") != "fla" or call.flags.get("path", "chunk") != "chunk":
+    path = call.flags.get("path", "chunk")
+    if call.flags.get("kernels") != "fla" or path == "fused_recurrent":
         return "float32"
+    if path == "naive":  # fla's torch reference holds its state in v's dtype
+        return call.input_dtype if call.input_dtype in ("bfloat16", "float16") else "float32"
     if call.input_dtype in ("bfloat16", "float16"):
         return call.input_dtype
     return "tfloat32" if call.flags.get("device") == "cuda" else "float32"

@@ -52,3 +52,25 @@ def test_nonfinite_tokens_are_not_audited():
     acc = AuditAccumulator()
     acc.add(_call(k, beta), torch.ones(1, 4, 1), ok)
     assert acc.summary()["beta_max"] == 0.5 and acc.summary()["n"] == 3
+
+
+def test_keys_count_as_unit_up_to_the_rounding_of_the_dtype_the_kernel_read_them_in():
+    """A bf16 chunk kernel reads bf16-rounded unit keys: ‖k‖² up to (1 + 2⁻⁸)² − 1 = 7.8e-3 from 1 is
+    rounding, not the model; the same deviation in keys read in fp32 is not."""
+    k = torch.zeros(1, 4, 1, 4)
+    k[..., 0] = (1 + 3e-3) ** 0.5  # ‖k‖² = 1.003: within bf16 rounding, far outside fp32's
+    beta = torch.full((1, 4, 1), 0.5)
+    loss, ok = torch.ones(1, 4, 1), torch.ones(1, 4, 1, dtype=torch.bool)
+    bf16_bound = (1 + 2.0**-8) ** 2 - 1
+    for read_as, unit, bound in (("bfloat16", True, bf16_bound), ("float32", False, (1 + 2.0**-24) ** 2 - 1)):
+        call = _call(k, beta)
+        call.flags["qk_read_as"] = read_as
+        acc = AuditAccumulator(unit_tol=1e-3)
+        acc.add(call, loss, ok)
+        s = acc.summary()
+        assert abs(s["max_unit_dev"] - 3e-3) < 1e-6
+        assert s["keys_read_as"] == [read_as]
+        assert s["key_rounding_bound"] == bound
+        assert s["unit_keys"] is unit and s["unit_keys_exact"] is False
+        assert s["theorem_d7_hypotheses_hold"] is unit
+        assert s["by_layer"]["000"]["keys_read_as"] == [read_as]

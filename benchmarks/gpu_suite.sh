@@ -57,7 +57,8 @@ run_step() {
 for step in "${steps[@]}"; do
     case $step in
         tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/ops/test_phase1_parallel_kernel.py \
-                        tests/ops/test_phase1_kernel.py tests/layers/test_layers_gpu.py tests/ops ;;
+                        tests/ops/test_phase1_kernel.py tests/layers/test_layers_gpu.py tests/ops \
+                        tests/capture/test_kernel_exact_gpu.py ;;
         layers)     run_step layers 400 "$PY" benchmarks/bench_layers.py --profile --json "$OUT/layers.json" ;;
         phase1)     run_step phase1 200 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;
         replay)     run_step replay 240 bash -c '

@@ -3,7 +3,7 @@
 CI and the developers' machines have no GPU, but we still want to test "fla's kernel output equals our
 reference". Triton can execute ``@triton.jit`` kernels in Python/numpy when ``TRITON_INTERPRET=1`` is
 set *before* ``triton`` (and so ``fla``) is imported. fla 0.6.0 does not run there as shipped; this
-module patches the three places where it breaks, each at the narrowest point we found:
+module patches the four places where it breaks, each at the narrowest point we found:
 
 (a) **Autotuning.** fla wraps most kernels in ``triton.autotune`` (or its subclass
     ``fla.ops.utils.cache.CachedAutotuner``) with several configs. With more than one config left after
@@ -30,6 +30,13 @@ module patches the three places where it breaks, each at the narrowest point we 
     into kernel modules by name), and those names would call the compiled-mode builtin, which needs a
     ``_semantic`` argument and fails. We extend the interpreter's ``_patch_lang`` to also patch any
     Triton builtin bound to a name in the kernel's module globals, inside the same restorable scope.
+
+(d) **Rounding to bf16.** The interpreter casts fp32 to bf16 by dropping the low 16 bits (rounding
+    toward zero); compiled Triton on NVIDIA GPUs rounds to nearest, ties to even (``cvt.rn.bf16.f32``).
+    Every bf16 store of an fla kernel (``l2norm_fwd``'s normalised keys, the preconditioned write key)
+    would then differ from the GPU's by up to one bf16 ulp in half of its entries, and capture's
+    record of what a bf16 kernel read could not be checked on a CPU. We make the interpreter's fp32 →
+    bf16 cast round to nearest even, as the GPU and torch do (NaN stays NaN).
 
 Nothing here is needed, or called, on a real GPU: :func:`enable_fla_interpreter` refuses to run unless
 ``TRITON_INTERPRET=1``, and every patch applies to interpreter-only code paths
@@ -241,6 +248,40 @@ def _patch_builtin_aliases():
     interpreter._patch_lang = _patch_lang
 
 
+# --- (d) fp32 -> bf16 rounds to nearest even ----------------------------------------------------
+
+
+def f32_to_bf16_bits(x):
+    """fp32 values (numpy) to bf16 bit patterns (``uint16``), rounded to nearest, ties to even."""
+    import numpy as np
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32).astype(np.uint64)  # no wrap-around while adding the rounding bias
+    out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():  # a quiet NaN of the same sign (the bias could carry a NaN's payload into inf)
+        out[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+    return out
+
+
+def _patch_bf16_rounding():
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.cast_impl
+    if getattr(original, "_osdn_interpret", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(f32_to_bf16_bits(src.data), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    cast_impl._osdn_interpret = True
+    cast_impl.__wrapped__ = original
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
 def enable_fla_interpreter() -> None:
     """Make fla 0.6.0's Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``).
 
@@ -255,4 +296,5 @@ def enable_fla_interpreter() -> None:
     _patch_autotuner()
     _patch_loop_variables()
     _patch_builtin_aliases()
+    _patch_bf16_rounding()
     _ENABLED = True

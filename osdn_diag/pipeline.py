@@ -295,12 +295,14 @@ def recall_table(manifest: dict) -> dict[str, dict]:
 
 
 def _tokenizer(directory: Path | None):
-    """The model directory's own tokenizer, from local files only; ``None`` when it has none."""
+    """The model directory's own tokenizer, from local files only and never with the directory's own
+    code (:func:`~osdn_diag.models.load_model` has refused an ``auto_map`` already); ``None`` when it
+    has none."""
     if directory is None or not any(directory.glob("tokenizer*")):
         return None
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     return lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
 

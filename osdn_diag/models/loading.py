@@ -1,7 +1,9 @@
 """Resolve a MODEL argument to an fla causal LM.
 
 * ``DIR`` — a local Hugging Face directory of an fla model: ``config.json`` plus ``*.safetensors``
-  weights (never a pickle: ``.bin`` checkpoints are refused). Nothing is downloaded. The weights
+  weights (never a pickle: ``.bin`` checkpoints are refused). Nothing is downloaded, and no code from
+  the directory is run: a ``config.json`` or ``tokenizer_config.json`` with an ``auto_map``, or a
+  ``model_type`` that neither transformers, fla nor this package provides, is refused. The weights
   must match the model exactly: a tensor missing from the file, one the model does not have, or one
   of another shape is an error, not a silently random parameter.
 * ``random:PRESET`` — a randomly initialised model of a named shape (:data:`PRESETS`), seeded, for
@@ -108,6 +110,7 @@ def load_model(
                 f"MODEL {spec!r}: expected a Hugging Face model directory with config.json "
                 "(or random:PRESET)"
             )
+        config = _refuse_remote_code(spec, directory)
         if not list(directory.glob("*.safetensors")):
             pickles = [p.name for p in directory.glob("*.bin")] + [p.name for p in directory.glob("*.pt")]
             hint = f" (found {', '.join(pickles)}: pickled weights are not loaded)" if pickles else ""
@@ -116,11 +119,10 @@ def load_model(
         # we turn into our error) instead of raising its own, which names no tensor.
         model, info = AutoModelForCausalLM.from_pretrained(
             directory, use_safetensors=True, local_files_only=True, dtype=dtype,
-            output_loading_info=True, ignore_mismatched_sizes=True,
+            trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True,
         )
         _check_loading_info(spec, directory, info)
         source = "builtin" if builtin else "directory"
-        config = json.loads((directory / "config.json").read_text())
     if device_map is None:
         model = model.to(device=device, dtype=dtype)
     else:
@@ -128,6 +130,39 @@ def load_model(
     model = model.eval()
     cfg = model.config.to_dict() if source == "random" else config
     return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory)
+
+
+def _refuse_remote_code(spec: str, directory: Path) -> dict:
+    """``directory``'s config.json, after checking that loading it runs no code of its own: no
+    ``auto_map`` (in config.json or tokenizer_config.json) and a ``model_type`` that transformers, fla
+    or this package registers (fla and :func:`register` must have run). Reads JSON only."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    what = ("; osdn-diag never runs code from a model directory: use a checkpoint of an architecture "
+            "that transformers, fla or osdn-diag provides")
+    config = _read_json(spec, directory / "config.json")
+    for name, data in (("config.json", config),
+                       ("tokenizer_config.json", _read_json(spec, directory / "tokenizer_config.json"))):
+        if isinstance(data, dict) and data.get("auto_map"):
+            classes = data["auto_map"]
+            listed = ", ".join(map(str, classes.values() if isinstance(classes, dict) else classes))
+            raise ValueError(f"MODEL {spec!r}: {directory / name} asks for custom code (auto_map: "
+                             f"{listed}){what} (if its model_type is one, delete auto_map)")
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"MODEL {spec!r}: {directory / 'config.json'} has model_type {model_type!r}, "
+                         f"which no installed library provides{what}")
+    return config
+
+
+def _read_json(spec: str, path: Path):
+    """``path`` parsed, or ``None`` if there is no such file."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"MODEL {spec!r}: {path} is not readable JSON ({err})") from err
 
 
 def _check_loading_info(spec: str, directory: Path, info: dict) -> None:

@@ -4,6 +4,8 @@
   (``from_pretrained`` would otherwise leave those parameters at their random initialisation, and a
   run on that model would look like a run on the checkpoint). Tied weights and non-persistent
   buffers, which a checkpoint does not hold, are not missing.
+* Code: a directory that asks for its own code (``auto_map`` in ``config.json``), or names a
+  ``model_type`` no installed library provides, is refused before anything from it is imported.
 
 Models are the ``random:deltanet-tiny`` preset saved to a temporary directory (tens of kB) and the
 built-ins.
@@ -125,3 +127,90 @@ def test_buffers_count_only_when_the_checkpoint_should_hold_them(saved, monkeypa
             load_model(str(saved))
     else:
         assert hasattr(load_model(str(saved)).model, "scratch")
+
+
+# --- no code from the model directory -------------------------------------------------------------
+
+EVIL = """
+from pathlib import Path
+Path({marker!r}).write_text("ran")
+from transformers import PretrainedConfig
+class EvilConfig(PretrainedConfig):
+    model_type = "evil"
+"""
+
+
+def _remote_code_dir(saved, tmp_path, **config_changes):
+    """``saved`` plus a ``modeling_evil.py`` that writes a marker file when imported."""
+    directory = tmp_path / "model"
+    shutil.copytree(saved, directory)
+    marker = tmp_path / "marker"
+    (directory / "modeling_evil.py").write_text(EVIL.format(marker=str(marker)))
+    config = json.loads((directory / "config.json").read_text())
+    config.update(config_changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory), marker
+
+
+AUTO_MAP = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+
+
+@pytest.mark.parametrize("model_type", ["evil", "delta_net"])
+def test_a_directory_asking_for_its_own_code_is_refused(saved, tmp_path, model_type):
+    spec, marker = _remote_code_dir(saved, tmp_path, model_type=model_type, auto_map=AUTO_MAP)
+    with pytest.raises(ValueError) as err:
+        load_model(spec)
+    msg = str(err.value)
+    assert msg.startswith(f"MODEL {spec!r}: ") and "\n" not in msg
+    assert "auto_map" in msg and "never" in msg
+    assert not marker.exists()
+
+
+def test_a_tokenizer_asking_for_its_own_code_is_refused(saved, tmp_path):
+    spec, marker = _remote_code_dir(saved, tmp_path)
+    (tmp_path / "model" / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["modeling_evil.EvilTokenizer", None]}}))
+    with pytest.raises(ValueError, match=r"^MODEL .*tokenizer_config\.json.*auto_map"):
+        load_model(spec)
+    assert not marker.exists()
+
+
+def test_an_unknown_model_type_is_refused(saved, tmp_path):
+    spec, marker = _remote_code_dir(saved, tmp_path, model_type="evil")
+    with pytest.raises(ValueError, match=r"^MODEL .*model_type 'evil'.*never"):
+        load_model(spec)
+    assert not marker.exists()
+
+
+def test_from_pretrained_is_never_asked_to_trust_remote_code(saved, monkeypatch):
+    """Every load in the package passes trust_remote_code=False explicitly."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    seen = []
+    for cls in (AutoModelForCausalLM, AutoTokenizer):
+        original = cls.from_pretrained
+
+        def spy(*args, _original=original, **kwargs):
+            seen.append(kwargs.get("trust_remote_code", "unset"))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", spy)
+    load_model(str(saved))
+    from osdn_diag.pipeline import _tokenizer
+
+    assert _tokenizer(_with_tokenizer(saved))("a b a") == [0, 1, 0]
+    assert seen == [False, False]
+
+
+def _with_tokenizer(saved):
+    """``saved`` plus a two-word tokenizer of its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    directory = saved.parent / "with-tokenizer"
+    if not directory.exists():
+        shutil.copytree(saved, directory)
+        tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(directory)
+    return directory

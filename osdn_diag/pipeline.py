@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ._atomic import atomic_path
+from ._atomic import atomic_path, remove_stale_temporaries
 from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
 from .replayer import CONTRACT_COLUMNS, Replayer
 
@@ -340,6 +340,8 @@ def replay_run(
                          "cannot be replayed again; capture the model again without --stream")
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     out_dir.mkdir(parents=True, exist_ok=True)
+    if ranks.is_main:  # the other ranks write only into residuals.parquet/, which rank 0 recreates
+        remove_stale_temporaries(out_dir)
     prompts = {int(p["id"]): p for p in reader.manifest.get("prompts", [])}
     replay_kw.setdefault("device", ranks.device())
     replayer = Replayer(prompts, **replay_kw)

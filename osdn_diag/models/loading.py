@@ -110,11 +110,11 @@ def load_model(
                 f"MODEL {spec!r}: expected a Hugging Face model directory with config.json "
                 "(or random:PRESET)"
             )
-        config = _refuse_remote_code(spec, directory)
         if not list(directory.glob("*.safetensors")):
             pickles = [p.name for p in directory.glob("*.bin")] + [p.name for p in directory.glob("*.pt")]
             hint = f" (found {', '.join(pickles)}: pickled weights are not loaded)" if pickles else ""
             raise FileNotFoundError(f"MODEL {spec!r}: no *.safetensors weights in {directory}{hint}")
+        config = _refuse_remote_code(spec, directory)
         # ignore_mismatched_sizes: transformers then reports a wrong shape in the loading info (which
         # we turn into our error) instead of raising its own, which names no tensor.
         model, info = AutoModelForCausalLM.from_pretrained(

@@ -81,7 +81,8 @@ def test_missing_tensors_are_named_and_counted(saved, tmp_path):
 
 def test_unexpected_tensors_are_named(saved, tmp_path):
     spec = _variant(saved, tmp_path, lambda t: t.update({"model.extra.weight": torch.zeros(3)}))
-    with pytest.raises(ValueError, match=r"^MODEL .*: 1 tensor in the file but not in the model \(model\.extra\.weight\)"):
+    unexpected = r"^MODEL .*: 1 tensor in the file but not in the model \(model\.extra\.weight\)"
+    with pytest.raises(ValueError, match=unexpected):
         load_model(spec)
 
 

@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "check_box",
     "check_cu_seqlens",
+    "check_cu_seqlens_layout",
     "check_finite",
     "check_shape",
     "check_tensor",
@@ -54,23 +55,47 @@ def check_box(d_min: float | None, d_max: float | None) -> None:
         raise ValueError(f"argument 'd_max': expected d_max >= d_min = {d_min}, got {d_max}")
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, total: int) -> list[int]:
-    """Validate fla-style packed offsets ``[0, t_1, ..., T]`` and return them as Python ints."""
+#: ``cu_seqlens`` dtypes: what fla and our kernels are run with (they load the offsets as integers).
+CU_SEQLENS_DTYPES = (torch.int32, torch.int64)
+
+
+def check_cu_seqlens_layout(
+    cu_seqlens: object, batch: int, device: torch.device | None = None
+) -> int:
+    """Check what can be checked of packed offsets without reading them: a 1-D int32/int64 tensor of at
+    least two entries, on ``device`` (if given; the kernels' tensors' device), with batch size 1.
+    Returns the number of sequences N. No device synchronisation."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise ValueError(
             "argument 'cu_seqlens': expected a 1-D integer tensor [0, t_1, ..., T], got "
             f"{type(cu_seqlens).__name__}"
         )
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in CU_SEQLENS_DTYPES:
         raise ValueError(
-            "argument 'cu_seqlens': expected a 1-D integer tensor [0, t_1, ..., T] with at least "
-            f"two entries, got shape {list(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
+            "argument 'cu_seqlens': expected a 1-D int32 or int64 tensor [0, t_1, ..., T] with at "
+            f"least two entries, got shape {list(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
+        )
+    if device is not None and cu_seqlens.device != torch.device(device):
+        # A kernel would read the offsets through a pointer into the wrong memory.
+        raise ValueError(
+            f"argument 'cu_seqlens': expected a tensor on {device} like the other inputs, got "
+            f"{cu_seqlens.device}; move it there (cu_seqlens.to({str(device)!r}))"
         )
     if batch != 1:
         raise ValueError(
             f"argument 'cu_seqlens': packed sequences need batch size 1 (got B = {batch}); "
             "concatenate the sequences along T"
         )
+    return cu_seqlens.numel() - 1
+
+
+def check_cu_seqlens(
+    cu_seqlens: object, batch: int, total: int, device: torch.device | None = None
+) -> list[int]:
+    """Validate fla-style packed offsets ``[0, t_1, ..., T]`` (:func:`check_cu_seqlens_layout`, then
+    non-decreasing from 0 to ``total``) and return them as Python ints. Reads the offsets: on a GPU
+    this waits for the work queued before it."""
+    check_cu_seqlens_layout(cu_seqlens, batch, device)
     offsets = [int(x) for x in cu_seqlens.tolist()]
     if offsets[0] != 0 or offsets[-1] != total or any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(

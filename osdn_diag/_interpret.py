@@ -54,7 +54,7 @@ import ast
 import os
 import warnings
 
-__all__ = ["enable_fla_interpreter", "REQUIRED_FLA", "MIN_TRITON"]
+__all__ = ["check_launchable", "enable_fla_interpreter", "REQUIRED_FLA", "MIN_TRITON"]
 
 REQUIRED_FLA = "0.6.0"
 MIN_TRITON = (3, 8)
@@ -298,3 +298,35 @@ def enable_fla_interpreter() -> None:
     _patch_builtin_aliases()
     _patch_bf16_rounding()
     _ENABLED = True
+
+
+def check_launchable(op: str, device, kernel=None) -> None:
+    """Refuse to launch ``op`` on CPU tensors unless Triton's interpreter will run it.
+
+    ``kernel``: one of the op's own ``@triton.jit`` kernels, which ``@triton.jit`` built for the
+    interpreter if and only if ``TRITON_INTERPRET=1`` was set when its module was imported; ``None``
+    for an op made of fla's kernels, which also need the fixes above (:func:`enable_fla_interpreter`,
+    which :func:`osdn_diag.runtime.prepare` calls). Without this, Triton fails deep inside the launch
+    ("0 active drivers", or "cpu tensor?" on a machine with a GPU). GPU tensors pass unchecked.
+    """
+    if getattr(device, "type", device) != "cpu":
+        return
+    if kernel is None:
+        ready = _ENABLED
+    else:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        ready = isinstance(kernel, InterpretedFunction)
+    if not ready and kernel is None and os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError(
+            f"{op}: fla's kernels need its interpreter fixes to run on CPU tensors; call "
+            "osdn_diag.runtime.prepare('cpu') (TRITON_INTERPRET=1 is set) before the op, or use the "
+            "reference in osdn_diag.math"
+        )
+    if not ready:
+        raise RuntimeError(
+            f"{op}: CPU tensors run only under Triton's interpreter, which is off in this process; "
+            "set TRITON_INTERPRET=1 in the environment, or call osdn_diag.runtime.prepare('cpu'), "
+            "before triton, fla or osdn_diag.ops is imported (or move the tensors to a GPU, or use "
+            "the reference in osdn_diag.math)"
+        )

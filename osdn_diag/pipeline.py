@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ._atomic import atomic_path
+from ._atomic import atomic_path, remove_stale_temporaries
 from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
 from .replayer import CONTRACT_COLUMNS, Replayer
 
@@ -295,12 +295,14 @@ def recall_table(manifest: dict) -> dict[str, dict]:
 
 
 def _tokenizer(directory: Path | None):
-    """The model directory's own tokenizer, from local files only; ``None`` when it has none."""
+    """The model directory's own tokenizer, from local files only and never with the directory's own
+    code (:func:`~osdn_diag.models.load_model` has refused an ``auto_map`` already); ``None`` when it
+    has none."""
     if directory is None or not any(directory.glob("tokenizer*")):
         return None
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
     return lambda text: tok(text, add_special_tokens=False)["input_ids"]
 
 
@@ -338,6 +340,8 @@ def replay_run(
                          "cannot be replayed again; capture the model again without --stream")
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     out_dir.mkdir(parents=True, exist_ok=True)
+    if ranks.is_main:  # the other ranks write only into residuals.parquet/, which rank 0 recreates
+        remove_stale_temporaries(out_dir)
     prompts = {int(p["id"]): p for p in reader.manifest.get("prompts", [])}
     replay_kw.setdefault("device", ranks.device())
     replayer = Replayer(prompts, **replay_kw)

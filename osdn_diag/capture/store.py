@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .._atomic import atomic_path, atomic_write_text
+from .._atomic import atomic_path, atomic_write_text, remove_stale_temporaries
 from .record import TENSOR_FIELDS, KernelCall
 
 __all__ = [
@@ -81,6 +81,10 @@ class CaptureWriter:
 
     def begin(self, manifest: dict) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Temporaries of a writer killed in an earlier run into this directory (no one else writes
+        # here now: begin runs before any shard of this run is written).
+        for directory in (self.run_dir, *sorted((self.run_dir / "capture").glob("batch_*"))):
+            remove_stale_temporaries(directory)
         self.manifest = {**manifest, "complete": False}
         atomic_write_text(self.run_dir / MANIFEST, json.dumps(self.manifest, indent=2))
 

@@ -42,7 +42,9 @@ class Phase1Result:
     d_final: torch.Tensor
 
 
-def _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens):
+def _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens, device=None):
+    """Check phase 1's arguments; return ``(offsets, N)``. ``device``: where ``cu_seqlens`` must be
+    (the kernels' callers pass the keys' device; the reference reads the offsets wherever they are)."""
     check_tensor("k", k)
     if k.dim() != 4:
         check_shape("k", k, [None] * 4, "[B, T, H, K]")
@@ -56,7 +58,7 @@ def _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens):
         raise ValueError(f"argument 'eta': expected a finite number >= 0, got {eta!r}")
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"argument 'eps': expected a number > 0, got {eps!r}")
-    offsets = [0, T] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+    offsets = [0, T] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, device)
     N = B if cu_seqlens is None else len(offsets) - 1
     if retention is not None:
         check_tensor("retention", retention)

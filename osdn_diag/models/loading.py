@@ -1,7 +1,11 @@
 """Resolve a MODEL argument to an fla causal LM.
 
 * ``DIR`` — a local Hugging Face directory of an fla model: ``config.json`` plus ``*.safetensors``
-  weights (never a pickle: ``.bin`` checkpoints are refused). Nothing is downloaded.
+  weights (never a pickle: ``.bin`` checkpoints are refused). Nothing is downloaded, and no code from
+  the directory is run: a ``config.json`` or ``tokenizer_config.json`` with an ``auto_map``, or a
+  ``model_type`` that neither transformers, fla nor this package provides, is refused. The weights
+  must match the model exactly: a tensor missing from the file, one the model does not have, or one
+  of another shape is an error, not a silently random parameter.
 * ``random:PRESET`` — a randomly initialised model of a named shape (:data:`PRESETS`), seeded, for
   benchmarks and tests.
 * ``builtin:NAME`` — a small trained model shipped with the package (:mod:`osdn_diag.models.builtin`).
@@ -110,11 +114,15 @@ def load_model(
             pickles = [p.name for p in directory.glob("*.bin")] + [p.name for p in directory.glob("*.pt")]
             hint = f" (found {', '.join(pickles)}: pickled weights are not loaded)" if pickles else ""
             raise FileNotFoundError(f"MODEL {spec!r}: no *.safetensors weights in {directory}{hint}")
-        model = AutoModelForCausalLM.from_pretrained(
-            directory, use_safetensors=True, local_files_only=True, dtype=dtype
+        config = _refuse_remote_code(spec, directory)
+        # ignore_mismatched_sizes: transformers then reports a wrong shape in the loading info (which
+        # we turn into our error) instead of raising its own, which names no tensor.
+        model, info = AutoModelForCausalLM.from_pretrained(
+            directory, use_safetensors=True, local_files_only=True, dtype=dtype,
+            trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True,
         )
+        _check_loading_info(spec, directory, info)
         source = "builtin" if builtin else "directory"
-        config = json.loads((directory / "config.json").read_text())
     if device_map is None:
         model = model.to(device=device, dtype=dtype)
     else:
@@ -122,6 +130,78 @@ def load_model(
     model = model.eval()
     cfg = model.config.to_dict() if source == "random" else config
     return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory)
+
+
+def _refuse_remote_code(spec: str, directory: Path) -> dict:
+    """``directory``'s config.json, after checking that loading it runs no code of its own: no
+    ``auto_map`` (in config.json or tokenizer_config.json) and a ``model_type`` that transformers, fla
+    or this package registers (fla and :func:`register` must have run). Reads JSON only."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    what = ("; osdn-diag never runs code from a model directory: use a checkpoint of an architecture "
+            "that transformers, fla or osdn-diag provides")
+    config = _read_json(spec, directory / "config.json")
+    for name, data in (("config.json", config),
+                       ("tokenizer_config.json", _read_json(spec, directory / "tokenizer_config.json"))):
+        if isinstance(data, dict) and data.get("auto_map"):
+            classes = data["auto_map"]
+            listed = ", ".join(map(str, classes.values() if isinstance(classes, dict) else classes))
+            raise ValueError(f"MODEL {spec!r}: {directory / name} asks for custom code (auto_map: "
+                             f"{listed}){what} (if its model_type is one, delete auto_map)")
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"MODEL {spec!r}: {directory / 'config.json'} has model_type {model_type!r}, "
+                         f"which no installed library provides{what}")
+    return config
+
+
+def _read_json(spec: str, path: Path):
+    """``path`` parsed, or ``None`` if there is no such file."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"MODEL {spec!r}: {path} is not readable JSON ({err})") from err
+
+
+def _check_loading_info(spec: str, directory: Path, info: dict) -> None:
+    """Refuse a checkpoint whose tensors are not exactly the model's (``from_pretrained``'s
+    ``output_loading_info``). Tied weights and non-persistent buffers are not in that report: the
+    former are filled from the tensor they share, the latter are not part of a state dict."""
+    problems = []
+    for key, label in (("missing_keys", "missing from the file"),
+                       ("unexpected_keys", "in the file but not in the model")):
+        names = sorted(info.get(key) or ())
+        if names:
+            problems.append(f"{_count(names)} {label} ({_few(names)})")
+    # transformers 5 reports (name, shape in the file, shape in the model).
+    shown = sorted(
+        f"{m[0]} {list(m[1])} in the file, {list(m[2])} in the model"
+        if isinstance(m, (tuple, list)) and len(m) == 3 else str(m)
+        for m in info.get("mismatched_keys") or ()
+    )
+    if shown:
+        problems.append(f"{_count(shown)} of the wrong shape ({_few(shown)})")
+    errors = [" ".join(str(e).split()) for e in info.get("error_msgs") or ()]
+    if errors:
+        problems.append(f"{len(errors)} loading error(s) ({_few(errors)})")
+    if problems:
+        raise ValueError(
+            f"MODEL {spec!r}: the *.safetensors weights in {directory} do not match the model its "
+            f"config.json describes: {'; '.join(problems)}; not loaded, since parameters without "
+            "their tensor would keep a random initialisation: use the weights saved with this config.json"
+        )
+
+
+def _count(names: list) -> str:
+    return f"{len(names)} tensor{'s' if len(names) != 1 else ''}"
+
+
+def _few(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names``, and how many more."""
+    more = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 DEVICE_MAPS = ("auto", "balanced", "sequential")

@@ -53,6 +53,9 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_cu_seqlens, check_cu_seqlens_layout
+from .._interpret import check_launchable
+
 __all__ = ["chunk_osdn", "ChunkOSDNFunction"]
 
 BT = 64
@@ -254,6 +257,7 @@ def chunk_osdn(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.LongTensor | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """OSDN / OSGDN phase 2, chunked, differentiable in every tensor argument.
 
@@ -265,10 +269,18 @@ def chunk_osdn(
         scale: read-out scale; ``None`` means ``K ** -0.5``.
         initial_state: ``[N, H, V, K]`` (our ``V×K`` convention, = fla's ``state_v_first=True``).
         output_final_state: return the ``[N, H, V, K]`` fp32 final state (else ``None``).
-        cu_seqlens: ``[N + 1]`` packed-sequence offsets (``B == 1``).
+        cu_seqlens: ``[N + 1]`` packed-sequence offsets ``[0, t_1, ..., T]`` (int32/int64, on the
+            inputs' device, ``B == 1``).
+        validate: also check that ``cu_seqlens`` runs from 0 to T without decreasing (it reads the
+            offsets, so it waits for the device); ``False`` for hot loops whose offsets are known
+            good. Its dtype, shape and device are checked either way: the kernels index memory
+            through it unchecked.
 
     Returns:
         ``(o [B, T, H, V], final_state [N, H, V, K] | None)``.
+
+    Raises ``RuntimeError`` for CPU tensors when fla's kernels cannot run under Triton's interpreter
+    (:func:`osdn_diag.runtime.prepare` was not called).
     """
     if q.dim() != 4 or k.shape != q.shape or write_key.shape != k.shape:
         raise ValueError(
@@ -284,17 +296,18 @@ def chunk_osdn(
         raise ValueError(f"g must be [B, T, H] = [{B}, {T}, {H}] (scalar log decay); got {tuple(g.shape)}")
     if K > 256:
         raise ValueError(f"K = {K}: fla's chunk state kernels support K <= 256")
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch size must be 1, got B = {B}")
-        N = len(cu_seqlens) - 1
-    else:
+    if cu_seqlens is None:
         N = B
+    elif validate:
+        N = len(check_cu_seqlens(cu_seqlens, B, T, k.device)) - 1
+    else:
+        N = check_cu_seqlens_layout(cu_seqlens, B, k.device)
     if initial_state is not None and initial_state.shape != (N, H, v.shape[-1], K):
         raise ValueError(
             f"initial_state must be [N, H, V, K] = [{N}, {H}, {v.shape[-1]}, {K}]; "
             f"got {tuple(initial_state.shape)}"
         )
+    check_launchable("chunk_osdn", k.device)
     if scale is None:
         scale = K**-0.5
     c = lambda x: None if x is None else x.contiguous()  # noqa: E731

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_box
+from .._checks import check_box, check_cu_seqlens_layout
+from .._interpret import check_launchable
 from ..math.phase1 import _validate
 from ._common import load_d0, sequence_bounds, step_size_terms
 from .phase1 import _contig, _d0_mode, _params, _ret_mode
@@ -158,10 +159,12 @@ def fused_recurrent_osdn(
         initial_state: ``[N, H, V, K]``; output_final_state: also return the final state.
         cu_seqlens: ``[N + 1]`` packed-sequence offsets (``B == 1``).
         return_trajectory: also return ``d_t`` for every token.
-        validate: run phase 1's argument checks (they synchronise with the device).
+        validate: run phase 1's argument checks (they synchronise with the device); ``False``
+            still checks ``cu_seqlens``' dtype, shape and device, not its values.
 
-    Returns a :class:`FusedRecurrentResult`. Raises ``RuntimeError`` when a gradient is required:
-    use the chunked path (``osdn_precondition`` + ``chunk_osdn``) to train.
+    Returns a :class:`FusedRecurrentResult`. Raises ``RuntimeError`` when a gradient is required
+    (use the chunked path, ``osdn_precondition`` + ``chunk_osdn``, to train), and for CPU tensors
+    when the kernel was not built for Triton's interpreter.
     """
     if torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, beta, g, retention, d0, initial_state)
@@ -173,7 +176,7 @@ def fused_recurrent_osdn(
     B, T, H, K = k.shape
     V = v.shape[-1]
     if validate:
-        _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens)
+        _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens, device=k.device)
         if q.shape != k.shape or v.shape[:3] != k.shape[:3]:
             raise ValueError(f"q, k must be [B, T, H, K] and v [B, T, H, V]; got {tuple(q.shape)}, "
                              f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -181,11 +184,16 @@ def fused_recurrent_osdn(
             raise ValueError(f"argument 'g': expected shape {tuple(beta.shape)}, got {tuple(g.shape)}")
         if K > MAX_K:
             raise ValueError(f"argument 'k': K <= {MAX_K} supported, got {K}")
-    elif d_min is not None:
-        check_box(d_min, d_max)
+    else:
+        if d_min is not None:
+            check_box(d_min, d_max)
+        if cu_seqlens is not None:
+            # Not its values (that would wait for the device), but what the kernel's pointer needs.
+            check_cu_seqlens_layout(cu_seqlens, B, k.device)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     if initial_state is not None and tuple(initial_state.shape) != (N, H, V, K):
         raise ValueError(f"argument 'initial_state': expected shape {(N, H, V, K)}, got {tuple(initial_state.shape)}")
+    check_launchable("fused_recurrent_osdn", k.device, fused_recurrent_osdn_fwd_kernel)
     scale = K ** -0.5 if scale is None else float(scale)
     dev = k.device
     q, k, v, beta, g, retention, d0, initial_state = map(_contig, (q, k, v, beta, g, retention, d0, initial_state))

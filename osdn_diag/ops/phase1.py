@@ -57,6 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import check_cu_seqlens_layout
+from .._interpret import check_launchable
 from ..math.phase1 import Phase1Result, _validate
 from ._common import load_d0, sequence_bounds, step_size_terms
 
@@ -501,15 +503,19 @@ def osdn_precondition(
     Extra argument:
         validate: run the reference's argument checks (shapes, finiteness, box, d0 inside the box).
             They read every input once and synchronise with the device; ``False`` skips them (hot
-            loops that already validated their inputs) — the kernel then trusts its inputs.
+            loops that already validated their inputs) — the kernel then trusts its inputs, except
+            for ``cu_seqlens``' dtype, shape and device, which are checked either way.
         method: the forward kernel — ``"sequential"`` (token by token), ``"parallel"`` (Picard
             rounds over whole sequences, :mod:`osdn_diag.ops.phase1_parallel`; not for fp64) or
             ``"auto"`` (:data:`AUTO_METHOD`). Both give the same trajectory up to rounding; the
             backward is the same reverse sweep over it.
+
+    Raises ``RuntimeError`` for CPU tensors when the kernels were not built for Triton's
+    interpreter (``TRITON_INTERPRET=1`` unset when this module was imported).
     """
     method = _resolve_method(method, k)
     if validate:
-        _, N = _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens)
+        _, N = _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens, device=k.device)
         if k.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise ValueError(f"argument 'k': expected fp16, bf16, fp32 or fp64, got {k.dtype}")
         if k.shape[-1] > MAX_K:
@@ -520,8 +526,12 @@ def osdn_precondition(
         for name, x in (("beta", beta), ("retention", retention), ("d0", d0), ("cu_seqlens", cu_seqlens)):
             if x is not None and x.device != k.device:
                 raise ValueError(f"argument {name!r}: expected a tensor on {k.device}, got {x.device}")
+    elif cu_seqlens is None:
+        N = k.shape[0]
     else:
-        N = k.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        # Not its values (that would wait for the device), but what the kernels' pointer needs.
+        N = check_cu_seqlens_layout(cu_seqlens, k.shape[0], k.device)
+    check_launchable("osdn_precondition", k.device, osdn_phase1_fwd_kernel)
     args = (N, eta, d_min, d_max, beta_aware, eps)
     tensors = (k, beta, retention, d0)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors):

@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import check_cu_seqlens
+from .._interpret import check_launchable
 from ._common import load_d0, sequence_bounds, step_size_terms
 from .phase1 import MAX_K, _contig, _d0_mode, _params, _ret_mode, sequential_fwd
 
@@ -328,11 +330,17 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
 
     Launches ``rounds`` rounds (those from ``emit_from``, default ``min(EMIT_FROM, rounds)``, on
     write ``k̃`` and may settle) and then the sequential kernel for the (sequence, head) pairs that
-    have not settled, without waiting for the GPU (variable lengths: one wait, for the longest
-    sequence).
+    have not settled, without waiting for the GPU (variable lengths: one wait, which reads and checks
+    the offsets and finds the longest sequence). ``N``: the number of sequences (``B``, or
+    ``len(cu_seqlens) - 1``).
     ``stats``, if given, waits and receives ``rounds`` (the most any settled pair took), ``settled``
     and ``sequential`` (how many pairs settled, how many the sequential kernel computed)."""
     B, T, H, K = k.shape
+    # The offsets are read here anyway (the longest sequence sizes the grid): check them in full.
+    offsets = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, k.device)
+    sequences = B if offsets is None else len(offsets) - 1
+    if N != sequences:
+        raise ValueError(f"argument 'N': expected the number of sequences, {sequences}, got {N}")
     if k.dtype == torch.float64:
         raise ValueError("argument 'k': the token-parallel kernel computes in fp32; fp64 keys need 'sequential'")
     if K > MAX_K:
@@ -343,9 +351,10 @@ def parallel_fwd(k, beta, retention, d0, cu_seqlens, N, eta, d_min, d_max, beta_
     if not 1 <= emit_from <= rounds:
         raise ValueError(f"argument 'emit_from': expected 1 <= emit_from <= rounds = {rounds}, "
                          f"got {emit_from}")
+    check_launchable("parallel_fwd", k.device, picard_sweep_kernel)
     k, beta, retention, d0 = map(_contig, (k, beta, retention, d0))
     dev = k.device
-    longest = T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if N else 0
+    longest = T if offsets is None else max(b - a for a, b in zip(offsets, offsets[1:]))
     NC = max(1, triton.cdiv(longest, chunk))
     wk = torch.empty_like(k)
     dt = torch.empty(B, T, H, K, dtype=torch.float32, device=dev) if store_d else None

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._checks import check_cu_seqlens
+from .._interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
 from ._common import sequence_bounds
 
@@ -133,10 +135,13 @@ def fused_replay(
     decay, ``V×K`` state), computed by the fused kernel in ``dtype`` (fp32 or fp64) on ``q``'s device.
 
     ``block_v`` (rows of the state per program) and ``num_warps`` override the launch configuration
-    (``benchmarks/bench_replay.py --sweep`` measures the choices)."""
+    (``benchmarks/bench_replay.py --sweep`` measures the choices). ``cu_seqlens`` is checked in
+    full (int32/int64 on ``q``'s device, 0 to T without decreasing) before the launch; CPU tensors
+    need the kernel built for Triton's interpreter (``RuntimeError`` otherwise)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    N = B if cu_seqlens is None else len(check_cu_seqlens(cu_seqlens, B, T, q.device)) - 1
+    check_launchable("fused_replay", q.device, _replay_kernel)
     cast = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
     q, k, v, beta, g, wk, h0 = map(cast, (q, k, v, beta, g, write_key, initial_state))
     alpha = None if g is None else g.exp()

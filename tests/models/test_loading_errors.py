@@ -1,0 +1,217 @@
+"""A model directory loads exactly what it holds, or not at all.
+
+* Weights: a ``model.safetensors`` with tensors missing, unexpected or of the wrong shape is refused
+  (``from_pretrained`` would otherwise leave those parameters at their random initialisation, and a
+  run on that model would look like a run on the checkpoint). Tied weights and non-persistent
+  buffers, which a checkpoint does not hold, are not missing.
+* Code: a directory that asks for its own code (``auto_map`` in ``config.json``), or names a
+  ``model_type`` no installed library provides, is refused before anything from it is imported.
+
+Models are the ``random:deltanet-tiny`` preset saved to a temporary directory (tens of kB) and the
+built-ins.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from osdn_diag.models import load_model
+
+PRESET = "random:deltanet-tiny"
+Q_PROJ = "model.layers.0.attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, fla_kernels):
+    """``random:deltanet-tiny`` saved by ``save_pretrained``: config.json and model.safetensors."""
+    directory = tmp_path_factory.mktemp("deltanet-tiny")
+    load_model(PRESET).model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def _tensors(directory):
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+def _variant(saved, tmp_path, edit):
+    """A copy of ``saved`` whose weights ``edit(tensors)`` has changed."""
+    from safetensors.torch import save_file
+
+    shutil.copy(saved / "config.json", tmp_path / "config.json")
+    tensors = _tensors(saved)
+    edit(tensors)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    return str(tmp_path)
+
+
+def test_a_saved_preset_loads_with_its_own_weights(saved):
+    loaded = load_model(str(saved))
+    want = _tensors(saved)
+    got = loaded.model.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+@pytest.mark.parametrize("name", ["mqar-deltanet", "mqar-osdn", "mqar-osdn-apf"])
+def test_the_builtins_still_load(name, fla_kernels):
+    assert load_model(f"builtin:{name}").source == "builtin"
+
+
+def test_missing_tensors_are_named_and_counted(saved, tmp_path):
+    def drop(tensors):
+        for name in [n for n in tensors if n.startswith("model.layers.1.")]:
+            del tensors[name]
+
+    spec = _variant(saved, tmp_path, drop)
+    dropped = sorted(n for n in _tensors(saved) if n.startswith("model.layers.1."))
+    with pytest.raises(ValueError) as err:
+        load_model(spec)
+    msg = str(err.value)
+    assert msg.startswith(f"MODEL {spec!r}: ") and "\n" not in msg
+    assert f"{len(dropped)} tensors missing from the file ({dropped[0]}, " in msg
+    assert f"and {len(dropped) - 3} more)" in msg  # a few names, then the count
+    assert "safetensors" in msg and "random" in msg
+
+
+def test_unexpected_tensors_are_named(saved, tmp_path):
+    spec = _variant(saved, tmp_path, lambda t: t.update({"model.extra.weight": torch.zeros(3)}))
+    unexpected = r"^MODEL .*: 1 tensor in the file but not in the model \(model\.extra\.weight\)"
+    with pytest.raises(ValueError, match=unexpected):
+        load_model(spec)
+
+
+def test_mismatched_shapes_are_named(saved, tmp_path):
+    spec = _variant(saved, tmp_path, lambda t: t.update({Q_PROJ: torch.zeros(3, 3)}))
+    with pytest.raises(ValueError) as err:
+        load_model(spec)
+    msg = str(err.value)
+    assert msg.startswith(f"MODEL {spec!r}: ") and "1 tensor of the wrong shape" in msg
+    assert f"{Q_PROJ} [3, 3] in the file, [64, 64] in the model" in msg
+
+
+def test_tied_weights_are_not_missing(saved, tmp_path, fla_kernels):
+    """With tied embeddings save_pretrained writes the shared matrix once (no lm_head.weight)."""
+    from fla.models import DeltaNetConfig
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((saved / "config.json").read_text())
+    config.pop("model_type", None)
+    model = AutoModelForCausalLM.from_config(DeltaNetConfig(**{**config, "tie_word_embeddings": True}))
+    assert model.lm_head.weight is model.model.embeddings.weight
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    assert "lm_head.weight" not in _tensors(tmp_path)
+    loaded = load_model(str(tmp_path)).model
+    assert loaded.lm_head.weight is loaded.model.embeddings.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_buffers_count_only_when_the_checkpoint_should_hold_them(saved, monkeypatch, persistent):
+    """A non-persistent buffer is not in a state dict, so not missing; a persistent one is."""
+    from fla.models import DeltaNetForCausalLM
+
+    init = DeltaNetForCausalLM.__init__
+
+    def with_buffer(self, config, *args, **kwargs):
+        init(self, config, *args, **kwargs)
+        self.register_buffer("scratch", torch.zeros(3), persistent=persistent)
+
+    monkeypatch.setattr(DeltaNetForCausalLM, "__init__", with_buffer)
+    if persistent:
+        with pytest.raises(ValueError, match=r"1 tensor missing from the file \(scratch\)"):
+            load_model(str(saved))
+    else:
+        assert hasattr(load_model(str(saved)).model, "scratch")
+
+
+# --- no code from the model directory -------------------------------------------------------------
+
+EVIL = """
+from pathlib import Path
+Path({marker!r}).write_text("ran")
+from transformers import PretrainedConfig
+class EvilConfig(PretrainedConfig):
+    model_type = "evil"
+"""
+
+
+def _remote_code_dir(saved, tmp_path, **config_changes):
+    """``saved`` plus a ``modeling_evil.py`` that writes a marker file when imported."""
+    directory = tmp_path / "model"
+    shutil.copytree(saved, directory)
+    marker = tmp_path / "marker"
+    (directory / "modeling_evil.py").write_text(EVIL.format(marker=str(marker)))
+    config = json.loads((directory / "config.json").read_text())
+    config.update(config_changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory), marker
+
+
+AUTO_MAP = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+
+
+@pytest.mark.parametrize("model_type", ["evil", "delta_net"])
+def test_a_directory_asking_for_its_own_code_is_refused(saved, tmp_path, model_type):
+    spec, marker = _remote_code_dir(saved, tmp_path, model_type=model_type, auto_map=AUTO_MAP)
+    with pytest.raises(ValueError) as err:
+        load_model(spec)
+    msg = str(err.value)
+    assert msg.startswith(f"MODEL {spec!r}: ") and "\n" not in msg
+    assert "auto_map" in msg and "never" in msg
+    assert not marker.exists()
+
+
+def test_a_tokenizer_asking_for_its_own_code_is_refused(saved, tmp_path):
+    spec, marker = _remote_code_dir(saved, tmp_path)
+    (tmp_path / "model" / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["modeling_evil.EvilTokenizer", None]}}))
+    with pytest.raises(ValueError, match=r"^MODEL .*tokenizer_config\.json.*auto_map"):
+        load_model(spec)
+    assert not marker.exists()
+
+
+def test_an_unknown_model_type_is_refused(saved, tmp_path):
+    spec, marker = _remote_code_dir(saved, tmp_path, model_type="evil")
+    with pytest.raises(ValueError, match=r"^MODEL .*model_type 'evil'.*never"):
+        load_model(spec)
+    assert not marker.exists()
+
+
+def test_from_pretrained_is_never_asked_to_trust_remote_code(saved, monkeypatch):
+    """Every load in the package passes trust_remote_code=False explicitly."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    seen = []
+    for cls in (AutoModelForCausalLM, AutoTokenizer):
+        original = cls.from_pretrained
+
+        def spy(*args, _original=original, **kwargs):
+            seen.append(kwargs.get("trust_remote_code", "unset"))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", spy)
+    load_model(str(saved))
+    from osdn_diag.pipeline import _tokenizer
+
+    assert _tokenizer(_with_tokenizer(saved))("a b a") == [0, 1, 0]
+    assert seen == [False, False]
+
+
+def _with_tokenizer(saved):
+    """``saved`` plus a two-word tokenizer of its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    directory = saved.parent / "with-tokenizer"
+    if not directory.exists():
+        shutil.copytree(saved, directory)
+        tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(directory)
+    return directory

@@ -1,0 +1,141 @@
+"""Files written all at once (:mod:`osdn_diag._atomic`): readable by whoever the umask lets read them,
+on disk before they get their name, and no temporaries left behind by a killed writer once the run
+directory is opened again."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from osdn_diag._atomic import atomic_path, atomic_write_text, remove_stale_temporaries
+
+
+@pytest.fixture
+def umask():
+    """``umask(value)`` sets the process umask for the test; the old one is restored afterwards."""
+    old = os.umask(0o022)
+    os.umask(old)
+    yield lambda value: os.umask(value)
+    os.umask(old)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.parametrize(("mask", "mode"), [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600), (0o002, 0o664)])
+def test_the_file_gets_the_mode_open_would_give_it(tmp_path, umask, mask, mode):
+    umask(mask)
+    atomic_write_text(tmp_path / "a.json", "{}")
+    with open(tmp_path / "plain.json", "w") as fh:  # what a plain open() gives, for comparison
+        fh.write("{}")
+    assert _mode(tmp_path / "a.json") == mode == _mode(tmp_path / "plain.json")
+    with atomic_path(tmp_path / "b.bin") as tmp:
+        Path(tmp).write_bytes(b"x")  # writers that open the temporary by name keep its mode
+    assert _mode(tmp_path / "b.bin") == mode
+
+
+def test_the_file_is_synced_before_its_rename_and_the_directory_after(tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd):
+        events.append(("fsync", "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"))
+        fsync(fd)
+
+    def spy_replace(src, dst):
+        events.append(("replace", Path(dst).name))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(os, "replace", spy_replace)
+    atomic_write_text(tmp_path / "a.json", "{}")
+    assert events == [("fsync", "file"), ("replace", "a.json"), ("fsync", "dir")]
+    assert (tmp_path / "a.json").read_text() == "{}"
+
+
+def test_a_directory_that_cannot_be_synced_is_no_error(tmp_path, monkeypatch):
+    """Some file systems refuse fsync on a directory: the file is in place all the same."""
+    fsync = os.fsync
+
+    def refuse_dirs(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(22, "Invalid argument")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", refuse_dirs)
+    atomic_write_text(tmp_path / "a.json", "{}")
+    assert (tmp_path / "a.json").read_text() == "{}"
+
+
+def test_a_failed_write_leaves_neither_file_nor_temporary(tmp_path):
+    with pytest.raises(RuntimeError), atomic_path(tmp_path / "a.json") as tmp:
+        Path(tmp).write_text("half")
+        raise RuntimeError("writer failed")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
+    with atomic_path(tmp_path / "kept.json") as tmp:
+        Path(tmp).write_text("{}")
+        stale = Path(tmp)
+    stale.write_text("half")  # what a writer killed before the rename leaves: its temporary
+    old_style = tmp_path / ".summary.json.k3_x9a2q.tmp"  # tempfile.mkstemp's names, earlier versions
+    old_style.write_text("half")
+    keep = [tmp_path / n for n in (".hidden", ".x.tmp", "notes.tmp", "a.b.12345678.tmp", ".cfg.json.tmp")]
+    for path in keep:
+        path.write_text("mine")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / ".a.json.abcdefgh.tmp").write_text("half")  # other directories: not touched
+
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(removed) == sorted([stale, old_style])
+    assert not stale.exists() and not old_style.exists()
+    assert all(p.exists() for p in keep) and (tmp_path / "kept.json").exists()
+    assert (tmp_path / "sub" / ".a.json.abcdefgh.tmp").exists()
+    assert remove_stale_temporaries(tmp_path / "missing") == []
+
+
+def test_opening_a_run_directory_for_writing_removes_its_stale_temporaries(tmp_path):
+    """A capture killed mid-write left temporaries beside the manifest and among the shards; writing
+    into the directory again removes them (the reader never lists them, but they are dead weight and
+    look like data to a colleague)."""
+    from osdn_diag.capture.store import CaptureWriter
+
+    shards = tmp_path / "capture" / "batch_00000"
+    shards.mkdir(parents=True)
+    stale = [tmp_path / ".manifest.json.abcd1234.tmp", shards / ".layer_000.safetensors.abcd1234.tmp"]
+    for path in stale:
+        path.write_text("half")
+    CaptureWriter(tmp_path).begin({"versions": {}})
+    assert not any(p.exists() for p in stale)
+    assert (tmp_path / "manifest.json").is_file()
+
+
+def test_replaying_into_a_directory_removes_its_stale_temporaries(tmp_path, monkeypatch):
+    from osdn_diag import pipeline
+
+    stale = tmp_path / "out" / ".summary.json.abcd1234.tmp"
+    stale.parent.mkdir()
+    stale.write_text("half")
+
+    class Stop(Exception):
+        pass
+
+    class Reader:  # a complete run whose shards are never reached: only the preparation matters
+        manifest: dict = {}
+
+        def __init__(self, run_dir):
+            pass
+
+        def shards(self):
+            raise Stop
+
+    monkeypatch.setattr(pipeline, "CaptureReader", Reader)
+    monkeypatch.setattr(pipeline, "Replayer", lambda *a, **k: None)
+    with pytest.raises(Stop):
+        pipeline.replay_run(tmp_path / "run", out_dir=tmp_path / "out", progress=False, device="cpu")
+    assert not stale.exists()

@@ -70,10 +70,13 @@ def require_stage(run_dir: str | os.PathLike, manifest: dict, stage: str) -> Non
     if stage == "capture":
         raise IncompleteRunError(f"{path}: the capture is incomplete (stages.capture is not true): the run "
                                  "that wrote it was interrupted or failed; run it again")
-    if manifest.get("counterfactual") or manifest.get("capture_stored") is False or stage != "replay":
+    if (manifest.get("counterfactual") or manifest.get("capture_stored") is False or stage != "replay"
+            or not stage_done(manifest, "capture")):
         again = "run it again"
     else:
         again = f"run `osdn-diag replay {run_dir}` (its capture is complete)"
+    if stage not in manifest.get("stages", {}):
+        raise IncompleteRunError(f"{path}: the run has no {stage} stage yet; {again}")
     raise IncompleteRunError(f"{path}: {stage} did not finish (stages.{stage} is not true): the command "
                              f"was interrupted or failed, and its results are not this run's; {again}")
 

@@ -44,6 +44,12 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
         raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
     summary = json.loads(path.read_text())
     check_table_run_ids(run_dir, manifest, summary)
+    if manifest.get("shards") and (run_dir / "capture").is_dir():
+        # The capture the tables came from is still the one the manifest lists (names and sizes here;
+        # the d plot hashes the shards it reads). A deleted capture/ is a run without one, not damage.
+        from ..capture.store import CaptureReader
+
+        CaptureReader(run_dir)
     return manifest, summary
 
 
@@ -187,7 +193,7 @@ def _d_trajectory_plot(paths, names, manifests, target: Path, head: tuple[int, i
         transform = None
         if manifest.get("counterfactual"):
             path, transform = Path(manifest["source_run"]), WhatIf(**manifest["what_if"])
-        elif manifest.get("capture_stored") is False or not manifest.get("shards") or not any(
+        elif manifest.get("capture_stored") is False or not (path / "capture").is_dir() or not any(
                 layer.get("has_d") for layer in manifest.get("layers", [])):
             continue
         reader = CaptureReader(path)

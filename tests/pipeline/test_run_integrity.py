@@ -16,6 +16,7 @@ import pytest
 from safetensors import safe_open
 
 from osdn_diag.cli import entry, main
+from osdn_diag.report.markdown import load_run
 
 MODEL = "random:deltanet-tiny"
 
@@ -53,11 +54,12 @@ def _one_line_error(argv, capsys) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two finished runs (4 prompts, seed 0; 2 prompts, seed 1) and a `capture`-only one; tests copy
-    them before changing anything."""
+    """Two runs, captured and replayed (4 prompts, seed 0; 2 prompts, seed 1; no report, which takes
+    longer than the rest); tests copy them before changing anything."""
     root = tmp_path_factory.mktemp("runs")
-    assert main(_args(root / "four", 4)) == 0
-    assert main(_args(root / "two", 2, "--seed", "1")) == 0
+    for name, n, seed in (("four", 4, "0"), ("two", 2, "1")):
+        assert main(_args(root / name, n, "--seed", seed, command="capture")) == 0
+        assert main(["replay", str(root / name), "-q"]) == 0
     return root
 
 
@@ -192,18 +194,21 @@ def test_what_if_refuses_to_write_over_its_input(runs, tmp_path, capsys, where):
 # 6. replay of a directory without capture/.
 
 def test_replay_without_a_capture_says_why_and_leaves_the_tables(runs, tmp_path, capsys):
+    from osdn_diag.pipeline import stream_run
+    from osdn_diag.whatif import WhatIf, what_if_run
+
     stream = tmp_path / "stream"
-    assert main(_args(stream, 2, "--stream")) == 0
-    run = _copy(runs, "two", tmp_path)
-    assert main(["what-if", str(run), "--out", str(tmp_path / "wi"), "-q", "--eta", "0.1"]) == 0
+    stream_run(MODEL, "random", stream, num_prompts=2, length=16, progress=False)
+    what_if = what_if_run(runs / "two", WhatIf(eta=0.1), out_dir=tmp_path / "wi", progress=False)
     deleted = shutil.copytree(runs / "two", tmp_path / "deleted")
     shutil.rmtree(deleted / "capture")
-    for directory, why in ((stream, "--stream"), (tmp_path / "wi", "what-if"), (deleted, "deleted")):
+    for directory, why in ((stream, "--stream"), (what_if, "what-if"), (deleted, "deleted")):
         before = _files(directory)
         err = _one_line_error(["replay", str(directory), "-q"], capsys)
         assert why in err and "untouched" in err, err
         assert _files(directory) == before
-        assert main(["report", str(directory)]) == 0  # and the results still report
+        load_run(directory)  # and the results are still the run's (what `report` checks)
+    assert main(["report", str(deleted)]) == 0
 
 
 # 7. A failed command leaves a finished run alone.
@@ -220,7 +225,7 @@ def test_a_failed_command_does_not_touch_a_finished_run(runs, tmp_path, capsys, 
     err = _one_line_error(argv, capsys)
     assert f"{bad}:2" in err
     assert _files(run) == before
-    assert main(["report", str(run)]) == 0
+    load_run(run)  # the results are still the run's: `report` takes them
 
 
 # 10. No prompts.

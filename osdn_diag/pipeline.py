@@ -386,12 +386,30 @@ def replay_run(
     replayer = Replayer(prompts, **replay_kw)
     shards = [p for p in reader.shards() if ranks.owns(int(p.parent.name.removeprefix("batch_")))]
     with _residuals_writer(out_dir, replayer.schema, ranks, run_id) as residuals:
-        for path in _progress(shards, len(shards), progress and ranks.is_main, "replay", "call"):
-            residuals.write(replayer.add(reader.load(path)))
+        for stored in _progress(_read_ahead(reader, shards), len(shards), progress and ranks.is_main, "replay",
+                                "call"):
+            residuals.write(replayer.add(stored))
     summary = _finish_replay(replayer, ranks, out_dir, reader.manifest.get("prompts", []), extra, run_id=run_id)
     if in_place and ranks.is_main:
         finish_stage(run_dir, reader.manifest, "replay")
     return summary
+
+
+def _read_ahead(reader: CaptureReader, paths: list[Path]) -> Iterator[StoredCall]:
+    """The shards, each read, hashed and checked on a thread while the one before it is replayed (file
+    reads and sha256 release the GIL), so that verifying the capture costs little wall time. At most
+    two shards are in memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not paths:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-reader") as pool:
+        pending = pool.submit(reader.load, paths[0])
+        for following in [*paths[1:], None]:
+            stored = pending.result()
+            if following is not None:
+                pending = pool.submit(reader.load, following)
+            yield stored
 
 
 def _with_run_id(schema: pa.Schema, run_id: str | None) -> pa.Schema:

@@ -38,11 +38,15 @@ __all__ = [
     "STAGES",
     "RunDirectoryError",
     "check_table_run_ids",
+    "existing_run_files",
     "finish_stage",
     "new_run_id",
+    "out_inside_input",
     "prepare_output",
     "sha256_file",
+    "stage_done",
     "start_stage",
+    "table_run_ids",
 ]
 
 MANIFEST = "manifest.json"

@@ -38,6 +38,7 @@ __all__ = [
     "StoredCall",
     "atomic_write_text",
     "read_manifest",
+    "require_stage",
     "to_device",
 ]
 

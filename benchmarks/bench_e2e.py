@@ -110,7 +110,9 @@ class _StageTimers:
 def _one(mode: str, loaded, out: str, a, ranks, progress=False) -> dict:
     from osdn_diag.pipeline import capture_run, replay_run, stream_run
 
-    common = dict(num_prompts=a.prompts, length=a.T, batch_size=a.batch_size, seed=0, progress=progress)
+    # The benchmark's own scratch directories (``--dir`` may be reused from an earlier invocation).
+    common = dict(num_prompts=a.prompts, length=a.T, batch_size=a.batch_size, seed=0, progress=progress,
+                  overwrite=True)
     if mode == "stream":
         return stream_run(loaded, "random", out, **common)
     capture_run(loaded, "random", out, **common)

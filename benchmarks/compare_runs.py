@@ -2,8 +2,8 @@
 
     python benchmarks/compare_runs.py RUN_A RUN_B [--rtol 0] [--atol 0]
 
-Compares every number of ``summary.json`` (largest relative difference, and where; ``world_size``,
-which says how the run was made, is left out) and the rows of ``residuals.parquet`` (sorted by
+Compares every number of ``summary.json`` (largest relative difference, and where; ``world_size``
+and ``run_id``, which say how and when the run was made, are left out) and the rows of ``residuals.parquet`` (sorted by
 prompt, layer, head, position; a partitioned table from ``torchrun`` reads as one). Differences of at
 most ``--atol`` count as none (a solver's certificate near 0 moves with summation order). Exit status
 0 when every difference is within ``--rtol`` (default 0: bitwise equal), 1 otherwise. Used to check
@@ -39,8 +39,8 @@ def _rel(a, b, atol: float) -> float:
     return 0.0 if abs(a - b) <= atol else abs(a - b) / max(abs(a), abs(b))
 
 
-#: summary keys that describe how a run was made rather than what it found
-NOT_RESULTS = ("world_size",)
+#: summary keys that describe how a run was made rather than what it found (every run has its own id)
+NOT_RESULTS = ("world_size", "run_id")
 
 
 def compare(run_a: Path, run_b: Path, atol: float = 0.0) -> dict:

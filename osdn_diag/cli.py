@@ -44,6 +44,7 @@ def _capture(args: argparse.Namespace):
         device=args.device, dtype=_torch_dtype(args.dtype), kernels=args.kernels,
         batch_size=args.batch_size, twice=args.twice, num_prompts=args.num_prompts,
         length=args.length, seed=args.seed, progress=not args.quiet, device_map=args.device_map,
+        overwrite=args.overwrite, then=("replay", "report") if args.command == "run" else (),
     )
 
 
@@ -69,7 +70,7 @@ def _stream(args: argparse.Namespace) -> dict:
         batch_size=args.batch_size, twice=args.twice, num_prompts=args.num_prompts,
         length=args.length, seed=args.seed, progress=not args.quiet, device_map=args.device_map,
         backend=args.backend, replay_dtype=torch.float64 if args.fp64 else torch.float32,
-        tolerance=args.tolerance, retained=args.retained,
+        tolerance=args.tolerance, retained=args.retained, overwrite=args.overwrite, then=("report",),
     )
 
 
@@ -141,6 +142,7 @@ def _cmd_what_if(args: argparse.Namespace) -> int:
     out = what_if_run(
         args.dir, settings, out_dir=args.out, backend=args.backend,
         dtype=torch.float64 if args.fp64 else torch.float32, device=args.device, progress=not args.quiet,
+        overwrite=args.overwrite, then=("report",),
     )
     from .report.markdown import load_run
 
@@ -187,6 +189,9 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
                    help="a built-in suite (random, mqar, mqar-pair) or a JSONL file of "
                    "{input_ids|text, task} rows")
     p.add_argument("--out", required=True, metavar="DIR", help="the run directory to write")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run DIR already holds (its files are removed once MODEL and the "
+                   "prompts have loaded); without it such a DIR is refused")
     p.add_argument("--twice", action="store_true", help="repeat each context before its query (JRT)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts of a built-in suite (8)")
     p.add_argument("--length", type=int, default=512, help="tokens per prompt of a built-in suite (512)")
@@ -274,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="constant preconditioner retention r in [0, 1] (1: plain OSDN)")
     wi.add_argument("--beta-aware", action=argparse.BooleanOptionalAction, default=True,
                     help="β' = β (beta-aware, default) or β' = 1 (the paper's 1.3B form)")
-    wi.add_argument("--out", metavar="OUT", help="where to write (default: DIR/what-if_...)")
+    wi.add_argument("--out", metavar="OUT", help="where to write (default: DIR/what-if_...); not DIR itself")
+    wi.add_argument("--overwrite", action="store_true", help="replace the what-if run OUT already holds")
     wi.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
     wi.add_argument("--fp64", action="store_true", help="replay in fp64")
     _add_common(wi)

@@ -99,6 +99,7 @@ def run_demo(
         capture_run(
             spec, "mqar-pair", run_dir, device=device, num_prompts=num_prompts,
             length=4 * int(task["num_pairs"]), seed=seed, batch_size=num_prompts, progress=progress,
+            overwrite=True,  # the demo's own per-model directories: running the demo again replaces them
         )
         replay_run(run_dir, progress=progress, device=device)
         run_dirs.append(run_dir)

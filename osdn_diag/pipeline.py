@@ -22,6 +22,7 @@ import torch
 
 from ._atomic import atomic_path, remove_stale_temporaries
 from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
+from .rundir import RUN_ID_KEY, finish_stage, new_run_id, prepare_output, start_stage
 from .replayer import CONTRACT_COLUMNS, Replayer
 
 __all__ = [
@@ -94,9 +95,16 @@ def capture_run(
     seed: int = 0,
     progress: bool = True,
     device_map: str | dict | None = None,
+    overwrite: bool = False,
+    then: tuple[str, ...] = (),
 ) -> Path:
     """Load the model, run every prompt through it under :func:`osdn_diag.capture.capture`, and stream
-    the captured calls to ``out_dir/capture``. The manifest says ``"complete": true`` only at the end.
+    the captured calls to ``out_dir/capture``. The manifest says ``"complete": true`` only at the end,
+    and only if ``then`` (later stages the caller sets out to do, e.g. ``("replay", "report")``) is
+    empty; those stages mark it complete when they finish.
+
+    ``out_dir`` holding a run is refused unless ``overwrite`` (then its files are removed), and
+    either only once the model and the prompts have loaded (see :mod:`osdn_diag.rundir`).
 
     ``model_spec`` is a model spec (a directory, ``builtin:NAME``, ``random:PRESET``) or a model
     :func:`osdn_diag.models.load_model` already loaded (then its device and dtype are the defaults).
@@ -106,7 +114,7 @@ def capture_run(
     """
     session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
                               batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
-                              seed=seed, device_map=device_map)
+                              seed=seed, device_map=device_map, overwrite=overwrite, stages=("capture", *then))
     session.run(lambda stored: session.writer.write(stored.batch, stored.prompts, stored.call), progress)
     session.finish()
     return session.out_dir
@@ -128,6 +136,8 @@ def stream_run(
     progress: bool = True,
     device_map: str | dict | None = None,
     replay_dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
+    then: tuple[str, ...] = (),
     **replay_kw,
 ) -> dict:
     """Capture and replay in one pass, storing no capture: every call is replayed on the device as
@@ -138,32 +148,37 @@ def stream_run(
     :func:`capture_run` followed by :func:`replay_run`, without ``capture/`` (so neither ``replay``
     nor ``what-if`` can run on the directory later). Host memory stays bounded by one call's rows,
     and nothing is written to disk but the results. Arguments as for :func:`capture_run` (``dtype`` is
-    the model's), ``replay_dtype`` the replay's (fp32 or fp64), ``replay_kw`` as for
+    the model's), ``replay_dtype`` the replay's (fp32 or fp64), ``overwrite`` and ``then`` as for
+    :func:`capture_run` (the capture and replay stages finish together), ``replay_kw`` as for
     :func:`replay_run`. Returns the summary (``{}`` on ranks other than 0).
     """
     session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
                               batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
-                              seed=seed, stored=False, device_map=device_map)
+                              seed=seed, stored=False, device_map=device_map, overwrite=overwrite,
+                              stages=("capture", "replay", *then))
     replay_kw.setdefault("device", session.replay_device)
     replayer = Replayer({p.id: p.manifest_entry() for p in session.prompts}, dtype=replay_dtype, **replay_kw)
-    with _residuals_writer(session.out_dir, replayer.schema, session.ranks) as residuals:
+    with _residuals_writer(session.out_dir, replayer.schema, session.ranks, session.run_id) as residuals:
         def replay_now(stored: StoredCall) -> None:
             session.writer.layers.setdefault(stored.call.layer, layer_entry(stored.call))
             residuals.write(replayer.add(stored))
 
         session.run(replay_now, progress)
-    summary = _finish_replay(replayer, session.ranks, session.out_dir, session.manifest_prompts())
-    session.finish()
+    summary = _finish_replay(replayer, session.ranks, session.out_dir, session.manifest_prompts(),
+                             run_id=session.run_id)
+    session.finish(done=("capture", "replay"))
     return summary
 
 
 class _CaptureSession:
     """What :func:`capture_run` and :func:`stream_run` share: this rank's device and dtype, the model,
-    the prompts, the forward batches this rank owns, and the manifest (written incomplete at the
-    start, complete by :meth:`finish` once every rank is done)."""
+    the prompts, the forward batches this rank owns, and the manifest (written incomplete once the
+    model and the prompts have loaded, its stages marked done by :meth:`finish` once every rank is
+    done)."""
 
     def __init__(self, model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_size, twice,
-                 num_prompts, length, seed, stored: bool = True, device_map=None):
+                 num_prompts, length, seed, stored: bool = True, device_map=None, overwrite: bool = False,
+                 stages: tuple[str, ...] = ("capture",)):
         from . import distributed, runtime
         from .models import LoadedModel, load_model
         from .prompts import load_prompts
@@ -183,11 +198,6 @@ class _CaptureSession:
         self.out_dir = Path(out_dir)
         self.model_spec, self.kernels, self.batch_size = model_spec, kernels, batch_size
         self.twice, self.seed, self.stored = twice, seed, stored
-        self.writer = CaptureWriter(self.out_dir)
-        if self.ranks.is_main:
-            self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
-                               "prompts_source": prompts_spec, "capture_stored": stored})
-        self.ranks.barrier()
         self.loaded = preloaded or load_model(model_spec, device=self.device, dtype=self.dtype, seed=seed,
                                               device_map=device_map)
         # Inputs go where the embedding is; replay runs on the requested (or default) device, to which
@@ -199,6 +209,24 @@ class _CaptureSession:
             twice=twice, num_prompts=num_prompts, length=length, seed=seed,
         )
         self.hits: dict[int, tuple[int, int]] = {}  # prompt id -> (answers right, queries), recall prompts
+        # Only now, with the model and the prompts loaded, is an existing run in out_dir replaced: a
+        # command that fails on its inputs leaves it as it was. Rank 0 decides; every rank raises.
+        self.writer = CaptureWriter(self.out_dir, self.ranks.gather(new_run_id())[0])  # rank 0's id
+        self.run_id = self.writer.run_id
+        refusal = None
+        if self.ranks.is_main:
+            try:
+                prepare_output(self.out_dir, overwrite=overwrite)
+                self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
+                                   "prompts_source": prompts_spec, "capture_stored": stored}, stages)
+            except (ValueError, OSError) as err:
+                refusal = err
+        if self.ranks.world > 1:
+            message = self.ranks.gather(None if refusal is None else str(refusal))[0]
+            if message is not None and refusal is None:
+                raise ValueError(message)
+        if refusal is not None:
+            raise refusal
 
     def run(self, on_call, progress: bool) -> None:
         """Run this rank's forward batches under capture; hand every captured call to ``on_call`` (a
@@ -219,6 +247,8 @@ class _CaptureSession:
         for layers in self.ranks.gather(self.writer.layers):  # a rank may have had no batch
             for index, entry in layers.items():
                 self.writer.layers.setdefault(index, entry)
+        for shards in self.ranks.gather(self.writer.shards):
+            self.writer.shards.update(shards)
         for part in self.ranks.gather(self.hits):
             self.hits.update(part)
 
@@ -232,8 +262,8 @@ class _CaptureSession:
             entries.append(entry)
         return entries
 
-    def finish(self) -> None:
-        """Mark the manifest complete once every rank's files are on disk."""
+    def finish(self, done: tuple[str, ...] = ("capture",)) -> None:
+        """Mark the stages ``done`` in the manifest once every rank's files are on disk."""
         kernels_used = sorted({layer["flags"].get("kernels", self.kernels) for layer in self.writer.layers.values()})
         self.ranks.barrier()  # every rank's shards are on disk before the manifest says complete
         if self.ranks.is_main:
@@ -259,7 +289,8 @@ class _CaptureSession:
                     "kernels": kernels_used,
                     "batch_size": self.batch_size,
                     "world_size": self.ranks.world,
-                }
+                },
+                done,
             )
         self.ranks.barrier()  # and no rank goes on before it does
 
@@ -312,15 +343,22 @@ def replay_run(
     progress: bool = True,
     out_dir: str | os.PathLike | None = None,
     extra: dict | None = None,
+    run_id: str | None = None,
     **replay_kw,
 ) -> dict:
     """Replay every captured call of ``run_dir`` and write ``residuals.parquet`` and ``summary.json``.
 
+    Into ``run_dir`` itself (the default) this is the run's replay stage: the manifest says it has
+    started before any table is written and finished after the summary. A directory whose capture
+    cannot be replayed (see :class:`~osdn_diag.capture.store.CaptureReader`) is refused before
+    anything is written, its tables untouched.
+
     Args:
-        run_dir: a complete capture directory (``manifest.json`` with ``"complete": true``).
+        run_dir: a capture directory whose capture stage finished.
         progress: show a progress bar.
-        out_dir: where to write (default ``run_dir``).
+        out_dir: where to write (default ``run_dir``); its manifest, if it needs one, is the caller's.
         extra: entries added to the summary.
+        run_id: the run id the tables carry (default ``run_dir``'s; a what-if output's is its own).
         replay_kw: :class:`Replayer` options — ``backend`` (``"torch"``, ``"triton"`` or ``"auto"``:
             Triton on CUDA, torch otherwise), ``dtype`` (fp32 or fp64), ``device`` (default CUDA when
             available), ``tolerance`` (fidelity; default per kernel and dtype), ``transform`` (applied
@@ -335,27 +373,54 @@ def replay_run(
     ranks = distributed.current()
     run_dir = Path(run_dir)
     reader = CaptureReader(run_dir)
-    if reader.manifest.get("capture_stored") is False:
-        raise ValueError(f"{run_dir}: this run stored no capture (it was made with `run --stream`), so it "
-                         "cannot be replayed again; capture the model again without --stream")
-    out_dir = Path(out_dir) if out_dir is not None else run_dir
+    in_place = out_dir is None or Path(out_dir).resolve() == run_dir.resolve()
+    out_dir = run_dir if in_place else Path(out_dir)
+    run_id = run_id or reader.manifest.get("run_id")
     out_dir.mkdir(parents=True, exist_ok=True)
     if ranks.is_main:  # the other ranks write only into residuals.parquet/, which rank 0 recreates
         remove_stale_temporaries(out_dir)
+        if in_place:
+            start_stage(run_dir, reader.manifest, "replay")
     prompts = {int(p["id"]): p for p in reader.manifest.get("prompts", [])}
     replay_kw.setdefault("device", ranks.device())
     replayer = Replayer(prompts, **replay_kw)
     shards = [p for p in reader.shards() if ranks.owns(int(p.parent.name.removeprefix("batch_")))]
-    with _residuals_writer(out_dir, replayer.schema, ranks) as residuals:
-        for path in _progress(shards, len(shards), progress and ranks.is_main, "replay", "call"):
-            residuals.write(replayer.add(reader.load(path)))
-    return _finish_replay(replayer, ranks, out_dir, reader.manifest.get("prompts", []), extra)
+    with _residuals_writer(out_dir, replayer.schema, ranks, run_id) as residuals:
+        for stored in _progress(_read_ahead(reader, shards), len(shards), progress and ranks.is_main, "replay",
+                                "call"):
+            residuals.write(replayer.add(stored))
+    summary = _finish_replay(replayer, ranks, out_dir, reader.manifest.get("prompts", []), extra, run_id=run_id)
+    if in_place and ranks.is_main:
+        finish_stage(run_dir, reader.manifest, "replay")
+    return summary
+
+
+def _read_ahead(reader: CaptureReader, paths: list[Path]) -> Iterator[StoredCall]:
+    """The shards, each read, hashed and checked on a thread while the one before it is replayed (file
+    reads and sha256 release the GIL), so that verifying the capture costs little wall time. At most
+    two shards are in memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not paths:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-reader") as pool:
+        pending = pool.submit(reader.load, paths[0])
+        for following in [*paths[1:], None]:
+            stored = pending.result()
+            if following is not None:
+                pending = pool.submit(reader.load, following)
+            yield stored
+
+
+def _with_run_id(schema: pa.Schema, run_id: str | None) -> pa.Schema:
+    return schema if run_id is None else schema.with_metadata({**(schema.metadata or {}), RUN_ID_KEY: run_id})
 
 
 @contextmanager
-def _residuals_writer(out_dir: Path, schema: pa.Schema, ranks) -> Iterator[_ParquetEncoder]:
-    """``residuals.parquet``, written atomically; under several processes a directory with one
-    ``part-RRRRR.parquet`` per rank (read as one table)."""
+def _residuals_writer(out_dir: Path, schema: pa.Schema, ranks, run_id: str | None = None) -> Iterator[_ParquetEncoder]:
+    """``residuals.parquet``, written atomically, carrying ``run_id`` in its schema metadata; under
+    several processes a directory with one ``part-RRRRR.parquet`` per rank (read as one table)."""
+    schema = _with_run_id(schema, run_id)
     target = Path(out_dir) / RESIDUALS
     if ranks.world > 1:
         if ranks.is_main:
@@ -419,9 +484,9 @@ class _ParquetEncoder:
 
 
 def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: list[dict],
-                   extra: dict | None = None) -> dict:
+                   extra: dict | None = None, *, run_id: str | None = None) -> dict:
     """Reduce every rank's statistics on rank 0 and write ``comparator.parquet`` and ``summary.json``
-    there; returns the summary on rank 0, ``{}`` on the others."""
+    there, both carrying ``run_id``; returns the summary on rank 0, ``{}`` on the others."""
     states = ranks.gather(replayer.state())
     if not ranks.is_main:
         ranks.barrier()
@@ -432,8 +497,9 @@ def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: lis
         replayer.merge(other)
     comparator = replayer.comparator_table()
     if comparator is not None:
-        _atomic_parquet(comparator, out_dir / COMPARATOR)
-    summary = replayer.summary()
+        _atomic_parquet(comparator.replace_schema_metadata(_with_run_id(comparator.schema, run_id).metadata),
+                        out_dir / COMPARATOR)
+    summary = {"run_id": run_id, **replayer.summary()}
     recall = recall_table({"prompts": prompt_entries})
     if recall:
         summary["recall"] = recall

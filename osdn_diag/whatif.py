@@ -9,7 +9,6 @@ numbers answer "how would these writes contract under OSDN", not "what would an 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -17,8 +16,9 @@ from pathlib import Path
 import torch
 
 from .capture.record import KernelCall
-from .capture.store import atomic_write_text, read_manifest
+from .capture.store import CaptureReader
 from .math.phase1 import osdn_phase1
+from .rundir import RunDirectoryError, finish_stage, new_run_id, out_inside_input, prepare_output, start_stage
 
 __all__ = ["WhatIf", "what_if_run"]
 
@@ -61,25 +61,43 @@ def what_if_run(
     settings: WhatIf,
     *,
     out_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    then: tuple[str, ...] = (),
     **replay_kw,
 ) -> Path:
     """Replay ``run_dir``'s capture with the counterfactual preconditioner into ``out_dir``
     (default ``run_dir/<settings name>``), writing a manifest marked ``"counterfactual": true``,
-    ``residuals.parquet`` and ``summary.json``. Returns ``out_dir``."""
+    ``residuals.parquet`` and ``summary.json``. Returns ``out_dir``.
+
+    The output is a run of its own: a new run id, ``source_run`` and ``source_run_id`` naming what it
+    replayed, no capture, and the stages ``replay`` (plus ``then``, e.g. ``("report",)``). ``out_dir``
+    may not be ``run_dir`` or lie inside its files (``capture/``, ``plots/``, …); one that holds a run
+    is refused unless ``overwrite``. Both are checked, and ``run_dir``'s capture opened, before
+    anything is written."""
     from .pipeline import replay_run
 
     run_dir = Path(run_dir)
-    manifest = read_manifest(run_dir)
+    reader = CaptureReader(run_dir)  # refuses a run without a usable capture, naming why
     out = Path(out_dir) if out_dir is not None else run_dir / settings.name()
-    replay_run(run_dir, out_dir=out, transform=settings, tolerance=float("inf"),
-               extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
-    spec = manifest.get("model", {}).get("spec", "?")
+    if out_inside_input(run_dir, out):
+        raise RunDirectoryError(f"--out {out}: would write over the run {run_dir} that what-if reads; "
+                                "choose a directory outside it (the default is a new subdirectory of it)")
+    prepare_output(out, overwrite=overwrite)
+    source = reader.manifest
+    spec = source.get("model", {}).get("spec", "?")
     manifest = {
-        **manifest,
-        "model": {**manifest.get("model", {}), "spec": f"{spec} + OSDN d (what-if)"},
+        **{k: v for k, v in source.items() if k not in ("run_id", "shards", "stages", "complete")},
+        "run_id": new_run_id(),
+        "model": {**source.get("model", {}), "spec": f"{spec} + OSDN d (what-if)"},
         "counterfactual": True,
         "what_if": asdict(settings),
         "source_run": str(run_dir),
+        "source_run_id": reader.run_id,
     }
-    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2))
+    out.mkdir(parents=True, exist_ok=True)
+    manifest["stages"] = dict.fromkeys(("replay", *then), False)
+    start_stage(out, manifest, "replay")
+    replay_run(run_dir, out_dir=out, run_id=manifest["run_id"], transform=settings, tolerance=float("inf"),
+               extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
+    finish_stage(out, manifest, "replay")
     return out

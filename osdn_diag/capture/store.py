@@ -7,13 +7,16 @@ Layout of a run directory::
     DIR/capture/batch_BBBBB/layer_LLL.safetensors  one shard per (forward batch, layer call)
 
 A forward batch holds one or more prompts (``prompts`` in the shard's metadata lists them in the
-order of the call's sequences). Every file is written to a temporary name and renamed into place, so
-a crash never leaves a file that looks complete. Shards are loaded with safetensors only — nothing in
-a run directory is ever unpickled.
+order of the call's sequences; ``run_id`` names the run). The manifest lists every shard with its
+size and sha256 (``shards``), and the reader accepts exactly those files (see
+:mod:`osdn_diag.rundir`). Every file is written to a temporary name and renamed into place, so a crash
+never leaves a file that looks complete. Shards are loaded with safetensors only — nothing in a run
+directory is ever unpickled.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -21,10 +24,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
 from .._atomic import atomic_path, atomic_write_text, remove_stale_temporaries
+from ..rundir import MANIFEST, RunDirectoryError, finish_stage, new_run_id, sha256_file, stage_done
 from .record import TENSOR_FIELDS, KernelCall
 
 __all__ = [
@@ -34,27 +38,48 @@ __all__ = [
     "StoredCall",
     "atomic_write_text",
     "read_manifest",
+    "require_stage",
     "to_device",
 ]
 
-MANIFEST = "manifest.json"
 
 
 class IncompleteRunError(RuntimeError):
-    """A run directory whose manifest does not say ``"complete": true``."""
+    """A run directory whose stage a command needs did not finish."""
 
 
-def read_manifest(run_dir: str | os.PathLike, *, require_complete: bool = True) -> dict:
+def read_manifest(run_dir: str | os.PathLike) -> dict:
+    """The manifest of a run directory written by this version (one with a run id)."""
     path = Path(run_dir) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no manifest.json — is {run_dir} a capture directory?")
-    manifest = json.loads(path.read_text())
-    if require_complete and manifest.get("complete") is not True:
-        raise IncompleteRunError(
-            f"{path}: the capture is incomplete (\"complete\" is not true): the run that wrote it was "
-            "interrupted or failed; run it again"
-        )
+        raise FileNotFoundError(f"{path}: no manifest.json — is {run_dir} a run directory?")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); run it again") from None
+    if not isinstance(manifest, dict) or "run_id" not in manifest or "stages" not in manifest:
+        raise RunDirectoryError(f"{path}: no run id (written by an earlier osdn-diag, or not by "
+                                "osdn-diag): its files cannot be checked to belong together; run it again")
     return manifest
+
+
+def require_stage(run_dir: str | os.PathLike, manifest: dict, stage: str) -> None:
+    """Refuse a run whose ``stage`` did not finish, saying what to do."""
+    if stage_done(manifest, stage):
+        return
+    path = Path(run_dir) / MANIFEST
+    if stage == "capture":
+        raise IncompleteRunError(f"{path}: the capture is incomplete (stages.capture is not true): the run "
+                                 "that wrote it was interrupted or failed; run it again")
+    if (manifest.get("counterfactual") or manifest.get("capture_stored") is False or stage != "replay"
+            or not stage_done(manifest, "capture")):
+        again = "run it again"
+    else:
+        again = f"run `osdn-diag replay {run_dir}` (its capture is complete)"
+    if stage not in manifest.get("stages", {}):
+        raise IncompleteRunError(f"{path}: the run has no {stage} stage yet; {again}")
+    raise IncompleteRunError(f"{path}: {stage} did not finish (stages.{stage} is not true): the command "
+                             f"was interrupted or failed, and its results are not this run's; {again}")
 
 
 @dataclass
@@ -70,22 +95,29 @@ class CaptureWriter:
     """Streams captured calls to ``DIR/capture`` and keeps the manifest.
 
     Use as ``writer.begin(manifest)``, then ``writer.write(batch, prompts, call)`` for each call, then
-    ``writer.finish(extra)``, which rewrites the manifest with ``"complete": true``.
+    ``writer.finish(extra)``, which lists the shards in the manifest and marks the capture stage done.
+    ``run_id`` is the run's id (new by default; under several processes every rank's writer gets rank
+    0's); ``shards`` maps each shard this writer wrote to its sha256 and size.
     """
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, run_id: str | None = None):
         self.run_dir = Path(run_dir)
+        self.run_id = run_id or new_run_id()
         self.manifest: dict = {}
         self.layers: dict[int, dict] = {}
+        self.shards: dict[str, dict] = {}
         self._count: dict[tuple[int, int], int] = {}
 
-    def begin(self, manifest: dict) -> None:
+    def begin(self, manifest: dict, stages: tuple[str, ...] = ("capture",)) -> None:
+        """Write the manifest, not complete: ``stages`` are the stages the run sets out to do (the
+        capture and what follows it in the same command)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Temporaries of a writer killed in an earlier run into this directory (no one else writes
         # here now: begin runs before any shard of this run is written).
         for directory in (self.run_dir, *sorted((self.run_dir / "capture").glob("batch_*"))):
             remove_stale_temporaries(directory)
-        self.manifest = {**manifest, "complete": False}
+        self.manifest = {"run_id": self.run_id, **manifest, "stages": dict.fromkeys(stages, False),
+                         "complete": False}
         atomic_write_text(self.run_dir / MANIFEST, json.dumps(self.manifest, indent=2))
 
     def write(self, batch: int, prompts: list[int], call: KernelCall) -> Path:
@@ -94,17 +126,23 @@ class CaptureWriter:
         name = f"layer_{call.layer:03d}" + (f"_call{n}" if n else "") + ".safetensors"
         path = self.run_dir / "capture" / f"batch_{batch:05d}" / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"call": json.dumps(call.metadata()), "prompts": json.dumps(list(prompts))}
+        meta = {"call": json.dumps(call.metadata()), "prompts": json.dumps(list(prompts)), "run_id": self.run_id}
         with atomic_path(path) as tmp:
             save_file(call.tensors(), tmp, metadata=meta)
+            # Hashed before the rename, while the file just written is in the page cache: the
+            # manifest records exactly the bytes that take the shard's name.
+            entry = {"sha256": sha256_file(tmp), "size": os.path.getsize(tmp)}
+        self.shards[path.relative_to(self.run_dir).as_posix()] = entry
         self.layers.setdefault(call.layer, layer_entry(call))
         return path
 
-    def finish(self, extra: dict | None = None) -> None:
+    def finish(self, extra: dict | None = None, done: tuple[str, ...] = ("capture",)) -> None:
+        """Rewrite the manifest with ``extra``, the layers and the shards, and mark ``done`` finished
+        (complete if no other stage is set out)."""
         self.manifest.update(extra or {})
         self.manifest["layers"] = [self.layers[i] for i in sorted(self.layers)]
-        self.manifest["complete"] = True
-        atomic_write_text(self.run_dir / MANIFEST, json.dumps(self.manifest, indent=2))
+        self.manifest["shards"] = {name: self.shards[name] for name in sorted(self.shards)}
+        finish_stage(self.run_dir, self.manifest, *done)
 
 
 def layer_entry(call: KernelCall) -> dict:
@@ -125,35 +163,92 @@ def layer_entry(call: KernelCall) -> dict:
 
 
 class CaptureReader:
-    """Reads a run directory's capture back, shard by shard (never all at once)."""
+    """Reads a run directory's capture back, shard by shard (never all at once).
 
-    def __init__(self, run_dir: str | os.PathLike, *, require_complete: bool = True):
+    Opening it refuses, before anything is written anywhere, a directory whose capture cannot be
+    replayed — saying why: the run stored none (``--stream``), it is a what-if output, its capture did
+    not finish, was deleted, or is not the set of shards the manifest lists (a file missing, one more,
+    or a size that differs). :meth:`load` checks each shard's sha256 and run id as it reads it."""
+
+    def __init__(self, run_dir: str | os.PathLike):
         self.run_dir = Path(run_dir)
-        self.manifest = read_manifest(run_dir, require_complete=require_complete)
+        self.manifest = manifest = read_manifest(run_dir)
+        self.run_id: str = manifest["run_id"]
+        untouched = "its files are untouched"
+        if manifest.get("counterfactual"):
+            raise RunDirectoryError(
+                f"{run_dir}: a what-if output (a counterfactual replay of {manifest.get('source_run')}), "
+                f"which stores no capture of its own; {untouched}. Run what-if on the source run instead"
+            )
+        require_stage(run_dir, manifest, "capture")
+        if manifest.get("capture_stored") is False:
+            raise RunDirectoryError(
+                f"{run_dir}: this run stored no capture (it was made with `run --stream`), so it cannot be "
+                f"replayed again; {untouched}. Capture the model again without --stream"
+            )
+        self.expected: dict[str, dict] = manifest.get("shards", {})
+        root = self.run_dir / "capture"
+        if self.expected and not root.is_dir():
+            raise RunDirectoryError(
+                f"{root}: the capture was deleted (manifest.json lists {len(self.expected)} shards); "
+                f"{untouched}. Capture the model again to replay it"
+            )
+        found = {p.relative_to(self.run_dir).as_posix() for p in root.rglob("*")
+                 if p.is_file() or p.is_symlink()} if root.is_dir() else set()
+        for name in sorted(set(self.expected) - found):
+            raise RunDirectoryError(f"{self.run_dir / name}: missing (manifest.json lists it): the capture "
+                                    f"is damaged; {untouched}. Capture the model again")
+        for name in sorted(found - set(self.expected)):
+            raise RunDirectoryError(f"{self.run_dir / name}: not part of this run (manifest.json does not "
+                                    f"list it); remove it, or capture again; {untouched}")
+        for name, entry in sorted(self.expected.items()):
+            size = (self.run_dir / name).stat().st_size
+            if size != entry["size"]:
+                raise RunDirectoryError(f"{self.run_dir / name}: {size} bytes, manifest.json says "
+                                        f"{entry['size']}: the shard was changed; capture again")
 
     def shards(self) -> list[Path]:
-        root = self.run_dir / "capture"
-        return sorted(root.glob("batch_*/layer_*.safetensors")) if root.is_dir() else []
+        """The manifest's shards, in (batch, layer) order."""
+        return [self.run_dir / name for name in sorted(self.expected)]
 
     def __len__(self) -> int:
-        return len(self.shards())
+        return len(self.expected)
 
     def __iter__(self) -> Iterator[StoredCall]:
         for path in self.shards():
             yield self.load(path)
 
-    @staticmethod
-    def load(path: Path) -> StoredCall:
+    def load(self, path: Path) -> StoredCall:
+        """Read one shard, in one pass that also hashes it; refuse it if its sha256 or its run id is
+        not what the manifest says."""
+        path = Path(path)
+        entry = self.expected.get(path.relative_to(self.run_dir).as_posix())
+        if entry is None:
+            raise RunDirectoryError(f"{path}: not part of this run (manifest.json does not list it)")
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise RunDirectoryError(f"{path}: its sha256 differs from the one manifest.json records: the "
+                                    "shard was changed or copied in from another run; capture again")
         try:
-            with safe_open(str(path), framework="pt") as fh:
-                meta = fh.metadata() or {}
-                tensors = {name: fh.get_tensor(name) for name in fh.keys()}
+            meta = _safetensors_metadata(data)
+            tensors = load_safetensors(data)
             call_meta = json.loads(meta["call"])
             prompts = [int(p) for p in json.loads(meta["prompts"])]
         except (KeyError, ValueError, OSError) as err:
             raise ValueError(f"{path}: not a readable capture shard ({err})") from err
+        if meta.get("run_id") != self.run_id:
+            raise RunDirectoryError(f"{path}: belongs to run {meta.get('run_id')}, not to this run "
+                                    f"({self.run_id}); capture again")
         batch = int(path.parent.name.removeprefix("batch_"))
         return StoredCall(batch=batch, prompts=prompts, call=KernelCall.from_parts(call_meta, tensors))
+
+
+def _safetensors_metadata(data: bytes) -> dict:
+    """The ``__metadata__`` of a safetensors file's header: an 8-byte little-endian length, then JSON."""
+    size = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or size > len(data) - 8:
+        raise ValueError("truncated header")
+    return json.loads(data[8 : 8 + size]).get("__metadata__") or {}
 
 
 def to_device(call: KernelCall, device: torch.device | str) -> KernelCall:

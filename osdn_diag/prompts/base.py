@@ -133,6 +133,8 @@ def load_prompts(
 ) -> list[Prompt]:
     """Resolve a PROMPTS argument: a built-in suite name or a JSONL file."""
     if spec in SUITES:
+        if num_prompts < 1:  # checked here, before a run directory is touched
+            raise ValueError(f"argument --num-prompts: expected at least 1 prompt of suite {spec!r}, got {num_prompts}")
         return SUITES[spec](num_prompts=num_prompts, length=length, vocab_size=vocab_size, seed=seed, twice=twice)
     path = Path(spec)
     if not path.is_file():

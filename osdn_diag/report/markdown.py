@@ -7,7 +7,8 @@ import math
 import os
 from pathlib import Path
 
-from ..capture.store import atomic_write_text, read_manifest
+from ..capture.store import atomic_write_text, read_manifest, require_stage
+from ..rundir import check_table_run_ids, finish_stage, start_stage
 from .plots import (
     plot_by_layer,
     plot_contraction,
@@ -22,13 +23,15 @@ __all__ = ["load_run", "write_report"]
 
 
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
-    """``(manifest, summary)`` of a finished run; errors name the file that is missing or wrong."""
+    """``(manifest, summary)`` of a run whose replay finished; errors name the file that is missing or
+    wrong, or that another run wrote (its run id differs from the manifest's)."""
     import pyarrow.parquet as pq
 
     from ..replayer import CONTRACT_COLUMNS
 
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
+    require_stage(run_dir, manifest, "replay")
     path = run_dir / "summary.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
@@ -39,7 +42,15 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     missing = [c for c in CONTRACT_COLUMNS if c not in names]
     if missing:
         raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
-    return manifest, json.loads(path.read_text())
+    summary = json.loads(path.read_text())
+    check_table_run_ids(run_dir, manifest, summary)
+    if manifest.get("shards") and (run_dir / "capture").is_dir():
+        # The capture the tables came from is still the one the manifest lists (names and sizes here;
+        # the d plot hashes the shards it reads). A deleted capture/ is a run without one, not damage.
+        from ..capture.store import CaptureReader
+
+        CaptureReader(run_dir)
+    return manifest, summary
 
 
 def _prompt_shape(manifest: dict) -> list[tuple[str, int, int]]:
@@ -172,15 +183,23 @@ def _audit_table(runs) -> str:
 def _d_trajectory_plot(paths, names, manifests, target: Path, head: tuple[int, int] | None) -> Path | None:
     """Plot d over the first prompt for ``head = (layer, head)`` — by default head 0 of the first
     captured layer that has a d (for a what-if run, the counterfactual d, recomputed from the source
-    capture)."""
+    capture, which must still be the run it replayed). Runs without a stored capture, or without a
+    d, are passed over."""
     from ..capture.store import CaptureReader
+    from ..rundir import RunDirectoryError
     from ..whatif import WhatIf
 
     for path, name, manifest in zip(paths, names, manifests):
         transform = None
         if manifest.get("counterfactual"):
             path, transform = Path(manifest["source_run"]), WhatIf(**manifest["what_if"])
+        elif manifest.get("capture_stored") is False or not (path / "capture").is_dir() or not any(
+                layer.get("has_d") for layer in manifest.get("layers", [])):
+            continue
         reader = CaptureReader(path)
+        if transform is not None and reader.run_id != manifest.get("source_run_id"):
+            raise RunDirectoryError(f"{path}: no longer the run this what-if output replayed (run id "
+                                    f"{reader.run_id}, not {manifest.get('source_run_id')}); run what-if again")
         for shard in reader.shards():
             stored = reader.load(shard)
             if head is not None and stored.call.layer != head[0]:
@@ -256,6 +275,11 @@ def write_report(
         raise ValueError(f"argument 'labels': expected {len(run_dirs)} labels, got {len(labels)}")
     paths = [Path(r) for r in run_dirs]
     loaded = [load_run(p) for p in paths]
+    # Writing into one of the runs is that run's report stage (not done until report.md is written).
+    out_path = Path(out_dir) if out_dir is not None else paths[0]
+    owner = next(((p, m) for p, (m, _) in zip(paths, loaded) if p.resolve() == out_path.resolve()), None)
+    if owner is not None:
+        start_stage(owner[0], owner[1], "report")
     if not any(m.get("counterfactual") for m, _ in loaded):
         _check_comparable(paths, loaded)
     names = labels or [_label(p, m) for p, (m, _) in zip(paths, loaded)]
@@ -390,4 +414,6 @@ def write_report(
     text = "\n".join(parts)
     report = out / "report.md"
     atomic_write_text(report, text)
+    if owner is not None:
+        finish_stage(owner[0], owner[1], "report")
     return report

@@ -64,7 +64,10 @@ def test_two_ranks_equal_one(one, tmp_path, mode):
     a = json.loads((one / "summary.json").read_text())
     b = json.loads((two / "summary.json").read_text())
     assert b.pop("world_size") == 2
+    assert a.pop("run_id") != b.pop("run_id") == manifest["run_id"]
     _close(a, b)
+    shards = sorted(p.relative_to(two).as_posix() for p in (two / "capture").rglob("*.safetensors")) if not mode else []
+    assert sorted(manifest["shards"]) == shards  # every rank's shards, each listed once
     keys = [("prompt", "ascending"), ("layer", "ascending"), ("head", "ascending"), ("pos", "ascending")]
     ta = pq.read_table(one / "residuals.parquet").sort_by(keys).to_pydict()
     tb = pq.read_table(two / "residuals.parquet").sort_by(keys).to_pydict()  # the parts read as one
@@ -94,7 +97,9 @@ def test_a_model_spread_block_by_block_is_captured_layer_by_layer(one, tmp_path)
     manifest = json.loads((out / "manifest.json").read_text())
     assert [entry["layer"] for entry in manifest["layers"]] == [0, 1]
     assert manifest["device_map"] == {n: "cpu" for n in names}
-    assert summary == json.loads((one / "summary.json").read_text())
+    reference = json.loads((one / "summary.json").read_text())
+    assert summary.pop("run_id") != reference.pop("run_id")
+    assert summary == reference
     assert pq.read_table(out / "residuals.parquet").equals(pq.read_table(one / "residuals.parquet"))
     proc = _compare(one, out)
     assert proc.returncode == 0 and "same results" in proc.stdout, proc.stdout + proc.stderr

@@ -123,10 +123,14 @@ def test_stream_gives_the_stored_runs_files_without_a_capture(run_dir, tmp_path)
     assert not (tmp_path / "capture").exists()
     for name in ("residuals.parquet", "comparator.parquet"):
         assert pq.read_table(tmp_path / name).equals(pq.read_table(run_dir / name)), name
-    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads((run_dir / "summary.json").read_text())
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (run_dir, tmp_path))
+    assert a.pop("run_id") != b.pop("run_id")  # two runs, the same numbers
+    assert a == b
     a = json.loads((run_dir / "manifest.json").read_text())
     b = json.loads((tmp_path / "manifest.json").read_text())
     assert (a.pop("capture_stored"), b.pop("capture_stored")) == (True, False)
+    assert len(a.pop("shards")) == 3 * 2 and b.pop("shards") == {}  # prompts × layers; none stored
+    assert a.pop("run_id") != b.pop("run_id")
     assert a == b
     for argv in (["replay", str(tmp_path), "-q"], ["what-if", str(tmp_path), "-q"]):
         with pytest.raises(ValueError, match="stored no capture.*--stream"):

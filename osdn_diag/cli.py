@@ -73,12 +73,17 @@ def _stream(args: argparse.Namespace) -> dict:
     )
 
 
+def _g(x, width: int = 0) -> str:
+    """A summary number, or "–" where there is none (``null`` in summary.json: nothing measured)."""
+    return f"{'–':>{width}s}" if x is None or x != x else f"{x:{width}.4f}"
+
+
 def _print_summary(summary: dict, run_dir) -> None:
-    print(f"\n{run_dir}: q_geo = {summary['q_geo']:.4f}, q_arith = {summary['q_arith']:.4f}, "
+    print(f"\n{run_dir}: q_geo = {_g(summary['q_geo'])}, q_arith = {_g(summary['q_arith'])}, "
           f"n = {summary['n']:,} token-layer-head measurements")
     print(f"{'layer':>6s} {'q_geo':>8s} {'q_arith':>8s} {'n':>10s}")
     for layer, s in summary["by_layer"].items():
-        print(f"{layer:>6s} {s['q_geo']:8.4f} {s['q_arith']:8.4f} {s['n']:10,d}")
+        print(f"{layer:>6s} {_g(s['q_geo'], 8)} {_g(s['q_arith'], 8)} {s['n']:10,d}")
     if summary.get("counterfactual"):
         print("fidelity: not applicable (counterfactual writes)")
     else:
@@ -89,8 +94,14 @@ def _print_summary(summary: dict, run_dir) -> None:
             print(f"fidelity (replay vs the kernel's fp32 final state, max relative error): "
                   f"{state['max_rel_error']:.2e} ({state['max_rounding_units']:.2g} units of the "
                   "kernel's working-precision rounding)")
-    if summary.get("excluded_nonfinite"):
-        print(f"excluded (non-finite inputs): {summary['excluded_nonfinite']:,} tokens")
+    nf = summary.get("nonfinite") or {}
+    if nf.get("streams"):
+        print(f"excluded: {nf['streams']:,} of {nf['of_streams']:,} (prompt, layer, head) streams "
+              f"({nf['tokens']:,} tokens) whose kernel inputs held NaN/Inf; the numbers above leave them out")
+    for task, r in summary.get("recall", {}).items():
+        if r.get("excluded_nonfinite"):
+            print(f"recall ({task}): {r['excluded_nonfinite']:,} of {r['queries'] + r['excluded_nonfinite']:,} "
+                  "queries excluded (NaN/Inf logits)")
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:

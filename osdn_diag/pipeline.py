@@ -8,7 +8,6 @@ The replay itself — the per-token table and the summary's accumulators — is
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -21,6 +20,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ._atomic import atomic_path, remove_stale_temporaries
+from ._json import dumps as strict_json
 from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
 from .replayer import CONTRACT_COLUMNS, Replayer
 
@@ -228,7 +228,9 @@ class _CaptureSession:
         for p in self.prompts:
             entry = p.manifest_entry()
             if p.id in self.hits:
-                entry["recall_correct"], entry["recall_queries"] = self.hits[p.id]
+                entry["recall_correct"], entry["recall_queries"], excluded = self.hits[p.id]
+                if excluded:
+                    entry["recall_excluded"] = excluded
             entries.append(entry)
         return entries
 
@@ -264,33 +266,42 @@ class _CaptureSession:
         self.ranks.barrier()  # and no rank goes on before it does
 
 
-def _recall_hits(batch, logits: torch.Tensor | None) -> dict[int, tuple[int, int]]:
-    """``{prompt id: (correct answers, queries)}`` for the recall prompts of a batch (those whose
-    ``meta`` names ``answer_positions`` and ``answers``): the argmax at each query position against
-    the answer that follows it."""
+def _recall_hits(batch, logits: torch.Tensor | None) -> dict[int, tuple[int, int, int]]:
+    """``{prompt id: (correct answers, queries, queries excluded)}`` for the recall prompts of a batch
+    (those whose ``meta`` names ``answer_positions`` and ``answers``): the argmax at each query
+    position against the answer that follows it. A query whose logits hold NaN/Inf has no argmax
+    worth the name (NaN counts as the largest value): it is excluded, neither right nor wrong, and
+    ``queries`` counts only the others."""
     out = {}
     for row, p in enumerate(batch):
         pos, ans = p.meta.get("answer_positions"), p.meta.get("answers")
         if logits is None or not pos:
             continue
-        pred = logits[row, torch.as_tensor(pos, device=logits.device)].argmax(-1).cpu()
-        out[p.id] = (int((pred == torch.as_tensor(ans)).sum()), len(pos))
+        at = logits[row, torch.as_tensor(pos, device=logits.device)]
+        finite = torch.isfinite(at).all(-1).cpu()
+        hit = (at.argmax(-1).cpu() == torch.as_tensor(ans)) & finite
+        n_ok = int(finite.sum())
+        out[p.id] = (int(hit.sum()), n_ok, len(pos) - n_ok)
     return out
 
 
 def recall_table(manifest: dict) -> dict[str, dict]:
     """Recall accuracy per task from a capture manifest: ``{task: {"accuracy", "correct", "queries",
-    "prompts"}}`` (query-weighted), for the prompts that carry answers; empty when none do."""
+    "excluded_nonfinite", "prompts"}}`` (query-weighted), for the prompts that carry answers; empty
+    when none do. ``queries`` counts the queries measured; ``excluded_nonfinite`` those whose logits
+    held NaN/Inf. ``accuracy`` is ``None`` when no query was measured."""
     per_task: dict[str, list[int]] = {}
     for p in manifest.get("prompts", []):
         if "recall_correct" in p:
-            acc = per_task.setdefault(p["task"], [0, 0, 0])
+            acc = per_task.setdefault(p["task"], [0, 0, 0, 0])
             acc[0] += int(p["recall_correct"])
             acc[1] += int(p["recall_queries"])
-            acc[2] += 1
+            acc[2] += int(p.get("recall_excluded", 0))
+            acc[3] += 1
     return {
-        task: {"accuracy": c / q if q else float("nan"), "correct": c, "queries": q, "prompts": n}
-        for task, (c, q, n) in per_task.items()
+        task: {"accuracy": c / q if q else None, "correct": c, "queries": q, "excluded_nonfinite": x,
+               "prompts": n}
+        for task, (c, q, x, n) in per_task.items()
     }
 
 
@@ -312,6 +323,7 @@ def replay_run(
     progress: bool = True,
     out_dir: str | os.PathLike | None = None,
     extra: dict | None = None,
+    recall: bool = True,
     **replay_kw,
 ) -> dict:
     """Replay every captured call of ``run_dir`` and write ``residuals.parquet`` and ``summary.json``.
@@ -321,6 +333,8 @@ def replay_run(
         progress: show a progress bar.
         out_dir: where to write (default ``run_dir``).
         extra: entries added to the summary.
+        recall: report the recall accuracy measured on the captured forward pass (a counterfactual
+            replay has none of its own, so what-if turns it off).
         replay_kw: :class:`Replayer` options — ``backend`` (``"torch"``, ``"triton"`` or ``"auto"``:
             Triton on CUDA, torch otherwise), ``dtype`` (fp32 or fp64), ``device`` (default CUDA when
             available), ``tolerance`` (fidelity; default per kernel and dtype), ``transform`` (applied
@@ -349,7 +363,8 @@ def replay_run(
     with _residuals_writer(out_dir, replayer.schema, ranks) as residuals:
         for path in _progress(shards, len(shards), progress and ranks.is_main, "replay", "call"):
             residuals.write(replayer.add(reader.load(path)))
-    return _finish_replay(replayer, ranks, out_dir, reader.manifest.get("prompts", []), extra)
+    prompt_entries = reader.manifest.get("prompts", []) if recall else []
+    return _finish_replay(replayer, ranks, out_dir, prompt_entries, extra)
 
 
 @contextmanager
@@ -440,7 +455,7 @@ def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: lis
     summary.update(extra or {})
     if ranks.world > 1:
         summary["world_size"] = ranks.world
-    atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2))
+    atomic_write_text(out_dir / SUMMARY, strict_json(summary, indent=2))
     ranks.barrier()
     return summary
 

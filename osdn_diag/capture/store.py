@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .._atomic import atomic_path, atomic_write_text, remove_stale_temporaries
+from .._json import dumps as strict_json
 from .record import TENSOR_FIELDS, KernelCall
 
 __all__ = [
@@ -86,7 +87,7 @@ class CaptureWriter:
         for directory in (self.run_dir, *sorted((self.run_dir / "capture").glob("batch_*"))):
             remove_stale_temporaries(directory)
         self.manifest = {**manifest, "complete": False}
-        atomic_write_text(self.run_dir / MANIFEST, json.dumps(self.manifest, indent=2))
+        atomic_write_text(self.run_dir / MANIFEST, strict_json(self.manifest, indent=2))
 
     def write(self, batch: int, prompts: list[int], call: KernelCall) -> Path:
         n = self._count.get((batch, call.layer), 0)
@@ -104,7 +105,7 @@ class CaptureWriter:
         self.manifest.update(extra or {})
         self.manifest["layers"] = [self.layers[i] for i in sorted(self.layers)]
         self.manifest["complete"] = True
-        atomic_write_text(self.run_dir / MANIFEST, json.dumps(self.manifest, indent=2))
+        atomic_write_text(self.run_dir / MANIFEST, strict_json(self.manifest, indent=2))
 
 
 def layer_entry(call: KernelCall) -> dict:

@@ -9,13 +9,13 @@ numbers answer "how would these writes contract under OSDN", not "what would an 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from ._json import dumps as strict_json
 from .capture.record import KernelCall
 from .capture.store import atomic_write_text, read_manifest
 from .math.phase1 import osdn_phase1
@@ -65,21 +65,26 @@ def what_if_run(
 ) -> Path:
     """Replay ``run_dir``'s capture with the counterfactual preconditioner into ``out_dir``
     (default ``run_dir/<settings name>``), writing a manifest marked ``"counterfactual": true``,
-    ``residuals.parquet`` and ``summary.json``. Returns ``out_dir``."""
+    ``residuals.parquet`` and ``summary.json`` — without recall accuracy, which only a forward pass
+    with the counterfactual d could measure. Returns ``out_dir``."""
     from .pipeline import replay_run
 
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / settings.name()
-    replay_run(run_dir, out_dir=out, transform=settings, tolerance=float("inf"),
+    # No recall: the source run measured it on the model's own forward pass, and no forward pass ran
+    # with this d, so a what-if summary has none to report.
+    replay_run(run_dir, out_dir=out, transform=settings, tolerance=float("inf"), recall=False,
                extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
     spec = manifest.get("model", {}).get("spec", "?")
     manifest = {
         **manifest,
         "model": {**manifest.get("model", {}), "spec": f"{spec} + OSDN d (what-if)"},
+        "prompts": [{k: v for k, v in p.items() if not k.startswith("recall_")}
+                    for p in manifest.get("prompts", [])],
         "counterfactual": True,
         "what_if": asdict(settings),
         "source_run": str(run_dir),
     }
-    atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2))
+    atomic_write_text(out / "manifest.json", strict_json(manifest, indent=2))
     return out

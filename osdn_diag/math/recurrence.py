@@ -108,6 +108,14 @@ def _validate(q, k, v, beta, write_key, g, initial_state, cu_seqlens, allow_nonf
     return offsets
 
 
+def _apply(S: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``S x`` per (row, head): ``[B, H, V, K] × [B, H, K] → [B, H, V]``. A batched matmul, each row's
+    product computed alone, so that a row's result does not depend on the other rows of the batch
+    (``einsum`` reshapes the batch into one product whose rounding does: with it, prompts run
+    ``--batch-size 2`` differed from the same prompts run one by one in the last bits)."""
+    return torch.matmul(S, x[..., None])[..., 0]
+
+
 def _scan(q, k, v, beta, wk, alpha, S):
     """Run one packed segment. Shapes: q, k, wk ``[B, L, H, K]``, v ``[B, L, H, V]``, beta ``[B, L, H]``,
     alpha ``None`` | ``[B, L, H, 1, 1]`` | ``[B, L, H, 1, K]``, S ``[B, H, V, K]`` the initial state."""
@@ -119,18 +127,18 @@ def _scan(q, k, v, beta, wk, alpha, S):
     for t in range(L):
         kt, vt = k[:, t], v[:, t]
         # Pre-decay loss: the paper's denominator f_t(S_{t-1}).
-        err_before = torch.einsum("bhvk,bhk->bhv", S, kt) - vt
+        err_before = _apply(S, kt) - vt
         before[:, t] = 0.5 * err_before.square().sum(-1)
         if alpha is not None:
             S = S * alpha[:, t]
-            u = vt - torch.einsum("bhvk,bhk->bhv", S, kt)
+            u = vt - _apply(S, kt)
             before_decayed[:, t] = 0.5 * u.square().sum(-1)
         else:
             u = -err_before
         S = S + beta[:, t, :, None, None] * u[..., :, None] * wk[:, t, :, None, :]
-        err_after = torch.einsum("bhvk,bhk->bhv", S, kt) - vt
+        err_after = _apply(S, kt) - vt
         after[:, t] = 0.5 * err_after.square().sum(-1)
-        o[:, t] = torch.einsum("bhvk,bhk->bhv", S, q[:, t])
+        o[:, t] = _apply(S, q[:, t])
     return o, S, before, before_decayed, after
 
 

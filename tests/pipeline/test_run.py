@@ -76,16 +76,20 @@ def test_batched_padded_prompts_match_one_by_one(tmp_path):
     one, batched = tables
     for col in ("prompt", "task", "layer", "head", "pos", "repeat_start"):
         assert one[col] == batched[col], col
+    # Replay computes every sequence alone (bit for bit, tests/math/test_math_packing.py); what differs
+    # is the capture: torch's CPU matmul rounds a token's row of the model's projections by where it
+    # sits in the packed batch (layer 0's q, k, v: ≤ 3e-7 relative), and later layers carry that on.
+    # Measured here: 4.7e-7 relative at most; README states the bound this pins.
     for col in ("loss_before", "loss_after", "residual_ratio", "residual_ratio_post"):
-        a, b = torch.tensor(one[col]), torch.tensor(batched[col])
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), col
+        a, b = torch.tensor(one[col], dtype=torch.float64), torch.tensor(batched[col], dtype=torch.float64)
+        assert torch.allclose(a, b, rtol=2e-6, atol=0), col
     # The comparator's streams are cut out of the packed batch: the same problems, the same answers.
     keys = [("prompt", "ascending"), ("layer", "ascending"), ("head", "ascending")]
     one, batched = (pq.read_table(tmp_path / f"bs{bs}" / "comparator.parquet").sort_by(keys).to_pydict()
                     for bs in ("1", "3"))
     assert one["n_valid"] == batched["n_valid"] == [n for n in (12, 7, 9) for _ in range(2 * 2)]
     for col in ("eps_diag", "eps_at_ones", "regret", "log_prod_q"):
-        assert torch.allclose(torch.tensor(one[col]), torch.tensor(batched[col]), rtol=1e-4, atol=1e-6), col
+        assert torch.allclose(torch.tensor(one[col]), torch.tensor(batched[col]), rtol=2e-6, atol=1e-12), col
 
 
 def test_comparator_batches_do_not_change_the_answers(tmp_path):

@@ -228,8 +228,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (exit status 2, as argparse's) and ``--debug`` on every
+    command."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="on an error, show the traceback instead of one line")
+
+    def error(self, message: str):
+        self.exit(2, f"osdn-diag: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="osdn-diag",
         description="Residual-contraction diagnostics for delta-rule linear attention.",
     )
@@ -330,8 +343,12 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; errors propagate (for use from Python and tests)."""
+    """Run a command; errors propagate (for use from Python and tests). The arguments are checked
+    (:func:`osdn_diag._cli_checks.check_args`) before fla is imported or anything is written."""
+    from ._cli_checks import check_args
+
     args = build_parser().parse_args(argv)
+    check_args(args)
     if args.command != "prove":
         _quiet_libraries()
     try:
@@ -342,21 +359,38 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
 
 
-def entry(argv: list[str] | None = None) -> int:
-    """The console script: like :func:`main`, but an error about the user's input (a file, a layer,
-    an argument) is printed as one line and exits with status 2; ``OSDN_DIAG_DEBUG=1`` shows the
-    traceback instead."""
-    import os
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that describe the user's input (a file, a layer, an argument, the machine)
+    rather than a fault of this package: printed as one line."""
+    from safetensors import SafetensorError
 
     from .capture.store import IncompleteRunError
     from .replay import FidelityError
 
+    return (ValueError, OSError, IncompleteRunError, FidelityError, SafetensorError)
+
+
+def entry(argv: list[str] | None = None) -> int:
+    """The console script: like :func:`main`, but an error about the user's input (a file, a layer,
+    an argument) is printed as one line and exits with status 2, and Ctrl-C exits with status 130
+    after one line; ``--debug`` (or ``OSDN_DIAG_DEBUG=1``) shows the traceback instead."""
+    import os
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or os.environ.get("OSDN_DIAG_DEBUG") == "1"
     try:
         return main(argv)
-    except (ValueError, FileNotFoundError, IncompleteRunError, FidelityError) as err:
-        if os.environ.get("OSDN_DIAG_DEBUG") == "1":
+    except SystemExit as done:  # argparse: --help, or a usage error it has printed on one line
+        return done.code if isinstance(done.code, int) else 1
+    except KeyboardInterrupt:
+        if debug:
             raise
-        print(f"osdn-diag: error: {err}", file=sys.stderr)
+        print("osdn-diag: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as err:
+        if debug:
+            raise
+        print(f"osdn-diag: error: {' '.join(str(err).split())} (--debug shows the traceback)", file=sys.stderr)
         return 2
 
 

@@ -183,11 +183,8 @@ class _CaptureSession:
         self.out_dir = Path(out_dir)
         self.model_spec, self.kernels, self.batch_size = model_spec, kernels, batch_size
         self.twice, self.seed, self.stored = twice, seed, stored
-        self.writer = CaptureWriter(self.out_dir)
-        if self.ranks.is_main:
-            self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
-                               "prompts_source": prompts_spec, "capture_stored": stored})
-        self.ranks.barrier()
+        # The model and the prompts first: a checkpoint or prompt file that cannot be used fails the
+        # run before its directory is created.
         self.loaded = preloaded or load_model(model_spec, device=self.device, dtype=self.dtype, seed=seed,
                                               device_map=device_map)
         # Inputs go where the embedding is; replay runs on the requested (or default) device, to which
@@ -198,6 +195,11 @@ class _CaptureSession:
             prompts_spec, vocab_size=self.loaded.config["vocab_size"], tokenize=_tokenizer(self.loaded.directory),
             twice=twice, num_prompts=num_prompts, length=length, seed=seed,
         )
+        self.writer = CaptureWriter(self.out_dir)
+        if self.ranks.is_main:
+            self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
+                               "prompts_source": prompts_spec, "capture_stored": stored})
+        self.ranks.barrier()
         self.hits: dict[int, tuple[int, int]] = {}  # prompt id -> (answers right, queries), recall prompts
 
     def run(self, on_call, progress: bool) -> None:

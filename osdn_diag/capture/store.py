@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .._atomic import atomic_path, atomic_write_text, remove_stale_temporaries
@@ -49,7 +49,10 @@ def read_manifest(run_dir: str | os.PathLike, *, require_complete: bool = True) 
     path = Path(run_dir) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no manifest.json — is {run_dir} a capture directory?")
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); the run directory is damaged, run it again") from None
     if require_complete and manifest.get("complete") is not True:
         raise IncompleteRunError(
             f"{path}: the capture is incomplete (\"complete\" is not true): the run that wrote it was "
@@ -151,8 +154,8 @@ class CaptureReader:
                 tensors = {name: fh.get_tensor(name) for name in fh.keys()}
             call_meta = json.loads(meta["call"])
             prompts = [int(p) for p in json.loads(meta["prompts"])]
-        except (KeyError, ValueError, OSError) as err:
-            raise ValueError(f"{path}: not a readable capture shard ({err})") from err
+        except (KeyError, ValueError, OSError, SafetensorError) as err:
+            raise ValueError(f"{path}: not a readable capture shard ({err}); capture the run again") from err
         batch = int(path.parent.name.removeprefix("batch_"))
         return StoredCall(batch=batch, prompts=prompts, call=KernelCall.from_parts(call_meta, tensors))
 

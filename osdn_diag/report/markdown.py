@@ -32,6 +32,10 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     path = run_dir / "summary.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
+    try:
+        summary = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); run `osdn-diag replay {run_dir}` again") from None
     table = run_dir / "residuals.parquet"
     if not table.exists():
         raise FileNotFoundError(f"{table}: no per-token table — run `osdn-diag replay {run_dir}` first")
@@ -39,7 +43,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     missing = [c for c in CONTRACT_COLUMNS if c not in names]
     if missing:
         raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
-    return manifest, json.loads(path.read_text())
+    return manifest, summary
 
 
 def _prompt_shape(manifest: dict) -> list[tuple[str, int, int]]:

@@ -74,12 +74,17 @@ def _stream(args: argparse.Namespace) -> dict:
     )
 
 
+def _g(x, width: int = 0) -> str:
+    """A summary number, or "–" where there is none (``null`` in summary.json: nothing measured)."""
+    return f"{'–':>{width}s}" if x is None or x != x else f"{x:{width}.4f}"
+
+
 def _print_summary(summary: dict, run_dir) -> None:
-    print(f"\n{run_dir}: q_geo = {summary['q_geo']:.4f}, q_arith = {summary['q_arith']:.4f}, "
+    print(f"\n{run_dir}: q_geo = {_g(summary['q_geo'])}, q_arith = {_g(summary['q_arith'])}, "
           f"n = {summary['n']:,} token-layer-head measurements")
     print(f"{'layer':>6s} {'q_geo':>8s} {'q_arith':>8s} {'n':>10s}")
     for layer, s in summary["by_layer"].items():
-        print(f"{layer:>6s} {s['q_geo']:8.4f} {s['q_arith']:8.4f} {s['n']:10,d}")
+        print(f"{layer:>6s} {_g(s['q_geo'], 8)} {_g(s['q_arith'], 8)} {s['n']:10,d}")
     if summary.get("counterfactual"):
         print("fidelity: not applicable (counterfactual writes)")
     else:
@@ -90,8 +95,14 @@ def _print_summary(summary: dict, run_dir) -> None:
             print(f"fidelity (replay vs the kernel's fp32 final state, max relative error): "
                   f"{state['max_rel_error']:.2e} ({state['max_rounding_units']:.2g} units of the "
                   "kernel's working-precision rounding)")
-    if summary.get("excluded_nonfinite"):
-        print(f"excluded (non-finite inputs): {summary['excluded_nonfinite']:,} tokens")
+    nf = summary.get("nonfinite") or {}
+    if nf.get("streams"):
+        print(f"excluded: {nf['streams']:,} of {nf['of_streams']:,} (prompt, layer, head) streams "
+              f"({nf['tokens']:,} tokens) whose kernel inputs held NaN/Inf; the numbers above leave them out")
+    for task, r in summary.get("recall", {}).items():
+        if r.get("excluded_nonfinite"):
+            print(f"recall ({task}): {r['excluded_nonfinite']:,} of {r['queries'] + r['excluded_nonfinite']:,} "
+                  "queries excluded (NaN/Inf logits)")
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
@@ -222,8 +233,21 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (exit status 2, as argparse's) and ``--debug`` on every
+    command."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="on an error, show the traceback instead of one line")
+
+    def error(self, message: str):
+        self.exit(2, f"osdn-diag: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="osdn-diag",
         description="Residual-contraction diagnostics for delta-rule linear attention.",
     )
@@ -325,8 +349,12 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; errors propagate (for use from Python and tests)."""
+    """Run a command; errors propagate (for use from Python and tests). The arguments are checked
+    (:func:`osdn_diag._cli_checks.check_args`) before fla is imported or anything is written."""
+    from ._cli_checks import check_args
+
     args = build_parser().parse_args(argv)
+    check_args(args)
     if args.command != "prove":
         _quiet_libraries()
     try:
@@ -337,21 +365,38 @@ def main(argv: list[str] | None = None) -> int:
         shutdown()
 
 
-def entry(argv: list[str] | None = None) -> int:
-    """The console script: like :func:`main`, but an error about the user's input (a file, a layer,
-    an argument) is printed as one line and exits with status 2; ``OSDN_DIAG_DEBUG=1`` shows the
-    traceback instead."""
-    import os
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that describe the user's input (a file, a layer, an argument, the machine)
+    rather than a fault of this package: printed as one line."""
+    from safetensors import SafetensorError
 
     from .capture.store import IncompleteRunError
     from .replay import FidelityError
 
+    return (ValueError, OSError, IncompleteRunError, FidelityError, SafetensorError)
+
+
+def entry(argv: list[str] | None = None) -> int:
+    """The console script: like :func:`main`, but an error about the user's input (a file, a layer,
+    an argument) is printed as one line and exits with status 2, and Ctrl-C exits with status 130
+    after one line; ``--debug`` (or ``OSDN_DIAG_DEBUG=1``) shows the traceback instead."""
+    import os
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv or os.environ.get("OSDN_DIAG_DEBUG") == "1"
     try:
         return main(argv)
-    except (ValueError, FileNotFoundError, IncompleteRunError, FidelityError) as err:
-        if os.environ.get("OSDN_DIAG_DEBUG") == "1":
+    except SystemExit as done:  # argparse: --help, or a usage error it has printed on one line
+        return done.code if isinstance(done.code, int) else 1
+    except KeyboardInterrupt:
+        if debug:
             raise
-        print(f"osdn-diag: error: {err}", file=sys.stderr)
+        print("osdn-diag: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as err:
+        if debug:
+            raise
+        print(f"osdn-diag: error: {' '.join(str(err).split())} (--debug shows the traceback)", file=sys.stderr)
         return 2
 
 

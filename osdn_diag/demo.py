@@ -115,7 +115,8 @@ def _row(label: str, run_dir: Path) -> DemoRow:
     return DemoRow(
         label=label, run_dir=run_dir, q_geo=s["q_geo"], q_arith=s["q_arith"],
         q_geo_by_task={t: v["q_geo"] for t, v in s["by_task"].items()},
-        accuracy_by_task={t: v["accuracy"] for t, v in s.get("recall", {}).items()},
+        accuracy_by_task={t: float("nan") if v["accuracy"] is None else v["accuracy"]
+                          for t, v in s.get("recall", {}).items()},
         fidelity=s["fidelity"]["max_rel_error"],
     )
 

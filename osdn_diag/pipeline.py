@@ -8,7 +8,6 @@ The replay itself — the per-token table and the summary's accumulators — is
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -21,6 +20,7 @@ import pyarrow.parquet as pq
 import torch
 
 from ._atomic import atomic_path, remove_stale_temporaries
+from ._json import dumps as strict_json
 from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
 from .rundir import RUN_ID_KEY, finish_stage, new_run_id, prepare_output, start_stage
 from .replayer import CONTRACT_COLUMNS, Replayer
@@ -198,6 +198,8 @@ class _CaptureSession:
         self.out_dir = Path(out_dir)
         self.model_spec, self.kernels, self.batch_size = model_spec, kernels, batch_size
         self.twice, self.seed, self.stored = twice, seed, stored
+        # The model and the prompts first: a checkpoint or prompt file that cannot be used fails the
+        # run before its directory is created.
         self.loaded = preloaded or load_model(model_spec, device=self.device, dtype=self.dtype, seed=seed,
                                               device_map=device_map)
         # Inputs go where the embedding is; replay runs on the requested (or default) device, to which
@@ -258,7 +260,9 @@ class _CaptureSession:
         for p in self.prompts:
             entry = p.manifest_entry()
             if p.id in self.hits:
-                entry["recall_correct"], entry["recall_queries"] = self.hits[p.id]
+                entry["recall_correct"], entry["recall_queries"], excluded = self.hits[p.id]
+                if excluded:
+                    entry["recall_excluded"] = excluded
             entries.append(entry)
         return entries
 
@@ -295,33 +299,42 @@ class _CaptureSession:
         self.ranks.barrier()  # and no rank goes on before it does
 
 
-def _recall_hits(batch, logits: torch.Tensor | None) -> dict[int, tuple[int, int]]:
-    """``{prompt id: (correct answers, queries)}`` for the recall prompts of a batch (those whose
-    ``meta`` names ``answer_positions`` and ``answers``): the argmax at each query position against
-    the answer that follows it."""
+def _recall_hits(batch, logits: torch.Tensor | None) -> dict[int, tuple[int, int, int]]:
+    """``{prompt id: (correct answers, queries, queries excluded)}`` for the recall prompts of a batch
+    (those whose ``meta`` names ``answer_positions`` and ``answers``): the argmax at each query
+    position against the answer that follows it. A query whose logits hold NaN/Inf has no argmax
+    worth the name (NaN counts as the largest value): it is excluded, neither right nor wrong, and
+    ``queries`` counts only the others."""
     out = {}
     for row, p in enumerate(batch):
         pos, ans = p.meta.get("answer_positions"), p.meta.get("answers")
         if logits is None or not pos:
             continue
-        pred = logits[row, torch.as_tensor(pos, device=logits.device)].argmax(-1).cpu()
-        out[p.id] = (int((pred == torch.as_tensor(ans)).sum()), len(pos))
+        at = logits[row, torch.as_tensor(pos, device=logits.device)]
+        finite = torch.isfinite(at).all(-1).cpu()
+        hit = (at.argmax(-1).cpu() == torch.as_tensor(ans)) & finite
+        n_ok = int(finite.sum())
+        out[p.id] = (int(hit.sum()), n_ok, len(pos) - n_ok)
     return out
 
 
 def recall_table(manifest: dict) -> dict[str, dict]:
     """Recall accuracy per task from a capture manifest: ``{task: {"accuracy", "correct", "queries",
-    "prompts"}}`` (query-weighted), for the prompts that carry answers; empty when none do."""
+    "excluded_nonfinite", "prompts"}}`` (query-weighted), for the prompts that carry answers; empty
+    when none do. ``queries`` counts the queries measured; ``excluded_nonfinite`` those whose logits
+    held NaN/Inf. ``accuracy`` is ``None`` when no query was measured."""
     per_task: dict[str, list[int]] = {}
     for p in manifest.get("prompts", []):
         if "recall_correct" in p:
-            acc = per_task.setdefault(p["task"], [0, 0, 0])
+            acc = per_task.setdefault(p["task"], [0, 0, 0, 0])
             acc[0] += int(p["recall_correct"])
             acc[1] += int(p["recall_queries"])
-            acc[2] += 1
+            acc[2] += int(p.get("recall_excluded", 0))
+            acc[3] += 1
     return {
-        task: {"accuracy": c / q if q else float("nan"), "correct": c, "queries": q, "prompts": n}
-        for task, (c, q, n) in per_task.items()
+        task: {"accuracy": c / q if q else None, "correct": c, "queries": q, "excluded_nonfinite": x,
+               "prompts": n}
+        for task, (c, q, x, n) in per_task.items()
     }
 
 
@@ -344,6 +357,7 @@ def replay_run(
     out_dir: str | os.PathLike | None = None,
     extra: dict | None = None,
     run_id: str | None = None,
+    recall: bool = True,
     **replay_kw,
 ) -> dict:
     """Replay every captured call of ``run_dir`` and write ``residuals.parquet`` and ``summary.json``.
@@ -359,6 +373,8 @@ def replay_run(
         out_dir: where to write (default ``run_dir``); its manifest, if it needs one, is the caller's.
         extra: entries added to the summary.
         run_id: the run id the tables carry (default ``run_dir``'s; a what-if output's is its own).
+        recall: report the recall accuracy measured on the captured forward pass (a counterfactual
+            replay has none of its own, so what-if turns it off).
         replay_kw: :class:`Replayer` options — ``backend`` (``"torch"``, ``"triton"`` or ``"auto"``:
             Triton on CUDA, torch otherwise), ``dtype`` (fp32 or fp64), ``device`` (default CUDA when
             available), ``tolerance`` (fidelity; default per kernel and dtype), ``transform`` (applied
@@ -389,7 +405,8 @@ def replay_run(
         for stored in _progress(_read_ahead(reader, shards), len(shards), progress and ranks.is_main, "replay",
                                 "call"):
             residuals.write(replayer.add(stored))
-    summary = _finish_replay(replayer, ranks, out_dir, reader.manifest.get("prompts", []), extra, run_id=run_id)
+    prompt_entries = reader.manifest.get("prompts", []) if recall else []
+    summary = _finish_replay(replayer, ranks, out_dir, prompt_entries, extra, run_id=run_id)
     if in_place and ranks.is_main:
         finish_stage(run_dir, reader.manifest, "replay")
     return summary
@@ -506,7 +523,7 @@ def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: lis
     summary.update(extra or {})
     if ranks.world > 1:
         summary["world_size"] = ranks.world
-    atomic_write_text(out_dir / SUMMARY, json.dumps(summary, indent=2))
+    atomic_write_text(out_dir / SUMMARY, strict_json(summary, indent=2))
     ranks.barrier()
     return summary
 

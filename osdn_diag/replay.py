@@ -16,7 +16,9 @@ model's dtype, the state is not, so on the paths that keep their state in fp32 r
 comparison sees a misread input at the 1e-4 level that the output comparison cannot.
 
 Sequences whose captured inputs hold NaN/Inf are replayed on zeros, flagged ``finite = False`` per
-(sequence, head) and left out of every statistic, with a count.
+(sequence, head) — every token of the stream, not only those after the first bad one: the kernel's
+state is NaN from there on, and a stream measured in part would bias its statistics toward its
+start — and left out of every statistic, with a count.
 """
 
 from __future__ import annotations
@@ -101,8 +103,9 @@ class CallReplay:
     ``columns`` maps column names to 1-D CPU tensors of equal length, ``device_columns`` the same
     columns where the replay ran (for statistics taken on the GPU); ``fidelity`` is the largest
     relative output error over the call's (sequence, head) pairs; ``nonfinite`` counts the
-    (sequence, head) pairs whose inputs held NaN/Inf; ``grid`` keeps ``loss_before`` and the
-    ``loss_after`` and the token-level ``finite`` mask in the call's own ``[B, T, H]`` layout.
+    (sequence, head) pairs whose inputs held NaN/Inf, and ``nonfinite_streams`` lists them as
+    ``(sequence, head)``; ``grid`` keeps ``loss_before``, ``loss_after`` and the ``finite`` mask (False
+    on every token of a flagged stream) in the call's own ``[B, T, H]`` layout.
     ``state_fidelity`` is the largest relative final-state error over the finite (sequence, head)
     pairs against the kernel's own final state (``None`` when the record has none), and
     ``state_rounding_units`` the same error in units of the unit roundoff of the kernel's working
@@ -119,6 +122,7 @@ class CallReplay:
     state_fidelity: float | None = None
     state_tolerance: float = 0.0
     state_rounding_units: float | None = None
+    nonfinite_streams: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _finite_mask(call: KernelCall) -> torch.Tensor:
@@ -253,6 +257,13 @@ def replay_call(
         worst_state = torch.stack([worst_t, state_t, (~ok_stream).sum().to(dtype)]).cpu().tolist()
         worst, state_err, nonfinite = worst_state[0], worst_state[1], int(worst_state[2])
 
+    streams_bad: list[tuple[int, int]] = []
+    grid_finite = finite
+    if nonfinite:  # rare: only then is the per-stream flag read back and spread over the grid
+        grid_finite = torch.ones_like(finite)
+        grid_finite[row, t, head] = ok_stream[stream]
+        streams_bad = [divmod(int(i), H) for i in torch.nonzero(~ok_stream).flatten().cpu()]
+
     def as_columns(values, ints):
         columns = {name: values[i] for i, name in enumerate(per_token)}
         columns.update(sequence=ints[0], head=ints[1], pos=ints[2], finite=ints[3].bool())
@@ -287,11 +298,12 @@ def replay_call(
         nonfinite=nonfinite,
         sequence_lengths=[e - s for _, s, e in segments],
         tolerance=tol,
-        grid={"loss_before": res.loss_before, "loss_after": res.loss_after, "finite": finite},
+        grid={"loss_before": res.loss_before, "loss_after": res.loss_after, "finite": grid_finite},
         device_columns=as_columns(values_dev, ints_dev),  # on the CPU: the same tensors as ``columns``
         state_fidelity=state_err,
         state_tolerance=state_tol,
         state_rounding_units=units,
+        nonfinite_streams=streams_bad,
     )
 
 

@@ -93,6 +93,9 @@ class Replayer:
         self.fidelity: dict[int, float] = defaultdict(float)
         self.tolerances: dict[int, float] = {}
         self.nonfinite: dict[int, int] = defaultdict(int)
+        # (prompt, layer, head) streams left out for NaN/Inf inputs, and how many streams there were.
+        self.excluded_streams: set[tuple[int, int, int]] = set()
+        self.streams = 0
         # Final state against the kernel's, per layer: largest relative error, its tolerance, the
         # same error in units of the working precision's rounding, and that precision.
         self.state_fidelity: dict[int, float] = {}
@@ -106,6 +109,9 @@ class Replayer:
         self.fidelity[call.layer] = max(self.fidelity[call.layer], res.fidelity)
         self.tolerances[call.layer] = res.tolerance
         self.nonfinite[call.layer] += res.nonfinite
+        self.streams += len(res.sequence_lengths) * call.num_heads
+        for seq, head in res.nonfinite_streams:
+            self.excluded_streams.add((int(stored.prompts[seq]), call.layer, head))
         if res.state_fidelity is not None:
             self._add_state(call.layer, res.state_fidelity, res.state_tolerance, res.state_rounding_units,
                             working_precision(call))
@@ -163,6 +169,8 @@ class Replayer:
             self._add_state(layer, err, *other.state_meta[layer])
         for layer, n in other.nonfinite.items():
             self.nonfinite[layer] += n
+        self.excluded_streams |= other.excluded_streams
+        self.streams += other.streams
         if self.comparator_tables is not None and other.comparator_tables:
             self.comparator_tables.extend(other.comparator_tables)
 
@@ -171,7 +179,22 @@ class Replayer:
         self.flush()
         return {name: getattr(self, name) for name in (
             "ratios", "post", "audit", "retention", "fidelity", "tolerances", "nonfinite",
-            "state_fidelity", "state_meta", "comparator_tables")}
+            "excluded_streams", "streams", "state_fidelity", "state_meta", "comparator_tables")}
+
+    def nonfinite_summary(self) -> dict:
+        """The (prompt, layer, head) streams left out because their kernel inputs held NaN/Inf:
+        ``streams`` of ``of_streams``, the ``tokens`` they hold, per layer, and the prompts they
+        belong to (the rows of ``residuals.parquet`` say which, with ``finite = false``)."""
+        by_layer: dict[str, int] = defaultdict(int)
+        for _, layer, _ in self.excluded_streams:
+            by_layer[f"{layer:03d}"] += 1
+        return {
+            "streams": len(self.excluded_streams),
+            "of_streams": self.streams,
+            "tokens": self.ratios.excluded_nonfinite,
+            "by_layer": dict(sorted(by_layer.items())),
+            "prompts": sorted({p for p, _, _ in self.excluded_streams}),
+        }
 
     def summary(self) -> dict:
         boundary = repeat_boundaries(self.prompts.values())
@@ -202,6 +225,7 @@ class Replayer:
         summary["nonfinite_heads_by_layer"] = {
             f"{k:03d}": v for k, v in sorted(self.nonfinite.items()) if v
         }
+        summary["nonfinite"] = self.nonfinite_summary()
         summary["replay"] = {
             "backend": self.backend,
             "dtype": str(self.dtype).removeprefix("torch."),

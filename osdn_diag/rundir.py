@@ -23,13 +23,13 @@ other names are left alone.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import uuid
 from pathlib import Path
 
 from ._atomic import atomic_write_text
+from ._json import dumps as strict_json
 
 __all__ = [
     "MANIFEST",
@@ -106,7 +106,7 @@ def prepare_output(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
 
 def _write(run_dir: Path, manifest: dict) -> None:
     manifest["complete"] = all(manifest["stages"].values())
-    atomic_write_text(run_dir / MANIFEST, json.dumps(manifest, indent=2))
+    atomic_write_text(run_dir / MANIFEST, strict_json(manifest, indent=2))
 
 
 def start_stage(run_dir: str | os.PathLike, manifest: dict, stage: str) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ._json import dumps as strict_json
 from .capture.record import KernelCall
 from .capture.store import CaptureReader
 from .math.phase1 import osdn_phase1
@@ -67,7 +68,8 @@ def what_if_run(
 ) -> Path:
     """Replay ``run_dir``'s capture with the counterfactual preconditioner into ``out_dir``
     (default ``run_dir/<settings name>``), writing a manifest marked ``"counterfactual": true``,
-    ``residuals.parquet`` and ``summary.json``. Returns ``out_dir``.
+    ``residuals.parquet`` and ``summary.json`` — without recall accuracy, which only a forward pass
+    with the counterfactual d could measure. Returns ``out_dir``.
 
     The output is a run of its own: a new run id, ``source_run`` and ``source_run_id`` naming what it
     replayed, no capture, and the stages ``replay`` (plus ``then``, e.g. ``("report",)``). ``out_dir``
@@ -89,6 +91,10 @@ def what_if_run(
         **{k: v for k, v in source.items() if k not in ("run_id", "shards", "stages", "complete")},
         "run_id": new_run_id(),
         "model": {**source.get("model", {}), "spec": f"{spec} + OSDN d (what-if)"},
+        # No recall: the source run measured it on the model's own forward pass, and no forward pass
+        # ran with this d, so a what-if has none to report.
+        "prompts": [{k: v for k, v in p.items() if not k.startswith("recall_")}
+                    for p in source.get("prompts", [])],
         "counterfactual": True,
         "what_if": asdict(settings),
         "source_run": str(run_dir),
@@ -98,6 +104,6 @@ def what_if_run(
     manifest["stages"] = dict.fromkeys(("replay", *then), False)
     start_stage(out, manifest, "replay")
     replay_run(run_dir, out_dir=out, run_id=manifest["run_id"], transform=settings, tolerance=float("inf"),
-               extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
+               recall=False, extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
     finish_stage(out, manifest, "replay")
     return out

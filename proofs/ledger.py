@@ -6,7 +6,6 @@ non-zero when a claim's outcome differs from the status recorded as ``Claim.expe
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._json import dumps as strict_json
 from . import arithmetic, corollary_a2, counterexample, lemma_4_1, lemma_d6, theorem_d7, wy_chunk
 from ._claims import STATUSES, Claim, Outcome
 
@@ -154,7 +154,7 @@ def write_json(results: Sequence[ClaimResult], path: str | os.PathLike) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".json.tmp", dir=folder)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=2, ensure_ascii=False)
+            fh.write(strict_json(payload, indent=2, ensure_ascii=False))
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())

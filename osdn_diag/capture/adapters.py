@@ -28,7 +28,9 @@ Capture asks every kernel for its fp32 final state (and hands the caller only wh
 the record keeps it, so replay can compare its own final state with the kernel's.
 
 Each adapter can also *compute* the kernel's outputs with the reference recurrence, in the kernel's
-own output format, so capture can stand in for the Triton kernel on a machine without a GPU.
+own output format, so capture can stand in for the Triton kernel on a machine without a GPU. Like
+the kernel, the stand-in takes NaN/Inf inputs and returns what they propagate to (NaN outputs and
+states from the first such token of a sequence and head on): replay flags and excludes them.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ class Adapter:
             c.q, c.k, c.v, c.beta,
             write_key=wk,
             g=c.g, scale=c.scale, initial_state=c.initial_state, cu_seqlens=c.cu_seqlens,
-            dtype=torch.float32,
+            dtype=torch.float32, allow_nonfinite=True,
         )
         o = res.o.to(kw["v"].dtype)
         final = None
@@ -352,6 +354,7 @@ class OSDNAdapter(Adapter):
         res = delta_rule_recurrence(
             c.q, c.k, c.v, c.beta, write_key=kw["write_key"].float(), g=c.g, scale=c.scale,
             initial_state=c.initial_state, cu_seqlens=c.cu_seqlens, dtype=torch.float32,
+            allow_nonfinite=True,
         )
         final = res.final_state.contiguous() if kw.get("output_final_state", False) else None
         return res.o.to(kw["v"].dtype), final
@@ -369,7 +372,7 @@ def _phase1_reference(kw: dict):
     return osdn_phase1(
         kw["k"], kw["beta"], retention=kw.get("retention"), d0=kw.get("d0"), eta=kw["eta"],
         d_min=kw["d_min"], d_max=kw["d_max"], beta_aware=kw["beta_aware"], eps=kw["eps"],
-        cu_seqlens=kw.get("cu_seqlens"),
+        cu_seqlens=kw.get("cu_seqlens"), allow_nonfinite=True,
     )
 
 
@@ -408,7 +411,7 @@ class FusedOSDNAdapter(OSDNAdapter):
             kw["q"].float(), k.float(), kw["v"].float(), kw["beta"].float(), write_key=p1.write_key,
             g=None if g is None else g.float(), scale=_scale(kw, k.shape[-1]),
             initial_state=None if h0 is None else h0.float(), cu_seqlens=kw.get("cu_seqlens"),
-            dtype=torch.float32,
+            dtype=torch.float32, allow_nonfinite=True,
         )
         return FusedRecurrentResult(
             o=res.o.to(kw["v"].dtype),

@@ -24,10 +24,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
 from .._atomic import atomic_path, atomic_write_text, remove_stale_temporaries
+from .._json import dumps as strict_json
 from ..rundir import MANIFEST, RunDirectoryError, finish_stage, new_run_id, sha256_file, stage_done
 from .record import TENSOR_FIELDS, KernelCall
 
@@ -56,7 +58,7 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except ValueError as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); run it again") from None
+        raise ValueError(f"{path}: not valid JSON ({err}); the run directory is damaged, run it again") from None
     if not isinstance(manifest, dict) or "run_id" not in manifest or "stages" not in manifest:
         raise RunDirectoryError(f"{path}: no run id (written by an earlier osdn-diag, or not by "
                                 "osdn-diag): its files cannot be checked to belong together; run it again")
@@ -118,7 +120,7 @@ class CaptureWriter:
             remove_stale_temporaries(directory)
         self.manifest = {"run_id": self.run_id, **manifest, "stages": dict.fromkeys(stages, False),
                          "complete": False}
-        atomic_write_text(self.run_dir / MANIFEST, json.dumps(self.manifest, indent=2))
+        atomic_write_text(self.run_dir / MANIFEST, strict_json(self.manifest, indent=2))
 
     def write(self, batch: int, prompts: list[int], call: KernelCall) -> Path:
         n = self._count.get((batch, call.layer), 0)
@@ -234,8 +236,8 @@ class CaptureReader:
             tensors = load_safetensors(data)
             call_meta = json.loads(meta["call"])
             prompts = [int(p) for p in json.loads(meta["prompts"])]
-        except (KeyError, ValueError, OSError) as err:
-            raise ValueError(f"{path}: not a readable capture shard ({err})") from err
+        except (KeyError, ValueError, OSError, SafetensorError) as err:
+            raise ValueError(f"{path}: not a readable capture shard ({err}); capture the run again") from err
         if meta.get("run_id") != self.run_id:
             raise RunDirectoryError(f"{path}: belongs to run {meta.get('run_id')}, not to this run "
                                     f"({self.run_id}); capture again")

@@ -42,7 +42,7 @@ class Phase1Result:
     d_final: torch.Tensor
 
 
-def _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens, device=None):
+def _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens, device=None, allow_nonfinite=False):
     """Check phase 1's arguments; return ``(offsets, N)``. ``device``: where ``cu_seqlens`` must be
     (the kernels' callers pass the keys' device; the reference reads the offsets wherever they are)."""
     check_tensor("k", k)
@@ -51,8 +51,9 @@ def _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens, device
     B, T, H, K = k.shape
     check_tensor("beta", beta)
     check_shape("beta", beta, [B, T, H], "[B, T, H]")
-    check_finite("k", k)
-    check_finite("beta", beta)
+    if not allow_nonfinite:
+        check_finite("k", k)
+        check_finite("beta", beta)
     check_box(d_min, d_max)
     if not (isinstance(eta, (int, float)) and math.isfinite(eta) and eta >= 0):
         raise ValueError(f"argument 'eta': expected a finite number >= 0, got {eta!r}")
@@ -104,6 +105,7 @@ def osdn_phase1(
     eps: float = 1e-6,
     cu_seqlens: torch.LongTensor | None = None,
     dtype: torch.dtype | None = None,
+    allow_nonfinite: bool = False,
 ) -> Phase1Result:
     """Run the phase-1 preconditioner sweep; see the module docstring for the recurrence.
 
@@ -122,8 +124,11 @@ def osdn_phase1(
         cu_seqlens: ``[N + 1]`` packed-sequence offsets (``B == 1``); ``d`` restarts from ``d0`` at
             every boundary.
         dtype: compute dtype; default fp64 for fp64 keys, else fp32 (also for bf16 keys).
+        allow_nonfinite: accept NaN/Inf keys and β and let them propagate as the kernel would (``d``
+            of that sequence and head is NaN from the token on); by default they are an error.
     """
-    offsets, N = _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens)
+    offsets, N = _validate(k, beta, retention, d0, eta, d_min, d_max, eps, cu_seqlens,
+                           allow_nonfinite=allow_nonfinite)
     B, T, H, K = k.shape
     cdt = dtype or (torch.float64 if k.dtype == torch.float64 else torch.float32)
     k, beta = k.to(cdt), beta.to(cdt)

@@ -74,7 +74,7 @@ def _compute_dtype(dtype: torch.dtype | None, *xs: torch.Tensor | None) -> torch
     return torch.float32
 
 
-def _validate(q, k, v, beta, write_key, g, initial_state, cu_seqlens):
+def _validate(q, k, v, beta, write_key, g, initial_state, cu_seqlens, allow_nonfinite=False):
     for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         check_tensor(name, x)
     if k.dim() != 4:
@@ -102,9 +102,18 @@ def _validate(q, k, v, beta, write_key, g, initial_state, cu_seqlens):
         check_tensor("initial_state", initial_state)
         check_shape("initial_state", initial_state, [N, H, V, K], "[N, H, V, K]")
         named.append(("initial_state", initial_state))
-    for name, x in named:
-        check_finite(name, x)
+    if not allow_nonfinite:
+        for name, x in named:
+            check_finite(name, x)
     return offsets
+
+
+def _apply(S: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``S x`` per (row, head): ``[B, H, V, K] × [B, H, K] → [B, H, V]``. A batched matmul, each row's
+    product computed alone, so that a row's result does not depend on the other rows of the batch
+    (``einsum`` reshapes the batch into one product whose rounding does: with it, prompts run
+    ``--batch-size 2`` differed from the same prompts run one by one in the last bits)."""
+    return torch.matmul(S, x[..., None])[..., 0]
 
 
 def _scan(q, k, v, beta, wk, alpha, S):
@@ -118,18 +127,18 @@ def _scan(q, k, v, beta, wk, alpha, S):
     for t in range(L):
         kt, vt = k[:, t], v[:, t]
         # Pre-decay loss: the paper's denominator f_t(S_{t-1}).
-        err_before = torch.einsum("bhvk,bhk->bhv", S, kt) - vt
+        err_before = _apply(S, kt) - vt
         before[:, t] = 0.5 * err_before.square().sum(-1)
         if alpha is not None:
             S = S * alpha[:, t]
-            u = vt - torch.einsum("bhvk,bhk->bhv", S, kt)
+            u = vt - _apply(S, kt)
             before_decayed[:, t] = 0.5 * u.square().sum(-1)
         else:
             u = -err_before
         S = S + beta[:, t, :, None, None] * u[..., :, None] * wk[:, t, :, None, :]
-        err_after = torch.einsum("bhvk,bhk->bhv", S, kt) - vt
+        err_after = _apply(S, kt) - vt
         after[:, t] = 0.5 * err_after.square().sum(-1)
-        o[:, t] = torch.einsum("bhvk,bhk->bhv", S, q[:, t])
+        o[:, t] = _apply(S, q[:, t])
     return o, S, before, before_decayed, after
 
 
@@ -145,6 +154,7 @@ def delta_rule_recurrence(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.LongTensor | None = None,
     dtype: torch.dtype | None = None,
+    allow_nonfinite: bool = False,
 ) -> RecurrenceResult:
     """The generic (gated, asymmetric) delta rule in the ``V×K`` convention; see the module docstring.
 
@@ -159,8 +169,11 @@ def delta_rule_recurrence(
         initial_state: ``[N, H, V, K]``; zeros when ``None``.
         cu_seqlens: ``[N + 1]`` offsets of packed sequences (``B == 1``).
         dtype: compute dtype; default fp64 if any input is fp64, else fp32.
+        allow_nonfinite: accept NaN/Inf inputs and let them propagate as a kernel would (a NaN at
+            token t makes that sequence's and head's state, outputs and losses NaN from t on); by
+            default they are an error, since a reference computation on them measures nothing.
     """
-    offsets = _validate(q, k, v, beta, write_key, g, initial_state, cu_seqlens)
+    offsets = _validate(q, k, v, beta, write_key, g, initial_state, cu_seqlens, allow_nonfinite)
     B, T, H, K = k.shape
     V = v.shape[-1]
     cdt = _compute_dtype(dtype, q, k, v, beta, write_key, g, initial_state)

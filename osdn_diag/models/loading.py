@@ -117,10 +117,16 @@ def load_model(
         config = _refuse_remote_code(spec, directory)
         # ignore_mismatched_sizes: transformers then reports a wrong shape in the loading info (which
         # we turn into our error) instead of raising its own, which names no tensor.
-        model, info = AutoModelForCausalLM.from_pretrained(
-            directory, use_safetensors=True, local_files_only=True, dtype=dtype,
-            trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True,
-        )
+        from safetensors import SafetensorError
+
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                directory, use_safetensors=True, local_files_only=True, dtype=dtype,
+                trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True,
+            )
+        except SafetensorError as err:  # its message names no file
+            raise ValueError(f"MODEL {spec!r}: the *.safetensors weights in {directory} are not readable "
+                             f"({err}): truncated or damaged; replace them with a complete copy") from err
         _check_loading_info(spec, directory, info)
         source = "builtin" if builtin else "directory"
     if device_map is None:

@@ -53,11 +53,16 @@ def read_jsonl(
     """Read a prompt file; errors name the file and line and what was expected."""
     path = Path(path)
     prompts: list[Prompt] = []
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with path.open("rb") as fh:  # decoded line by line, so that an encoding error names its line
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                                 f"{err.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
@@ -104,6 +109,11 @@ def _tokens(row, ids_key, text_key, where, tokenize, vocab_size, *, required):
 def random_suite(*, num_prompts: int, length: int, vocab_size: int, seed: int, twice: bool) -> list[Prompt]:
     """Uniformly random tokens (for random-weight models and benchmarks). With ``twice`` the first
     half is a context that is repeated in the second half."""
+    if num_prompts < 1:
+        raise ValueError(f"argument 'num_prompts': expected >= 1, got {num_prompts}")
+    if length < (2 if twice else 1):
+        raise ValueError(f"argument 'length': expected >= {2 if twice else 1}"
+                         f"{' with twice (a context of one token, repeated)' if twice else ''}, got {length}")
     gen = torch.Generator().manual_seed(seed)
     prompts = []
     for i in range(num_prompts):

@@ -287,7 +287,10 @@ def _suite_spec(length: int, vocab_size: int) -> MQARSpec:
     """``length // 4`` pairs, all queried: a single prompt is then ``length`` tokens (up to 3 fewer)."""
     _check_int("length", length)
     _check_int("vocab_size", vocab_size)
-    n = max(1, length // 4)
+    if length < 4:  # one pair and its query take four tokens; fewer would silently become four
+        raise ValueError(f"argument 'length': the mqar suites need length >= 4 (one key-value pair and "
+                         f"its query), got {length}")
+    n = length // 4
     keys = vocab_size // 2 - 1
     if vocab_size >= MIN_VOCAB_SIZE and n >= keys:
         raise ValueError(

@@ -35,6 +35,10 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     path = run_dir / "summary.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
+    try:
+        summary = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); run `osdn-diag replay {run_dir}` again") from None
     table = run_dir / "residuals.parquet"
     if not table.exists():
         raise FileNotFoundError(f"{table}: no per-token table — run `osdn-diag replay {run_dir}` first")
@@ -42,7 +46,6 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     missing = [c for c in CONTRACT_COLUMNS if c not in names]
     if missing:
         raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
-    summary = json.loads(path.read_text())
     check_table_run_ids(run_dir, manifest, summary)
     if manifest.get("shards") and (run_dir / "capture").is_dir():
         # The capture the tables came from is still the one the manifest lists (names and sizes here;
@@ -146,18 +149,41 @@ def _state_cell(s: dict) -> str:
 
 
 def _recall_table(runs) -> str | None:
-    """Recall accuracy per task (the paper's Table 7 layout: single vs twice), for runs whose prompts
-    carry answers; ``None`` when none do."""
-    tasks = sorted({t for _, _, s in runs for t in s.get("recall", {})})
+    """Recall accuracy per task (the paper's Table 7 layout: single vs twice), for the measured runs
+    whose prompts carry answers (a what-if run has no forward pass of its own, so no row); ``None``
+    when none do. A task whose every query had non-finite logits shows "–"."""
+    measured = [(label, s) for label, _, s in runs if not s.get("counterfactual")]
+    tasks = sorted({t for _, s in measured for t in s.get("recall", {})})
     if not tasks:
         return None
     header = ["model", *[f"{t} accuracy ↑" for t in tasks], "queries"]
     rows = []
-    for label, _, s in runs:
+    for label, s in measured:
         rec = s.get("recall", {})
         queries = sum(r["queries"] for r in rec.values())
-        rows.append([label, *[_f(rec.get(t, {}).get("accuracy")) for t in tasks], f"{queries:,}"])
+        excluded = sum(r.get("excluded_nonfinite", 0) for r in rec.values())
+        count = f"{queries:,}" + (f" (+{excluded:,} excluded: NaN/Inf logits)" if excluded else "")
+        rows.append([label, *[_f(rec.get(t, {}).get("accuracy")) for t in tasks], count])
     return _table(header, rows)
+
+
+def _nonfinite_note(runs) -> list[str]:
+    """The sentences stating, beside the headline, what NaN/Inf left out of each run's numbers."""
+    lines = []
+    for label, _, s in runs:
+        nf = s.get("nonfinite") or {}
+        if not nf.get("streams"):
+            continue
+        layers = ", ".join(f"layer {int(k)}: {v}" for k, v in nf.get("by_layer", {}).items())
+        prompts = nf.get("prompts", [])
+        shown = ", ".join(map(str, prompts[:10])) + (f" and {len(prompts) - 10} more" if len(prompts) > 10 else "")
+        lines.append(
+            f"**{label}: {nf['streams']:,} of {nf['of_streams']:,} (prompt, layer, head) streams excluded** "
+            f"({nf['tokens']:,} token measurements; {layers}; prompts {shown}): the kernel read NaN/Inf "
+            "there. Every number in this report is over the remaining streams; `finite = false` marks "
+            "the excluded rows of residuals.parquet."
+        )
+    return [*lines, ""] if lines else []
 
 
 def _audit_table(runs) -> str:
@@ -166,7 +192,7 @@ def _audit_table(runs) -> str:
     rows = []
     for label, _, s in runs:
         a = s.get("assumptions")
-        if not a:
+        if not a or not a.get("n"):  # nothing measured (every stream excluded): nothing to audit
             continue
         rows.append([
             label, f"{a['max_unit_dev']:.1e}",
@@ -314,18 +340,25 @@ def write_report(
         "",
         _contraction_table(runs),
         "",
+        *_nonfinite_note(runs),
     ]
     recall = _recall_table(runs)
+    counterfactual = [name for name, _, s in runs if s.get("counterfactual")]
     if recall:
         parts += [
             "## Recall accuracy (the paper's Table 7 layout)",
             "",
             "Argmax of the next-token logits at every query, against the value the context paired "
-            "with that key (the same forward pass that was captured).",
+            "with that key (the same forward pass that was captured). A query whose logits hold "
+            "NaN/Inf is excluded, not counted wrong.",
             "",
             recall,
             "",
         ]
+    if counterfactual and any("answers" in p for _, m, _ in runs for p in m.get("prompts", [])):
+        parts += [f"No recall accuracy for {', '.join(counterfactual)}: a what-if replays the captured "
+                  "writes with another d, and no forward pass ran with it, so there is nothing to "
+                  "measure recall on.", ""]
     parts += [
         "## By relative position (Fig. 2a)",
         "",

@@ -17,6 +17,11 @@ __all__ = [
 ]
 
 
+def _num(x) -> float:
+    """A summary value as a float: ``null`` (a statistic over no measurement) plots as a gap."""
+    return float("nan") if x is None else float(x)
+
+
 def _pyplot():
     import matplotlib
 
@@ -59,7 +64,8 @@ def plot_contraction(runs: list[tuple[str, dict]], path: Path) -> Path:
         bins = summary["position_bins"]
         edges = bins["edges"]
         centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
-        ax.plot(centers, bins["q_geo"], marker="o", label=f"{label} (q_geo {summary['q_geo']:.3f})")
+        ax.plot(centers, [_num(x) for x in bins["q_geo"]], marker="o",
+                label=f"{label} (q_geo {_num(summary['q_geo']):.3f})")
         boundaries.update(round(v, 3) for v in bins.get("repeat_boundary", {}).values())
     for b in sorted(boundaries):
         ax.axvline(b, color="0.4", linestyle="--", linewidth=1)
@@ -77,7 +83,7 @@ def plot_by_layer(runs: list[tuple[str, dict]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for label, summary in runs:
         layers = sorted(summary["by_layer"], key=int)
-        ax.plot([int(layer) for layer in layers], [summary["by_layer"][layer]["q_geo"] for layer in layers],
+        ax.plot([int(layer) for layer in layers], [_num(summary["by_layer"][layer]["q_geo"]) for layer in layers],
                 marker="o", label=label)
     return _finish(fig, ax, path, xlabel="layer", ylabel=r"$q_{geo}$", title="Residual contraction by layer")
 
@@ -87,9 +93,11 @@ def plot_q_bars(runs: list[tuple[str, dict]], path: Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(runs), 3.6))
     labels = [label for label, _ in runs]
-    values = [s["q_geo"] for _, s in runs]
+    values = [_num(s["q_geo"]) for _, s in runs]
     bars = ax.bar(range(len(runs)), values, color=[f"C{i}" for i in range(len(runs))])
     for bar, v in zip(bars, values):
+        if v != v:  # nothing measured: no bar, and no label at a NaN height
+            continue
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(runs)), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(r"$q_{geo}$ (all tokens, layers, heads)")
@@ -108,12 +116,14 @@ def plot_layer_head(runs: list[tuple[str, dict]], path: Path) -> Path:
     grids = []
     for _, s in runs:
         keys = [tuple(int(x) for x in k.split(".")) for k in s["by_head"]]
-        grid = np.full((max(k[0] for k in keys) + 1, max(k[1] for k in keys) + 1), np.nan)
+        grid = np.full((max((k[0] for k in keys), default=0) + 1, max((k[1] for k in keys), default=0) + 1),
+                       np.nan)
         for (layer, head), key in zip(keys, s["by_head"]):
-            grid[layer, head] = s["by_head"][key]["q_geo"]
+            grid[layer, head] = _num(s["by_head"][key]["q_geo"])
         grids.append(grid)
-    vmin = min(np.nanmin(g) for g in grids)  # one colour scale, so the runs compare by eye
-    vmax = max(np.nanmax(g) for g in grids)
+    # One colour scale, so the runs compare by eye (over the cells measured; any, if none were).
+    measured = np.concatenate([g[np.isfinite(g)] for g in grids])
+    vmin, vmax = (measured.min(), measured.max()) if measured.size else (0.0, 1.0)
     for ax, (label, _), grid in zip(axes[0], runs, grids):
         L, H = grid.shape
         im = ax.imshow(grid, aspect="auto", cmap="viridis", origin="lower", vmin=vmin, vmax=vmax)

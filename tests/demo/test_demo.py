@@ -222,7 +222,7 @@ def test_unknown_model_is_one_line_naming_the_available_ones(tmp_path, capsys, m
 def test_num_prompts_below_one_is_refused(tmp_path, capsys, n):
     assert entry(["demo", "--out", str(tmp_path / "d"), "--num-prompts", str(n), "-q"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "num_prompts" in err
+    assert len(err.splitlines()) == 1 and "--num-prompts" in err
     assert not (tmp_path / "d").exists()
     with pytest.raises(ValueError, match="num_prompts"):
         run_demo(tmp_path / "d", num_prompts=n, progress=False)

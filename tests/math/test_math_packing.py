@@ -44,3 +44,30 @@ def test_packed_segments_replay_as_each_segment_alone(name, data):
         if eos == bos:  # an empty sequence leaves its initial state untouched
             expected = torch.zeros_like(alone.final_state) if S0 is None else S0[n : n + 1]
             assert torch.equal(packed.final_state[n : n + 1], expected)
+
+
+@pytest.mark.parametrize("K", [16, 64, 128])
+@pytest.mark.parametrize("gate", [None, "head", "channel"])
+def test_a_batch_row_is_bit_for_bit_the_row_alone(K, gate):
+    """``--batch-size`` must not change a prompt's numbers: each row of a batch (and each packed
+    sequence) is computed exactly as it would be alone — in fp32, bit for bit, not merely close."""
+    from osdn_diag.math.recurrence import delta_rule_recurrence
+
+    gen = torch.Generator().manual_seed(K)
+    B, T, H = 5, 12, 3
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    beta = torch.rand(B, T, H, generator=gen)
+    g = None if gate is None else -torch.rand(B, T, H, *([K] if gate == "channel" else []), generator=gen)
+    whole = delta_rule_recurrence(q, k, v, beta, g=g)
+    packed = delta_rule_recurrence(*(x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, beta)),
+                                   g=None if g is None else g.reshape(1, B * T, *g.shape[2:]),
+                                   cu_seqlens=torch.arange(0, B * T + 1, T))
+    for b in range(B):
+        alone = delta_rule_recurrence(q[b:b + 1], k[b:b + 1], v[b:b + 1], beta[b:b + 1],
+                                      g=None if g is None else g[b:b + 1])
+        for name in ("o", "loss_before", "loss_after", "final_state"):
+            a = getattr(alone, name)[0]
+            assert torch.equal(getattr(whole, name)[b], a), (name, b)
+            p = getattr(packed, name)
+            assert torch.equal(p[b] if name == "final_state" else p[0, b * T:(b + 1) * T], a), (name, b)

@@ -25,15 +25,19 @@ def _one_hot_logits(prompts, vocab, shift=0):
 def test_hits_count_oracle_and_wrong_answers():
     spec = MQARSpec(vocab_size=64, num_pairs=6, num_queries=4)
     prompts = mqar_pair_prompts(spec, num_prompts=3, seed=0)
-    assert _recall_hits(prompts, _one_hot_logits(prompts, 64)) == {p.id: (4, 4) for p in prompts}
-    assert _recall_hits(prompts, _one_hot_logits(prompts, 64, shift=1)) == {p.id: (0, 4) for p in prompts}
+    assert _recall_hits(prompts, _one_hot_logits(prompts, 64)) == {p.id: (4, 4, 0) for p in prompts}
+    assert _recall_hits(prompts, _one_hot_logits(prompts, 64, shift=1)) == {p.id: (0, 4, 0) for p in prompts}
     # One wrong answer in one prompt: 3 of 4.
     logits = _one_hot_logits(prompts, 64)
     p = prompts[1]
     pos, ans = p.meta["answer_positions"][2], p.meta["answers"][2]
     logits[1, pos, ans] = 0.0
     logits[1, pos, (ans + 5) % 64] = 1.0
-    assert _recall_hits(prompts, logits)[p.id] == (3, 4)
+    assert _recall_hits(prompts, logits)[p.id] == (3, 4, 0)
+    # NaN logits at a query: excluded, neither right nor wrong (NaN would win the argmax).
+    logits[1, pos, (ans + 5) % 64] = float("nan")
+    logits[1, p.meta["answer_positions"][0], 3] = float("inf")
+    assert _recall_hits(prompts, logits)[p.id] == (2, 2, 2)
 
 
 def test_prompts_without_answers_are_skipped():
@@ -51,8 +55,17 @@ def test_table_is_query_weighted_per_task():
         {"task": "mqar-twice", "recall_correct": 0, "recall_queries": 2},
     ]}
     table = recall_table(manifest)
-    assert table["mqar"] == {"accuracy": 5 / 8, "correct": 5, "queries": 8, "prompts": 2}
+    assert table["mqar"] == {"accuracy": 5 / 8, "correct": 5, "queries": 8, "excluded_nonfinite": 0,
+                             "prompts": 2}
     assert table["mqar-twice"]["accuracy"] == 0.0
+
+
+def test_no_accuracy_without_a_finite_query():
+    manifest = {"prompts": [{"task": "mqar", "recall_correct": 0, "recall_queries": 0, "recall_excluded": 4},
+                            {"task": "mqar-twice", "recall_correct": 1, "recall_queries": 2, "recall_excluded": 2}]}
+    table = recall_table(manifest)
+    assert table["mqar"]["accuracy"] is None and table["mqar"]["excluded_nonfinite"] == 4
+    assert table["mqar-twice"]["accuracy"] == 0.5 and table["mqar-twice"]["excluded_nonfinite"] == 2
 
 
 def test_run_on_mqar_pair_reports_recall_per_task(tmp_path):

@@ -24,9 +24,11 @@ def run_dir(tmp_path):
     beta = torch.rand(B, T, H, generator=gen)
     cu = torch.tensor([0, 25, 40])
     w = CaptureWriter(tmp_path / "run")
+    # Recall prompts, as measured on the captured forward pass (3 of 4 and 2 of 2 right).
+    recall = {"answer_positions": [1], "answers": [2]}
     w.begin({"model": {"spec": "synthetic"}, "prompts": [
-        {"id": 0, "task": "a", "length": 25, "repeat_start": -1},
-        {"id": 1, "task": "a", "length": 15, "repeat_start": -1}]})
+        {"id": 0, "task": "a", "length": 25, "repeat_start": -1, **recall, "recall_correct": 3, "recall_queries": 4},
+        {"id": 1, "task": "a", "length": 15, "repeat_start": -1, **recall, "recall_correct": 2, "recall_queries": 2}]})
     w.write(0, [0, 1], KernelCall(layer=0, layer_name="l0", family="delta_rule", kernel="x", q=q, k=k,
                                   v=v, beta=beta, o=deltanet(q, k, v, beta, cu_seqlens=cu).o, scale=K**-0.5,
                                   cu_seqlens=cu))
@@ -61,6 +63,21 @@ def test_eta_zero_is_the_captured_model(run_dir):
     a = pq.read_table(run_dir / "residuals.parquet").to_pydict()
     b = pq.read_table(out / "residuals.parquet").to_pydict()
     assert a["residual_ratio"] == b["residual_ratio"]
+
+
+def test_what_if_reports_no_recall(run_dir):
+    """No forward pass ran with OSDN's d: the what-if has no recall of its own, and does not copy the
+    captured run's (its summary and manifest carry none; the report says why it has none)."""
+    assert json.loads((run_dir / "summary.json").read_text())["recall"]["a"]["accuracy"] == 5 / 6
+    out = run_dir / "wi"
+    assert main(["what-if", str(run_dir), "--eta", "0.5", "--out", str(out), "-q"]) == 0
+    assert "recall" not in json.loads((out / "summary.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert not [k for p in manifest["prompts"] for k in p if k.startswith("recall")]
+    report = (out / "report.md").read_text()
+    table = report[report.index("## Recall accuracy"):report.index("## By relative position")]
+    assert "as captured" in table and "with OSDN d (what-if) |" not in table
+    assert "No recall accuracy for with OSDN d (what-if): a what-if replays" in table
 
 
 def test_bad_settings():

@@ -231,7 +231,9 @@ def test_load_prompts_mqar_suite(twice):
     ]
     for p in prompts:
         _check_row(spec, p.input_ids, twice)
-    assert len(load_prompts("mqar", vocab_size=16, length=1)[0]) == 4  # at least one pair
+    assert len(load_prompts("mqar", vocab_size=16, length=4)[0]) == 4  # one pair and its query
+    with pytest.raises(ValueError, match="length >= 4"):  # refused, not silently made 4 tokens
+        load_prompts("mqar", vocab_size=16, length=2)
 
 
 def test_load_prompts_mqar_pair_suite():

@@ -1,0 +1,184 @@
+"""The command line's argument checks, run before anything heavy is imported or written.
+
+Loading fla (and, on a CPU, Triton's interpreter) takes seconds, and a run directory is created
+before the model loads; an argument that cannot work should fail in well under a second, naming the
+argument or file and what to do, and leave nothing behind. Every check raises :class:`UsageError`
+(a ``ValueError``), which the console script prints as one line with exit status 2. These checks
+read files (JSON, safetensors headers) but import neither torch's CUDA runtime nor fla.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from pathlib import Path
+
+__all__ = ["UsageError", "check_args", "check_safetensors", "check_writable_dir", "check_writable_file"]
+
+#: The shortest --length each built-in suite can honour (mqar: one key-value pair and its query is
+#: four tokens; random --twice: a context of one token, repeated).
+MIN_LENGTH = {"mqar": 4, "mqar-pair": 4}
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+class UsageError(ValueError):
+    """An argument or input file the command cannot use; the message names it and what to do."""
+
+
+def _nearest_existing(path: Path) -> Path:
+    for parent in (path, *path.parents):
+        if parent.exists():
+            return parent
+    return Path(".")
+
+
+def check_writable_dir(path: str | os.PathLike, what: str) -> None:
+    """``path`` is, or can be created as, a directory that this process can write into."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{what} {str(path)!r}: is a file, not a directory; give a directory path")
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        raise UsageError(f"{what} {str(path)!r}: {str(base)!r} is a file, so no directory can be made "
+                         "under it; give another path")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {str(path)!r}: {str(base)!r} is not writable; give a directory you can "
+                         "write to")
+
+
+def check_writable_file(path: str | os.PathLike, what: str) -> None:
+    """``path`` names a file that can be written: not a directory, in an existing, writable directory."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{what} {str(path)!r}: is a directory; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{what} {str(path)!r}: the directory {str(parent)!r} does not exist; create it "
+                         "or give another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{what} {str(path)!r}: not writable; give a path you can write to")
+
+
+def check_safetensors(path: Path, what: str) -> None:
+    """``path`` is a complete safetensors file: an 8-byte header length, a JSON header, and every
+    tensor's bytes inside the file (a truncated download or copy fails here, not deep in a loader)."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ValueError("shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes in a file of {size}")
+            header = json.loads(fh.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as err:
+        raise UsageError(f"{what}: {path} is not a readable safetensors file ({err}); replace it with a "
+                         "complete copy") from None
+    if 8 + n + end > size:
+        raise UsageError(f"{what}: {path} is truncated ({size:,} bytes, its header promises "
+                         f"{8 + n + end:,}); replace it with a complete copy")
+
+
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{what}: {path} is not valid JSON ({err}); repair or replace it") from None
+
+
+def _check_model(spec: str) -> None:
+    if spec.startswith("random:"):
+        from .models.loading import PRESETS
+
+        if spec.removeprefix("random:") not in PRESETS:
+            raise UsageError(f"MODEL {spec!r}: unknown preset {spec.removeprefix('random:')!r}; available: "
+                             + ", ".join(f"random:{p}" for p in PRESETS))
+        return
+    if spec.startswith("builtin:"):
+        from .models.builtin import builtin_path
+
+        directory = builtin_path(spec.removeprefix("builtin:"))
+    else:
+        directory = Path(spec)
+        if not directory.is_dir():
+            raise UsageError(f"MODEL {spec!r}: no such directory; give a Hugging Face model directory, "
+                             "builtin:NAME or random:PRESET")
+    config = directory / "config.json"
+    if config.is_file():
+        if not isinstance(_read_json(config, f"MODEL {spec!r}"), dict):
+            raise UsageError(f"MODEL {spec!r}: {config} is not a JSON object; repair or replace it")
+    for weights in sorted(directory.glob("*.safetensors")):
+        check_safetensors(weights, f"MODEL {spec!r}")
+
+
+def _positive(name: str, value, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise UsageError(f"argument {name}: expected an integer >= {minimum}, got {value}")
+
+
+def check_args(args) -> None:
+    """Check ``args`` (parsed) before the command imports fla or writes anything."""
+    cmd = args.command
+    device = getattr(args, "device", None)
+    if device is not None:
+        if not _DEVICE.match(device):
+            raise UsageError(f"argument --device: expected cpu, cuda or cuda:N, got {device!r}")
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UsageError(f"argument --device: {device!r} asked for, but torch sees no CUDA GPU here; "
+                                 "use --device cpu")
+            index = int(device.partition(":")[2] or 0)
+            if index >= torch.cuda.device_count():
+                raise UsageError(f"argument --device: {device!r}, but there are {torch.cuda.device_count()} "
+                                 "GPUs (numbered from 0)")
+    tolerance = getattr(args, "tolerance", None)
+    if tolerance is not None and not (tolerance > 0):  # NaN fails this too
+        raise UsageError(f"argument --tolerance: expected a number > 0, got {tolerance}")
+    if cmd == "prove" and args.json:
+        check_writable_file(args.json, "argument --json")
+    if cmd in ("run", "capture"):
+        _positive("--num-prompts", args.num_prompts)
+        _positive("--batch-size", args.batch_size)
+        minimum = MIN_LENGTH.get(args.prompts, 2 if args.twice else 1)
+        _positive("--length", args.length, minimum)
+        if args.prompts not in ("random", "mqar", "mqar-pair"):
+            path = Path(args.prompts)
+            if not path.is_file():
+                raise UsageError(f"argument --prompts: {args.prompts!r} is neither a built-in suite "
+                                 "(random, mqar, mqar-pair) nor an existing JSONL file")
+        check_writable_dir(args.out, "argument --out")
+        _check_model(args.model)
+    if cmd == "demo":
+        _positive("--num-prompts", args.num_prompts)
+        check_writable_dir(args.out, "argument --out")
+    if cmd in ("replay", "what-if"):
+        directory = Path(args.dir)
+        if not directory.is_dir():
+            raise UsageError(f"DIR {args.dir!r}: no such directory; give a run directory")
+        manifest = directory / "manifest.json"
+        if manifest.is_file():
+            _read_json(manifest, f"DIR {args.dir!r}")
+        if cmd == "what-if":
+            for name in ("eta", "d_min", "d_max", "retention"):
+                value = getattr(args, name)
+                if not math.isfinite(value):
+                    raise UsageError(f"argument --{name.replace('_', '-')}: expected a finite number, got {value}")
+            if args.out:
+                check_writable_dir(args.out, "argument --out")
+        else:
+            check_writable_dir(directory, "DIR")
+    if cmd == "report":
+        for run in args.runs:
+            if not Path(run).is_dir():
+                raise UsageError(f"RUN {run!r}: no such directory; give a run directory")
+        if args.out:
+            check_writable_dir(args.out, "argument --out")

@@ -1,0 +1,146 @@
+"""Every user error of the console script: one line naming the argument or file and what to do, exit
+status 2, no traceback — and quickly, before fla loads where the arguments alone show the error.
+
+The table grows with each new case: (id, argv with {placeholders} for the fixture files, exit status,
+a substring of the one-line message). The CLI runs in-process (:func:`osdn_diag.cli.entry`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from osdn_diag.cli import entry
+
+TINY = "random:deltanet-tiny"
+RUN = ["run", TINY, "--prompts", "random", "--num-prompts", "1", "--length", "8", "-q"]
+
+CASES = [
+    ("length-0", [*RUN[:-3], "--length", "0", "--out", "{tmp}/o"], 2, "argument --length: expected an integer >= 1, got 0"),
+    ("length-negative", [*RUN[:-3], "--length", "-5", "--out", "{tmp}/o"], 2, "expected an integer >= 1, got -5"),
+    ("length-below-mqar", ["run", TINY, "--prompts", "mqar", "--length", "2", "--out", "{tmp}/o"], 2,
+     "argument --length: expected an integer >= 4, got 2"),
+    ("length-not-int", [*RUN, "--length", "abc", "--out", "{tmp}/o"], 2, "argument --length: invalid int value"),
+    ("num-prompts-0", [*RUN, "--num-prompts", "0", "--out", "{tmp}/o"], 2, "argument --num-prompts: expected an integer >= 1"),
+    ("batch-size-0", [*RUN, "--batch-size", "0", "--out", "{tmp}/o"], 2, "argument --batch-size: expected an integer >= 1"),
+    ("tolerance-nan", [*RUN, "--tolerance", "nan", "--out", "{tmp}/o"], 2, "argument --tolerance: expected a number > 0, got nan"),
+    ("tolerance-0", [*RUN, "--tolerance", "0", "--out", "{tmp}/o"], 2, "argument --tolerance: expected a number > 0"),
+    ("device-bogus", [*RUN, "--device", "bogus", "--out", "{tmp}/o"], 2, "argument --device: expected cpu, cuda or cuda:N"),
+    ("out-is-a-file", [*RUN, "--out", "{file}"], 2, "is a file, not a directory"),
+    ("out-under-a-file", [*RUN, "--out", "{file}/sub"], 2, "is a file, so no directory can be made under it"),
+    ("unknown-preset", [*RUN, "--out", "{tmp}/o"][:1] + ["random:nope"] + RUN[2:] + ["--out", "{tmp}/o"], 2,
+     "MODEL 'random:nope': unknown preset"),
+    ("model-missing", ["run", "{tmp}/nomodel", *RUN[2:], "--out", "{tmp}/o"], 2, "no such directory"),
+    ("prompts-missing", ["run", TINY, "--prompts", "{tmp}/none.jsonl", "--out", "{tmp}/o"], 2,
+     "argument --prompts: '{tmp}/none.jsonl' is neither a built-in suite"),
+    ("config-invalid-json", ["run", "{badconfig}", *RUN[2:], "--out", "{tmp}/o"], 2, "config.json is not valid JSON"),
+    ("safetensors-truncated", ["run", "{truncated}", *RUN[2:], "--out", "{tmp}/o"], 2, "model.safetensors is truncated"),
+    ("safetensors-garbage", ["run", "{garbage}", *RUN[2:], "--out", "{tmp}/o"], 2, "is not a readable safetensors file"),
+    ("prove-json-dir", ["prove", "--json", "{tmp}"], 2, "argument --json '{tmp}': is a directory"),
+    ("prove-json-missing-dir", ["prove", "--json", "{tmp}/no/such/ledger.json"], 2, "does not exist"),
+    ("replay-missing-dir", ["replay", "{tmp}/nowhere", "-q"], 2, "DIR '{tmp}/nowhere': no such directory"),
+    ("manifest-invalid", ["replay", "{badmanifest}", "-q"], 2, "manifest.json is not valid JSON"),
+    ("summary-invalid", ["report", "{badsummary}"], 2, "summary.json: not valid JSON"),
+    ("prompts-not-utf8", ["run", TINY, "--prompts", "{latin1}", "--out", "{tmp}/o", "-q"], 2,
+     "latin1.jsonl:2: not UTF-8 text"),
+    ("shard-truncated", ["replay", "{badshard}", "-q"], 2, "the shard was changed"),
+    ("shape-mismatch", ["run", "{mismatch}", *RUN[2:], "--out", "{tmp}/o"], 2, "do not match the model"),
+    ("what-if-eta-nan", ["what-if", "{badsummary}", "--eta", "nan"], 2, "argument --eta: expected a finite number"),
+]
+if not torch.cuda.is_available():
+    CASES.append(("device-cuda-without-gpu", [*RUN, "--device", "cuda", "--out", "{tmp}/o"], 2, "sees no CUDA GPU"))
+if os.geteuid() != 0:  # root writes anywhere
+    CASES.append(("out-read-only", [*RUN, "--out", "{readonly}/o"], 2, "is not writable"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from osdn_diag.capture import CaptureWriter, KernelCall
+    from osdn_diag.models import load_model
+
+    tmp = tmp_path_factory.mktemp("cli-errors")
+    (tmp / "a-file").write_text("x")
+    model = tmp / "model"
+    load_model(TINY, seed=0).model.save_pretrained(model)
+    weights = (model / "model.safetensors").read_bytes()
+    config = json.loads((model / "config.json").read_text())
+
+    def model_dir(name, config_text, weight_bytes):
+        d = tmp / name
+        d.mkdir()
+        (d / "config.json").write_text(config_text)
+        (d / "model.safetensors").write_bytes(weight_bytes)
+        return d
+
+    paths = {
+        "tmp": tmp, "file": tmp / "a-file",
+        "badconfig": model_dir("badconfig", '{"model_type": "delta_net",', weights),
+        "truncated": model_dir("truncated", json.dumps(config), weights[: len(weights) // 2]),
+        "garbage": model_dir("garbage", json.dumps(config), b"\xff" * 64),
+        "mismatch": model_dir("mismatch", json.dumps({**config, "intermediate_size": 128}), weights),
+    }
+    latin1 = tmp / "latin1.jsonl"
+    latin1.write_bytes(b'{"input_ids": [1, 2, 3]}\n{"text": "caf\xe9"}\n')
+    paths["latin1"] = latin1
+    # A capture directory (synthetic, one call) for replay/report errors.
+    run = tmp / "run"
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 1, 4, generator=gen) for _ in range(3))
+    w = CaptureWriter(run)
+    w.begin({"model": {"spec": "synthetic"}, "prompts": [{"id": 0, "task": "a", "length": 6, "repeat_start": -1}]})
+    w.write(0, [0], KernelCall(layer=0, layer_name="l0", family="delta_rule", kernel="x", q=q, k=k, v=v,
+                               beta=torch.rand(1, 6, 1, generator=gen), o=torch.zeros(1, 6, 1, 4), scale=0.5))
+    w.finish()
+    for name in ("badmanifest", "badsummary", "badshard"):
+        import shutil
+
+        shutil.copytree(run, tmp / name)
+        paths[name] = tmp / name
+    (tmp / "badmanifest" / "manifest.json").write_text("{not json")
+    from osdn_diag.pipeline import replay_run
+
+    replay_run(tmp / "badsummary", progress=False, tolerance=float("inf"))  # replayed, then damaged
+    (tmp / "badsummary" / "summary.json").write_text("{not json")
+    shard = next((tmp / "badshard").rglob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    save_file  # noqa: B018 - imported to fail early if safetensors is missing
+    readonly = tmp / "readonly"
+    readonly.mkdir(mode=0o555)
+    paths["readonly"] = readonly
+    return paths
+
+
+@pytest.mark.parametrize("argv, status, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_user_error_is_one_line(files, capsys, argv, status, message):
+    argv = [a.format(**files) for a in argv]
+    assert entry(argv) == status
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("osdn-diag: error: "), err
+    assert message.format(**files) in lines[0]
+    assert not (files["tmp"] / "o").exists()  # nothing half-written
+
+
+def test_debug_shows_the_traceback(files):
+    from osdn_diag._cli_checks import UsageError
+
+    with pytest.raises(UsageError, match="--length"):
+        entry([*RUN, "--length", "0", "--out", str(files["tmp"] / "o"), "--debug"])
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys, files):
+    import osdn_diag.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_report", interrupted)
+    assert entry(["report", str(files["badsummary"])]) == 130
+    out, err = capsys.readouterr()
+    assert err.strip() == "osdn-diag: interrupted" and "Traceback" not in out + err

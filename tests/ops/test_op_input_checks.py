@@ -30,6 +30,9 @@ from osdn_diag.ops.replay import fused_replay  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 T, H, K, V = 16, 2, 16, 16
+# Where the kernels run: compiled on a GPU, interpreted on a CPU (the root conftest sets
+# TRITON_INTERPRET=1 only on a machine without CUDA).
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 class KernelLaunched(AssertionError):
@@ -53,8 +56,9 @@ def no_launch(monkeypatch, fla_kernels):
 def _inputs(B=1):
     gen = torch.Generator().manual_seed(0)
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    return dict(q=torch.randn(B, T, H, K, generator=gen), k=k, v=torch.randn(B, T, H, V, generator=gen),
-                beta=torch.rand(B, T, H, generator=gen))
+    x = dict(q=torch.randn(B, T, H, K, generator=gen), k=k, v=torch.randn(B, T, H, V, generator=gen),
+             beta=torch.rand(B, T, H, generator=gen))
+    return {name: t.to(DEVICE) for name, t in x.items()}
 
 
 # Each op called with the given inputs and cu_seqlens; the ones with validate=False skip only the
@@ -81,17 +85,17 @@ VALIDATING = [name for name in OPS if not name.endswith("novalidate")]
 
 
 def _cu(*offsets, dtype=torch.int64):
-    return torch.tensor(offsets, dtype=dtype)
+    return torch.tensor(offsets, dtype=dtype, device=DEVICE)
 
 
 # Wrong whatever `validate` says: type, dtype, shape, device, batch size.
 BAD_LAYOUT = {
     "list": ([0, T], 1, "1-D integer tensor"),
-    "float": (torch.tensor([0.0, T]), 1, "dtype"),
-    "bool": (torch.tensor([False, True]), 1, "dtype"),
+    "float": (torch.tensor([0.0, T], device=DEVICE), 1, "dtype"),
+    "bool": (torch.tensor([False, True], device=DEVICE), 1, "dtype"),
     "2-D": (_cu(0, T).reshape(1, 2), 1, "shape"),
     "one-entry": (_cu(0), 1, "two entries"),
-    "other-device": (torch.tensor([0, T], device="meta"), 1, "on cpu"),
+    "other-device": (torch.tensor([0, T], device="meta"), 1, f"on {DEVICE}"),
     "batch-2": (_cu(0, T), 2, "batch size 1"),
 }
 # Wrong values: checked unless validate=False.
@@ -193,6 +197,7 @@ def test_cpu_tensors_without_the_interpreter_get_a_clear_error():
         assert "active drivers" not in line and " | " not in line, line
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's fixes matter only where kernels are interpreted")
 def test_chunk_osdn_without_fla_s_interpreter_fixes(no_launch, monkeypatch):
     """TRITON_INTERPRET=1 but fla not prepared (its autotuner would look for a GPU to time configs
     on): the error names the call that prepares it."""

@@ -12,8 +12,8 @@ and on the fused recurrent path (T = 64, no grad). At every layer:
       ``l2norm_fwd`` / ``fused_beta_sigmoid`` / ``chunk_atk_fwd`` while the kernel runs);
 (ii)  the package's GPU replay (``backend="triton"``) agrees per token with the fp64 oracle
       (``_consumed.fp64_delta_rule``) run on the consumed tensors: residual ratios within 1e-5
-      relative at p99 over tokens with a non-negligible loss (relative to max(ratio, 1e-3): see
-      ``_consumed.compare_ratios``), their geometric mean within 1e-6;
+      relative at p99 over tokens with a non-negligible loss (relative to max(ratio, 1e-3), see
+      ``_consumed.compare_ratios``, and also plainly relative), their geometric mean within 1e-6;
 (iii) the replay passes its own output and final-state checks at their default tolerances, and
       prints one line per layer with the fidelities (run pytest with ``-s`` to keep them);
 (iv)  the model's logits with and without capture are bitwise equal.
@@ -171,6 +171,8 @@ def test_every_layer_replays_like_the_fp64_oracle(family, path, model_run):
         assert res.state_fidelity is not None
         assert cmp["n"] >= 0.9 * ref["ratio"].numel(), cmp
         assert cmp["p99"] <= 1e-5, cmp
+        # At this scale even the plain relative difference meets 1e-5 (measured ≤ 1.7e-6 on an H200).
+        assert cmp["p99_strict"] <= 1e-5, cmp
         assert q_geo_rel <= 1e-6, cmp
 
 

@@ -1,9 +1,11 @@
 """Files written all at once or not at all: a temporary file beside the target, renamed into place
 only when the writing succeeded (a crash never leaves a file that looks complete).
 
-The temporary is created the way ``open(path, "w")`` creates a file, mode ``0o666 & ~umask``
-(usually 0644), so that a run directory shared with colleagues stays readable to them
-(``tempfile.mkstemp`` would make it 0600). It is flushed to disk before the rename and the directory
+The file gets the mode ``open(path, "w")`` would give it, ``0o666 & ~umask`` (usually 0644), so that
+a run directory shared with colleagues stays readable to them: the temporary is created with it
+(``tempfile.mkstemp`` would make it 0600), and it is set again once the writer has finished, just
+before the rename, because some writers replace the temporary with a file of their own (safetensors'
+``save_file`` writes a 0600 file and renames it over the path it was given). It is flushed to disk before the rename and the directory
 after it, so that after a power loss the name points at the whole file or at the old one. A writer
 killed before the rename (SIGKILL, out of memory) leaves its temporary, ``.NAME.XXXXXXXX.tmp``;
 :func:`remove_stale_temporaries` removes those where a run directory is opened for writing again.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,8 +68,10 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _create_temporary(path.parent, path.name, suffix)
+    mode = stat.S_IMODE(os.stat(tmp).st_mode)  # 0o666 & ~umask, without changing the process umask
     try:
         yield str(tmp)
+        os.chmod(tmp, mode)
         _fsync(tmp)
         os.replace(tmp, path)
         _fsync(path.parent, directory=True)

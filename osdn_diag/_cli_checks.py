@@ -16,7 +16,7 @@ import re
 import struct
 from pathlib import Path
 
-__all__ = ["UsageError", "check_args", "check_safetensors", "check_writable_dir", "check_writable_file"]
+__all__ = ["UsageError", "check_args", "parse_d_head", "check_safetensors", "check_writable_dir", "check_writable_file"]
 
 #: The shortest --length each built-in suite can honour (mqar: one key-value pair and its query is
 #: four tokens; random --twice: a context of one token, repeated).
@@ -123,6 +123,26 @@ def _positive(name: str, value, minimum: int = 1) -> None:
         raise UsageError(f"argument {name}: expected an integer >= {minimum}, got {value}")
 
 
+def parse_d_head(text: str) -> tuple[int, int]:
+    """``--d-head LAYER.HEAD`` as ``(layer, head)``."""
+    try:
+        layer, head = (int(x) for x in text.split("."))
+    except ValueError:
+        raise UsageError(f"argument --d-head: expected LAYER.HEAD (e.g. 3.1), got {text!r}") from None
+    if layer < 0 or head < 0:
+        raise UsageError(f"argument --d-head: expected LAYER.HEAD of numbers >= 0, got {text!r}")
+    return layer, head
+
+
+def _check_placement(out: str) -> None:
+    from .rundir import RunDirectoryError, check_placement
+
+    try:
+        check_placement(out)
+    except RunDirectoryError as err:
+        raise UsageError(str(err)) from None
+
+
 def check_args(args) -> None:
     """Check ``args`` (parsed) before the command imports fla or writes anything."""
     cmd = args.command
@@ -156,6 +176,7 @@ def check_args(args) -> None:
                 raise UsageError(f"argument --prompts: {args.prompts!r} is neither a built-in suite "
                                  "(random, mqar, mqar-pair) nor an existing JSONL file")
         check_writable_dir(args.out, "argument --out")
+        _check_placement(args.out)
         _check_model(args.model)
     if cmd == "demo":
         _positive("--num-prompts", args.num_prompts)
@@ -172,6 +193,13 @@ def check_args(args) -> None:
                 value = getattr(args, name)
                 if not math.isfinite(value):
                     raise UsageError(f"argument --{name.replace('_', '-')}: expected a finite number, got {value}")
+            if args.eta < 0:
+                raise UsageError(f"argument --eta: expected a step size >= 0, got {args.eta}")
+            if not 0 < args.d_min <= args.d_max:
+                raise UsageError(f"arguments --d-min, --d-max: expected 0 < d-min <= d-max, got {args.d_min} "
+                                 f"and {args.d_max}")
+            if not 0 <= args.retention <= 1:
+                raise UsageError(f"argument --retention: expected a value in [0, 1], got {args.retention}")
             if args.out:
                 check_writable_dir(args.out, "argument --out")
         else:
@@ -182,3 +210,5 @@ def check_args(args) -> None:
                 raise UsageError(f"RUN {run!r}: no such directory; give a run directory")
         if args.out:
             check_writable_dir(args.out, "argument --out")
+        if args.d_head:
+            parse_d_head(args.d_head)

@@ -108,8 +108,11 @@ def _print_summary(summary: dict, run_dir) -> None:
 def _cmd_capture(args: argparse.Namespace) -> int:
     from .distributed import init_from_env
 
+    from .rundir import output_lock
+
     ranks = init_from_env()
-    out = _capture(args)
+    with output_lock(args.out):
+        out = _capture(args)
     if ranks.is_main:
         print(f"capture written to {out}")
     return 0
@@ -118,8 +121,11 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 def _cmd_replay(args: argparse.Namespace) -> int:
     from .distributed import init_from_env
 
+    from .rundir import output_lock
+
     ranks = init_from_env()
-    summary = _replay(args, args.dir)
+    with output_lock(args.dir):
+        summary = _replay(args, args.dir)
     if ranks.is_main:
         _print_summary(summary, args.dir)
     return 0
@@ -129,16 +135,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .distributed import init_from_env
     from .report import write_report
 
+    from .rundir import output_lock
+
     ranks = init_from_env()
-    if args.stream:
-        out = args.out
-        summary = _stream(args)
-    else:
-        out = _capture(args)
-        summary = _replay(args, out)
-    if ranks.is_main:
-        _print_summary(summary, out)
-        print(f"report: {write_report([out])}")
+    with output_lock(args.out):  # the whole command: capture, replay and report
+        if args.stream:
+            out = args.out
+            summary = _stream(args)
+        else:
+            out = _capture(args)
+            summary = _replay(args, out)
+        if ranks.is_main:
+            _print_summary(summary, out)
+            print(f"report: {write_report([out])}")
     return 0
 
 
@@ -146,20 +155,23 @@ def _cmd_what_if(args: argparse.Namespace) -> int:
     import torch
 
     from .report import write_report
-    from .whatif import WhatIf, what_if_run
+    from .report.markdown import load_run
+    from .rundir import output_lock
+    from .whatif import WhatIf, what_if_out, what_if_run
 
     settings = WhatIf(eta=args.eta, d_min=args.d_min, d_max=args.d_max, retention=args.retention,
                       beta_aware=args.beta_aware)
-    out = what_if_run(
-        args.dir, settings, out_dir=args.out, backend=args.backend,
-        dtype=torch.float64 if args.fp64 else torch.float32, device=args.device, progress=not args.quiet,
-        overwrite=args.overwrite, then=("report",),
-    )
-    from .report.markdown import load_run
-
-    _print_summary(load_run(out)[1], out)
-    print("counterfactual: the replayed states follow OSDN's writes, not the model's own")
-    print(f"report: {write_report([args.dir, out], out, ['as captured', 'with OSDN d (what-if)'])}")
+    out = what_if_out(args.dir, settings, args.out)
+    with output_lock(out):  # the whole command: replay and report
+        what_if_run(
+            args.dir, settings, out_dir=out, backend=args.backend,
+            dtype=torch.float64 if args.fp64 else torch.float32, device=args.device, progress=not args.quiet,
+            overwrite=args.overwrite, then=("report",),
+        )
+        _print_summary(load_run(out)[1], out)
+        print("counterfactual: the replayed states follow OSDN's writes, not the model's own")
+        report = write_report([args.dir, out], out, ["as captured", "with OSDN d (what-if)"], into_input=True)
+    print(f"report: {report}")
     return 0
 
 
@@ -170,7 +182,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     report, rows = run_demo(args.out, num_prompts=args.num_prompts, models=args.models,
-                            device=args.device, seed=args.seed, progress=not args.quiet)
+                            device=args.device, seed=args.seed, progress=not args.quiet,
+                            overwrite=args.overwrite)
     print(f"\n{format_rows(rows)}")
     print(f"\nq: residual ratio per write (lower = stronger contraction); acc: recall accuracy. "
           f"{time.perf_counter() - start:.0f} s.")
@@ -181,13 +194,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import write_report
 
-    d_head = None
-    if args.d_head:
-        try:
-            layer, head = (int(x) for x in args.d_head.split("."))
-        except ValueError:
-            raise SystemExit(f"--d-head: expected LAYER.HEAD (e.g. 3.1), got {args.d_head!r}") from None
-        d_head = (layer, head)
+    from ._cli_checks import parse_d_head
+
+    d_head = parse_d_head(args.d_head) if args.d_head else None
     print(f"report: {write_report(args.runs, args.out, args.labels, d_head)}")
     return 0
 
@@ -321,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--models", nargs="+", metavar="NAME",
                       help="built-in model names (default: mqar-deltanet mqar-osdn mqar-osdn-apf)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the prompt suite (0)")
+    demo.add_argument("--overwrite", action="store_true",
+                      help="replace the demo output DIR already holds (only the files osdn-diag wrote); "
+                      "without it such a DIR is refused")
     _add_common(demo)
     demo.set_defaults(func=_cmd_demo)
 
@@ -387,7 +399,11 @@ def entry(argv: list[str] | None = None) -> int:
     try:
         return main(argv)
     except SystemExit as done:  # argparse: --help, or a usage error it has printed on one line
-        return done.code if isinstance(done.code, int) else 1
+        if isinstance(done.code, int) or done.code is None:
+            return done.code or 0
+        # A message (sys.exit("...")): the user's error, on one line like the others.
+        print(f"osdn-diag: error: {' '.join(str(done.code).split())}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         if debug:
             raise

@@ -43,6 +43,7 @@ def run_demo(
     seed: int = 0,
     progress: bool = True,
     root: Path | None = None,
+    overwrite: bool = False,
 ) -> tuple[Path, list[DemoRow]]:
     """Run the demo into ``out_dir`` (one run directory per model and ``report/``).
 
@@ -50,12 +51,15 @@ def run_demo(
         num_prompts: MQAR contexts per model; each is asked once as MQAR and once as MQAR-twice.
         models: built-in model names (default: :data:`DEMO_MODELS` that are installed).
         root: where the built-in models live (default: the package's own).
+        overwrite: replace an earlier demo's output (only the files osdn-diag wrote; see
+            :mod:`osdn_diag.rundir`). Without it a model directory that holds a run, or a ``report/``
+            that holds a report, is refused; files osdn-diag did not write are refused either way.
+            Every directory is checked before the first model runs.
 
     Returns ``(report.md path, one row per model)``.
     """
     from .models.builtin import builtin_names, builtin_task
-    from .pipeline import capture_run, replay_run
-    from .report import write_report
+    from .rundir import RunDirectoryError, check_output, existing_run_files, is_report_dir, output_lock
 
     if num_prompts < 1:
         raise ValueError(f"argument 'num_prompts': expected >= 1, got {num_prompts}")
@@ -87,6 +91,25 @@ def run_demo(
                          "MQAR shapes: " + ", ".join(f"{n}: {t['num_pairs']} pairs, vocabulary "
                                                      f"{t.get('vocab_size')}" for n, t in tasks.items()))
     out_dir = Path(out_dir)
+    for name in names:
+        check_output(out_dir / name, overwrite=overwrite)
+    report_dir = out_dir / "report"
+    found = existing_run_files(report_dir)
+    if found and not is_report_dir(report_dir):
+        raise RunDirectoryError(f"{report_dir}: not an osdn-diag report directory, but it holds "
+                                f"{', '.join(found)}, which the demo would write; choose another --out")
+    if found and not overwrite:
+        raise RunDirectoryError(f"{report_dir}: already holds a report; pass --overwrite to replace it, or "
+                                "choose another --out")
+    with output_lock(out_dir):
+        return _run(out_dir, names, tasks, num_prompts=num_prompts, device=device, seed=seed, progress=progress,
+                    root=root, overwrite=overwrite)
+
+
+def _run(out_dir: Path, names, tasks, *, num_prompts, device, seed, progress, root, overwrite):
+    from .pipeline import capture_run, replay_run
+    from .report import write_report
+
     run_dirs, labels = [], []
     for name in names:
         task = tasks[name]
@@ -99,7 +122,7 @@ def run_demo(
         capture_run(
             spec, "mqar-pair", run_dir, device=device, num_prompts=num_prompts,
             length=4 * int(task["num_pairs"]), seed=seed, batch_size=num_prompts, progress=progress,
-            overwrite=True,  # the demo's own per-model directories: running the demo again replaces them
+            overwrite=overwrite,
         )
         replay_run(run_dir, progress=progress, device=device)
         run_dirs.append(run_dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ import torch
 from ._atomic import atomic_path, remove_stale_temporaries
 from ._json import dumps as strict_json
 from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
-from .rundir import RUN_ID_KEY, finish_stage, new_run_id, prepare_output, start_stage
+from .rundir import RUN_ID_KEY, finish_stage, new_run_id, output_lock, prepare_output, start_stage
 from .replayer import CONTRACT_COLUMNS, Replayer
 
 __all__ = [
@@ -112,11 +113,13 @@ def capture_run(
     the CPU. ``device_map`` spreads a model too large for one GPU over the machine's GPUs (see
     :func:`osdn_diag.models.load_model`; one process only). Returns ``out_dir``.
     """
-    session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
-                              batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
-                              seed=seed, device_map=device_map, overwrite=overwrite, stages=("capture", *then))
-    session.run(lambda stored: session.writer.write(stored.batch, stored.prompts, stored.call), progress)
-    session.finish()
+    with output_lock(out_dir):
+        session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
+                                  batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
+                                  seed=seed, device_map=device_map, overwrite=overwrite,
+                                  stages=("capture", *then))
+        session.run(lambda stored: session.writer.write(stored.batch, stored.prompts, stored.call), progress)
+        session.finish()
     return session.out_dir
 
 
@@ -152,6 +155,15 @@ def stream_run(
     :func:`capture_run` (the capture and replay stages finish together), ``replay_kw`` as for
     :func:`replay_run`. Returns the summary (``{}`` on ranks other than 0).
     """
+    with output_lock(out_dir):
+        return _stream(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
+                       batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length, seed=seed,
+                       progress=progress, device_map=device_map, replay_dtype=replay_dtype, overwrite=overwrite,
+                       then=then, **replay_kw)
+
+
+def _stream(model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_size, twice, num_prompts, length,
+            seed, progress, device_map, replay_dtype, overwrite, then, **replay_kw) -> dict:
     session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
                               batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
                               seed=seed, stored=False, device_map=device_map, overwrite=overwrite,
@@ -384,27 +396,47 @@ def replay_run(
     Returns the summary dictionary that was written to ``summary.json`` (on rank 0 of several
     processes; ``{}`` on the others, see :mod:`osdn_diag.distributed`).
     """
+    run_dir = Path(run_dir)
+    with output_lock(run_dir if out_dir is None else out_dir):
+        return _replay(run_dir, progress=progress, out_dir=out_dir, extra=extra, run_id=run_id, recall=recall,
+                       **replay_kw)
+
+
+def _replay(run_dir: Path, *, progress, out_dir, extra, run_id, recall, **replay_kw) -> dict:
     from . import distributed
 
     ranks = distributed.current()
-    run_dir = Path(run_dir)
+    # Every shard is where the manifest says, with its size, before the manifest is touched; each one's
+    # sha256 is checked as it is read, below.
     reader = CaptureReader(run_dir)
     in_place = out_dir is None or Path(out_dir).resolve() == run_dir.resolve()
     out_dir = run_dir if in_place else Path(out_dir)
     run_id = run_id or reader.manifest.get("run_id")
     out_dir.mkdir(parents=True, exist_ok=True)
+    before = dict(reader.manifest.get("stages", {}))
+    # Until _finish_replay the run's tables are its old ones (residuals.parquet is replaced by a rename
+    # at the end), except where rank 0 removes a directory of parts first: then they are gone.
+    tables_kept = ranks.world == 1 and not (out_dir / RESIDUALS).is_dir()
     if ranks.is_main:  # the other ranks write only into residuals.parquet/, which rank 0 recreates
         remove_stale_temporaries(out_dir)
         if in_place:
             start_stage(run_dir, reader.manifest, "replay")
-    prompts = {int(p["id"]): p for p in reader.manifest.get("prompts", [])}
-    replay_kw.setdefault("device", ranks.device())
-    replayer = Replayer(prompts, **replay_kw)
-    shards = [p for p in reader.shards() if ranks.owns(int(p.parent.name.removeprefix("batch_")))]
-    with _residuals_writer(out_dir, replayer.schema, ranks, run_id) as residuals:
-        for stored in _progress(_read_ahead(reader, shards), len(shards), progress and ranks.is_main, "replay",
-                                "call"):
-            residuals.write(replayer.add(stored))
+    try:
+        prompts = {int(p["id"]): p for p in reader.manifest.get("prompts", [])}
+        replay_kw.setdefault("device", ranks.device())
+        replayer = Replayer(prompts, **replay_kw)
+        shards = [p for p in reader.shards() if ranks.owns(int(p.parent.name.removeprefix("batch_")))]
+        with _residuals_writer(out_dir, replayer.schema, ranks, run_id) as residuals:
+            for stored in _progress(_read_ahead(reader, shards), len(shards), progress and ranks.is_main,
+                                    "replay", "call"):
+                residuals.write(replayer.add(stored))
+    except BaseException:
+        # Nothing of this replay took a name (a changed shard, a failure, Ctrl-C): the tables are still
+        # the ones the manifest described, so its stages go back to what they were.
+        if in_place and ranks.is_main and tables_kept:
+            reader.manifest["stages"] = before
+            finish_stage(run_dir, reader.manifest)
+        raise
     prompt_entries = reader.manifest.get("prompts", []) if recall else []
     summary = _finish_replay(replayer, ranks, out_dir, prompt_entries, extra, run_id=run_id)
     if in_place and ranks.is_main:
@@ -529,11 +561,15 @@ def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: lis
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir():
+    """Remove ``residuals.parquet``: a file, or a directory of ``part-RRRRR.parquet`` (and temporaries
+    of killed writers). A directory holding anything else is not removed (the rmdir fails, naming it)."""
+    if path.is_dir() and not path.is_symlink():
         for part in path.iterdir():
-            part.unlink()
+            if re.fullmatch(r"part-\d+\.parquet", part.name) and not part.is_dir():
+                part.unlink()
+        remove_stale_temporaries(path)
         path.rmdir()
-    elif path.exists():
+    elif path.exists() or path.is_symlink():
         path.unlink()
 
 

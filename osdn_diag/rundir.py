@@ -14,35 +14,61 @@ Conventions (``manifest.json``):
   derive from its), and ``true`` after its last file. ``"complete": true`` means every stage set out
   is done; it is written only after the last file of the last one.
 
-A command writes into a directory that already holds a run (any of :data:`RUN_FILES`) only when told
-to (``--overwrite``), and only after its own inputs have loaded; it then removes the old run's files,
-the manifest first, so that a failure leaves the old run or nothing that looks like one. Files of
-other names are left alone.
+What is a run, and what ``--overwrite`` removes:
+
+* A directory is a run only if its ``manifest.json`` is a JSON object with a ``run_id`` and
+  ``stages`` (what osdn-diag writes). A directory that is not a run but holds any name a run would
+  write (:data:`RUN_FILES`: ``report.md``, ``plots/``, ``capture/``, …) is refused as an output, with
+  or without ``--overwrite``: those files are someone else's. A comparison report directory
+  (``report A B --out CMP``) has a manifest with ``"kind": "report"`` and no run id: it is not a run.
+* A command writes into a run only when told to (``--overwrite``), and only after its own inputs have
+  loaded. It then removes that run's own files and nothing else: the manifest first (a failure
+  leaves the old run or nothing that looks like one), the shards the manifest lists (then empty
+  ``capture/batch_*`` and ``capture/``), ``residuals.parquet`` (a file, or a directory of
+  ``part-RRRRR.parquet``), ``comparator.parquet``, ``summary.json``, ``report.md`` and, in ``plots/``,
+  the files of :data:`PLOT_FILES` (then ``plots/`` if empty). Other files stay where they are.
+* Every command that writes into a directory holds :func:`output_lock` on it for as long as it runs
+  (``DIR/.osdn-diag.lock``, an exclusive ``flock``; on rank 0 only under ``torchrun``): a second
+  command on the same directory fails at once instead of interleaving its files with the first's.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import os
-import shutil
+import re
+import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from ._atomic import atomic_write_text
+from ._atomic import atomic_write_text, remove_stale_temporaries
 from ._json import dumps as strict_json
 
 __all__ = [
+    "LOCK_FILE",
     "MANIFEST",
+    "PLOT_FILES",
     "RUN_FILES",
     "RUN_ID_KEY",
     "STAGES",
     "RunDirectoryError",
+    "check_output",
+    "check_placement",
     "check_table_run_ids",
+    "enclosing_runs",
     "existing_run_files",
     "finish_stage",
+    "is_report_dir",
     "new_run_id",
     "out_inside_input",
+    "output_lock",
     "prepare_output",
+    "remove_report_files",
+    "run_manifest",
     "sha256_file",
     "stage_done",
     "start_stage",
@@ -55,6 +81,12 @@ STAGES = ("capture", "replay", "report")
 #: the names a run writes into its directory (what ``--overwrite`` removes, manifest first)
 RUN_FILES = (MANIFEST, "capture", "residuals.parquet", "comparator.parquet", "summary.json", "report.md",
              "plots")
+#: the files a report writes into ``plots/`` (each figure as PNG and PDF); nothing else there is ours
+PLOT_FILES = tuple(f"{name}.{ext}" for name in ("contraction", "q_geo", "by_layer", "layer_head", "retained",
+                                                 "eps_vs_q", "d_trajectory") for ext in ("png", "pdf"))
+#: the lock file of a directory a command is writing into (not a run file: never removed by
+#: ``--overwrite``; removed by the command holding it when it finishes)
+LOCK_FILE = ".osdn-diag.lock"
 #: the parquet schema-metadata key of the run id
 RUN_ID_KEY = b"osdn_diag.run_id"
 _CHUNK = 1 << 20
@@ -84,24 +116,204 @@ def existing_run_files(out_dir: str | os.PathLike) -> list[str]:
     return [name for name in RUN_FILES if (out_dir / name).exists() or (out_dir / name).is_symlink()]
 
 
-def prepare_output(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
-    """Make ``out_dir`` ready for a new run: refuse one that holds a run unless ``overwrite``, and then
-    remove that run's files (the manifest first). Call only once the new run's inputs have loaded."""
+def _read_json_object(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def run_manifest(directory: str | os.PathLike) -> dict | None:
+    """``directory``'s manifest if the directory is a run (a manifest with a run id and stages, as
+    osdn-diag writes it), else ``None``."""
+    path = Path(directory) / MANIFEST
+    manifest = _read_json_object(path) if path.is_file() and not path.is_symlink() else None
+    if manifest is None or not isinstance(manifest.get("run_id"), str) or not isinstance(manifest.get("stages"), dict):
+        return None
+    return manifest
+
+
+def is_report_dir(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` is a comparison report that osdn-diag wrote (its manifest says
+    ``"kind": "report"``)."""
+    path = Path(directory) / MANIFEST
+    manifest = _read_json_object(path) if path.is_file() and not path.is_symlink() else None
+    return manifest is not None and manifest.get("kind") == "report" and "run_id" not in manifest
+
+
+def enclosing_runs(path: str | os.PathLike) -> list[Path]:
+    """The runs ``path`` lies inside (its ancestors that are runs, nearest first; not ``path``)."""
+    return [parent for parent in Path(path).resolve().parents if run_manifest(parent) is not None]
+
+
+def check_placement(out_dir: str | os.PathLike) -> None:
+    """Refuse ``out_dir`` inside the files of a run (``B/capture``, ``B/plots/x``, …)."""
     out_dir = Path(out_dir)
+    for run in enclosing_runs(out_dir)[:1]:
+        if out_dir.resolve().relative_to(run).parts[0] in RUN_FILES:
+            raise RunDirectoryError(f"--out {out_dir}: inside the files of the run {run}; choose another --out")
+
+
+def check_output(out_dir: str | os.PathLike, *, overwrite: bool) -> dict | None:
+    """Refuse ``out_dir`` as the directory of a new run — it is not a run but holds names a run writes,
+    or it holds a run and not ``overwrite``, or it lies inside a run's own files — and return the
+    manifest of the run it holds (``None``: nothing to replace). Writes nothing."""
+    out_dir = Path(out_dir)
+    check_placement(out_dir)
     found = existing_run_files(out_dir)
     if not found:
-        return
+        return None
+    manifest = run_manifest(out_dir)
+    if manifest is None:
+        raise RunDirectoryError(
+            f"{out_dir}: not an osdn-diag run directory, but it holds {', '.join(found)}, which a run "
+            "would write; choose another --out"
+        )
     if not overwrite:
         raise RunDirectoryError(
             f"{out_dir}: already holds a run ({', '.join(found)}); pass --overwrite to replace it, or "
             "choose another --out"
         )
-    for name in found:  # RUN_FILES order: the manifest goes first
-        path = out_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+    return manifest
+
+
+def prepare_output(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
+    """Make ``out_dir`` ready for a new run: refuse it as :func:`check_output` does, and remove the
+    run it holds (with ``overwrite``): that run's own files only, the manifest first. Call only once
+    the new run's inputs have loaded, holding :func:`output_lock`."""
+    out_dir = Path(out_dir)
+    manifest = check_output(out_dir, overwrite=overwrite)
+    if manifest is None:
+        return
+    (out_dir / MANIFEST).unlink()
+    capture = out_dir / "capture"
+    for name in manifest.get("shards") or {}:
+        # Only names of the capture's layout, so that a damaged manifest cannot point anywhere else.
+        if _SHARD.fullmatch(str(name)):
+            (out_dir / name).unlink(missing_ok=True)
+    if capture.is_dir() and not capture.is_symlink():
+        for batch in sorted(capture.glob("batch_*")):
+            if batch.is_dir() and not batch.is_symlink():
+                remove_stale_temporaries(batch)
+                _rmdir_if_empty(batch)
+        _rmdir_if_empty(capture)
+    residuals = out_dir / "residuals.parquet"
+    if residuals.is_dir() and not residuals.is_symlink():
+        for part in residuals.iterdir():
+            if _PART.fullmatch(part.name) and (part.is_file() or part.is_symlink()):
+                part.unlink()
+        remove_stale_temporaries(residuals)
+        _rmdir_if_empty(residuals)
+    for name in ("residuals.parquet", "comparator.parquet", "summary.json"):
+        _unlink_file(out_dir / name)
+    remove_report_files(out_dir)
+
+
+def remove_report_files(out_dir: str | os.PathLike) -> None:
+    """Remove what a report wrote into ``out_dir``: ``report.md`` and :data:`PLOT_FILES` (then
+    ``plots/`` if empty); nothing else."""
+    out_dir = Path(out_dir)
+    _unlink_file(out_dir / "report.md")
+    plots = out_dir / "plots"
+    if plots.is_dir() and not plots.is_symlink():
+        for name in PLOT_FILES:
+            _unlink_file(plots / name)
+        remove_stale_temporaries(plots)
+        _rmdir_if_empty(plots)
+
+
+_SHARD = re.compile(r"capture/batch_\d+/layer_\d+(_call\d+)?\.safetensors")
+_PART = re.compile(r"part-\d+\.parquet")
+
+
+def _unlink_file(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+
+
+def _rmdir_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            raise
+
+
+# {resolved directory: [depth, fd, directories the lock created]} of the locks this process holds.
+_HELD: dict[Path, list] = {}
+
+
+def _is_rank0() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"  # torchrun sets RANK before the process group exists
+
+
+@contextmanager
+def output_lock(directory: str | os.PathLike) -> Iterator[None]:
+    """Hold the exclusive lock of ``directory`` (created if needed) while the block runs.
+
+    Another process holding it is refused at once (:class:`RunDirectoryError` naming its pid);
+    within one process the lock is re-entrant, so a command can hold it across the functions that
+    take it again. The lock file (:data:`LOCK_FILE`, mode 0644, holding the pid) is removed when the
+    outermost holder leaves, and so are the directories the lock created if nothing else was written
+    into them. Under ``torchrun`` only rank 0 locks (the other ranks write where rank 0 told them)."""
+    key = Path(directory).resolve()
+    if key in _HELD or not _is_rank0():
+        if key in _HELD:
+            _HELD[key][0] += 1
+        try:
+            yield
+        finally:
+            if key in _HELD:
+                _HELD[key][0] -= 1
+        return
+    created = [p for p in (key, *key.parents) if not p.exists()]
+    key.mkdir(parents=True, exist_ok=True)
+    fd = _acquire(key / LOCK_FILE, directory)
+    _HELD[key] = [1, fd, created]
+    try:
+        yield
+    finally:
+        _HELD[key][0] -= 1
+        if _HELD[key][0] == 0:
+            del _HELD[key]
+            # Unlinked while still held: a process that opened it meanwhile finds, once it gets the
+            # lock, that the name no longer points at its file, and starts again (see _acquire).
+            (key / LOCK_FILE).unlink(missing_ok=True)
+            os.close(fd)
+            for path in created:  # deepest first
+                _rmdir_if_empty(path)
+
+
+def _acquire(path: Path, directory) -> int:
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunDirectoryError(f"{directory} is in use by another osdn-diag command (pid {pid}); wait "
+                                    "for it to finish") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder removed the file before we got the lock: take the new one
+    try:
+        os.fchmod(fd, 0o644)  # readable by whoever looks for the pid, whatever the umask
+    except OSError:
+        pass
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _write(run_dir: Path, manifest: dict) -> None:

@@ -9,6 +9,7 @@ numbers answer "how would these writes contract under OSDN", not "what would an 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -19,9 +20,19 @@ from ._json import dumps as strict_json
 from .capture.record import KernelCall
 from .capture.store import CaptureReader
 from .math.phase1 import osdn_phase1
-from .rundir import RunDirectoryError, finish_stage, new_run_id, out_inside_input, prepare_output, start_stage
+from .rundir import (
+    RunDirectoryError,
+    enclosing_runs,
+    finish_stage,
+    new_run_id,
+    out_inside_input,
+    output_lock,
+    prepare_output,
+    run_manifest,
+    start_stage,
+)
 
-__all__ = ["WhatIf", "what_if_run"]
+__all__ = ["WhatIf", "source_run", "what_if_out", "what_if_run"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,17 @@ class WhatIf:
     beta_aware: bool = True
 
     def __post_init__(self):
+        # Checked here, before any file is touched: a what-if with a setting phase 1 cannot use must
+        # not replace an existing output first. (NaN fails every comparison below.)
+        for name in ("eta", "d_min", "d_max", "retention"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"argument '{name}': expected a finite number, got {value!r}")
+        if not self.eta >= 0:
+            raise ValueError(f"argument 'eta': expected a step size >= 0, got {self.eta}")
+        if not 0 < self.d_min <= self.d_max:
+            raise ValueError(f"arguments 'd_min', 'd_max': expected 0 < d_min <= d_max, got d_min = {self.d_min}, "
+                             f"d_max = {self.d_max}")
         if not 0.0 <= self.retention <= 1.0:
             raise ValueError(f"argument 'retention': expected a value in [0, 1], got {self.retention}")
 
@@ -74,16 +96,19 @@ def what_if_run(
     The output is a run of its own: a new run id, ``source_run`` and ``source_run_id`` naming what it
     replayed, no capture, and the stages ``replay`` (plus ``then``, e.g. ``("report",)``). ``out_dir``
     may not be ``run_dir`` or lie inside its files (``capture/``, ``plots/``, …); one that holds a run
-    is refused unless ``overwrite``. Both are checked, and ``run_dir``'s capture opened, before
-    anything is written."""
-    from .pipeline import replay_run
-
+    is refused unless ``overwrite``; it may not lie inside any other run either. All of this is checked,
+    and ``run_dir``'s capture opened, before anything is written. ``source_run`` is stored as an
+    absolute path (see :func:`source_run` for a what-if output moved with its source)."""
     run_dir = Path(run_dir)
     reader = CaptureReader(run_dir)  # refuses a run without a usable capture, naming why
-    out = Path(out_dir) if out_dir is not None else run_dir / settings.name()
-    if out_inside_input(run_dir, out):
-        raise RunDirectoryError(f"--out {out}: would write over the run {run_dir} that what-if reads; "
-                                "choose a directory outside it (the default is a new subdirectory of it)")
+    out = what_if_out(run_dir, settings, out_dir)
+    with output_lock(out):
+        return _what_if(run_dir, reader, settings, out, overwrite=overwrite, then=then, **replay_kw)
+
+
+def _what_if(run_dir: Path, reader: CaptureReader, settings: WhatIf, out: Path, *, overwrite, then, **replay_kw):
+    from .pipeline import replay_run
+
     prepare_output(out, overwrite=overwrite)
     source = reader.manifest
     spec = source.get("model", {}).get("spec", "?")
@@ -97,7 +122,8 @@ def what_if_run(
                     for p in source.get("prompts", [])],
         "counterfactual": True,
         "what_if": asdict(settings),
-        "source_run": str(run_dir),
+        # Absolute: the output is read from other working directories too.
+        "source_run": str(run_dir.resolve()),
         "source_run_id": reader.run_id,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -107,3 +133,39 @@ def what_if_run(
                recall=False, extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
     finish_stage(out, manifest, "replay")
     return out
+
+
+def what_if_out(run_dir: str | os.PathLike, settings: WhatIf, out_dir: str | os.PathLike | None = None) -> Path:
+    """Where a what-if of ``run_dir`` writes (``out_dir``, default ``run_dir/<settings name>``),
+    refused if that is ``run_dir`` itself, inside its files, or inside any other run."""
+    run_dir = Path(run_dir)
+    out = Path(out_dir) if out_dir is not None else run_dir / settings.name()
+    if out_inside_input(run_dir, out):
+        raise RunDirectoryError(f"--out {out}: would write over the run {run_dir} that what-if reads; "
+                                "choose a directory outside it (the default is a new subdirectory of it)")
+    others = [r for r in enclosing_runs(out) if r != run_dir.resolve()]
+    if others:
+        raise RunDirectoryError(f"--out {out}: inside the run {others[0]}, which what-if does not read; "
+                                "choose a directory outside it")
+    return out
+
+
+def source_run(what_if_dir: str | os.PathLike, manifest: dict) -> Path:
+    """The run a what-if output replayed: its ``source_run`` (relative to the working directory, as
+    earlier versions stored it, or absolute) if that directory is still the run ``source_run_id``
+    names, else the output's parent directory (what-if's default layout, which survives moving or
+    copying the source with its outputs). Refuses, naming what it tried, when neither is."""
+    what_if_dir = Path(what_if_dir)
+    want = manifest.get("source_run_id")
+    candidates = [Path(manifest["source_run"])] if manifest.get("source_run") else []
+    candidates.append(what_if_dir.resolve().parent)
+    tried: list[Path] = []
+    for candidate in candidates:
+        if candidate in tried:
+            continue
+        tried.append(candidate)
+        found = run_manifest(candidate)
+        if found is not None and found.get("run_id") == want:
+            return candidate
+    raise RunDirectoryError(f"{what_if_dir}: the run it replayed (run id {want}) is not at "
+                            f"{' nor at '.join(map(str, tried))}; run what-if again on its source run")

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import textwrap
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._atomic import atomic_path
 from .._json import dumps as strict_json
 from . import arithmetic, corollary_a2, counterexample, lemma_4_1, lemma_d6, theorem_d7, wy_chunk
 from ._claims import STATUSES, Claim, Outcome
@@ -139,7 +139,8 @@ def to_records(results: Sequence[ClaimResult]) -> list[dict]:
 
 
 def write_json(results: Sequence[ClaimResult], path: str | os.PathLike) -> None:
-    """Write ``{"summary": …, "claims": [...]}`` atomically (temp file in the same folder, then replace)."""
+    """Write ``{"summary": …, "claims": [...]}`` atomically (:func:`osdn_diag._atomic.atomic_path`: a
+    temporary in the same folder, then a rename; the mode a plain ``open`` would give)."""
     path = os.fspath(path)
     counts = Counter(r.outcome.status for r in results)
     payload = {
@@ -150,16 +151,6 @@ def write_json(results: Sequence[ClaimResult], path: str | os.PathLike) -> None:
         },
         "claims": to_records(results),
     }
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".ledger-", suffix=".json.tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(strict_json(payload, indent=2, ensure_ascii=False))
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(strict_json(payload, indent=2, ensure_ascii=False))
+        fh.write("\n")

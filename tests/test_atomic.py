@@ -139,3 +139,24 @@ def test_replaying_into_a_directory_removes_its_stale_temporaries(tmp_path, monk
     with pytest.raises(Stop):
         pipeline.replay_run(tmp_path / "run", out_dir=tmp_path / "out", progress=False, device="cpu")
     assert not stale.exists()
+
+
+def test_a_writer_that_replaces_the_temporary_still_gives_the_umask_mode(tmp_path, umask):
+    """safetensors' save_file writes a 0600 file of its own and renames it over the temporary: the
+    shard must still get the mode a plain open() would give."""
+    import torch
+    from safetensors.torch import save_file
+
+    umask(0o022)
+    with atomic_path(tmp_path / "layer_000.safetensors") as tmp:
+        save_file({"x": torch.zeros(2)}, tmp, metadata={"run_id": "r"})
+    assert _mode(tmp_path / "layer_000.safetensors") == 0o644
+
+
+def test_the_proof_ledger_json_gets_the_umask_mode(tmp_path, umask):
+    from osdn_diag.proofs import ledger
+
+    umask(0o022)
+    ledger.write_json([], tmp_path / "ledger.json")
+    assert _mode(tmp_path / "ledger.json") == 0o644
+    assert list(tmp_path.iterdir()) == [tmp_path / "ledger.json"]  # no temporary left

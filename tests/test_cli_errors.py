@@ -49,6 +49,17 @@ CASES = [
     ("shard-truncated", ["replay", "{badshard}", "-q"], 2, "the shard was changed"),
     ("shape-mismatch", ["run", "{mismatch}", *RUN[2:], "--out", "{tmp}/o"], 2, "do not match the model"),
     ("what-if-eta-nan", ["what-if", "{badsummary}", "--eta", "nan"], 2, "argument --eta: expected a finite number"),
+    ("what-if-eta-negative", ["what-if", "{badsummary}", "--eta", "-1", "--out", "{tmp}/o"], 2,
+     "argument --eta: expected a step size >= 0, got -1.0"),
+    ("what-if-box-reversed", ["what-if", "{badsummary}", "--d-min", "3", "--d-max", "1", "--out", "{tmp}/o"], 2,
+     "expected 0 < d-min <= d-max"),
+    ("what-if-d-min-negative", ["what-if", "{badsummary}", "--d-min", "-1", "--out", "{tmp}/o"], 2,
+     "expected 0 < d-min <= d-max"),
+    ("what-if-retention-2", ["what-if", "{badsummary}", "--retention", "2", "--out", "{tmp}/o"], 2,
+     "argument --retention: expected a value in [0, 1]"),
+    ("report-d-head-foo", ["report", "{badsummary}", "--d-head", "foo"], 2,
+     "argument --d-head: expected LAYER.HEAD (e.g. 3.1), got 'foo'"),
+    ("run-out-in-a-capture", [*RUN, "--out", "{badsummary}/capture/o"], 2, "inside the files of the run"),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", [*RUN, "--device", "cuda", "--out", "{tmp}/o"], 2, "sees no CUDA GPU"))
@@ -144,3 +155,24 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys, files):
     assert entry(["report", str(files["badsummary"])]) == 130
     out, err = capsys.readouterr()
     assert err.strip() == "osdn-diag: interrupted" and "Traceback" not in out + err
+
+
+def test_a_system_exit_with_a_message_is_one_line_and_status_2(monkeypatch, capsys, files):
+    import osdn_diag.cli as cli
+
+    def exits(args):
+        raise SystemExit("something the user gave\ncannot be used")
+
+    monkeypatch.setattr(cli, "_cmd_report", exits)
+    assert entry(["report", str(files["badsummary"])]) == 2
+    out, err = capsys.readouterr()
+    assert err == "osdn-diag: error: something the user gave cannot be used\n" and not out
+
+
+@pytest.mark.parametrize("settings", [{"eta": -1.0}, {"d_min": 3.0, "d_max": 1.0}, {"d_min": -1.0},
+                                      {"d_min": 0.0}, {"d_max": float("inf")}, {"retention": 1.5}])
+def test_what_if_settings_are_checked_when_made(settings):
+    from osdn_diag.whatif import WhatIf
+
+    with pytest.raises(ValueError, match="argument"):
+        WhatIf(**settings)

@@ -59,6 +59,9 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
         manifest = json.loads(path.read_text())
     except ValueError as err:
         raise ValueError(f"{path}: not valid JSON ({err}); the run directory is damaged, run it again") from None
+    if isinstance(manifest, dict) and manifest.get("kind") == "report" and "run_id" not in manifest:
+        raise RunDirectoryError(f"{path}: a report of other runs (`osdn-diag report ... --out`), not a run; "
+                                "give a run directory")
     if not isinstance(manifest, dict) or "run_id" not in manifest or "stages" not in manifest:
         raise RunDirectoryError(f"{path}: no run id (written by an earlier osdn-diag, or not by "
                                 "osdn-diag): its files cannot be checked to belong together; run it again")

@@ -8,7 +8,19 @@ import os
 from pathlib import Path
 
 from ..capture.store import atomic_write_text, read_manifest, require_stage
-from ..rundir import check_table_run_ids, finish_stage, start_stage
+from ..rundir import (
+    MANIFEST,
+    RunDirectoryError,
+    check_table_run_ids,
+    enclosing_runs,
+    existing_run_files,
+    finish_stage,
+    is_report_dir,
+    output_lock,
+    remove_report_files,
+    run_manifest,
+    start_stage,
+)
 from .plots import (
     plot_by_layer,
     plot_contraction,
@@ -78,9 +90,14 @@ def _f(x, digits: int = 3) -> str:
     return "–" if x is None or x != x else f"{x:.{digits}f}"
 
 
+def _cell(text) -> str:
+    """A table cell: ``|`` escaped and line breaks made spaces (task names and labels are the user's)."""
+    return " ".join(str(text).replace("\\", "\\\\").replace("|", "\\|").splitlines())
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines = ["| " + " | ".join(map(_cell, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(map(_cell, r)) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -206,19 +223,19 @@ def _audit_table(runs) -> str:
     return _table(header, rows)
 
 
-def _d_trajectory_plot(paths, names, manifests, target: Path, head: tuple[int, int] | None) -> Path | None:
-    """Plot d over the first prompt for ``head = (layer, head)`` — by default head 0 of the first
-    captured layer that has a d (for a what-if run, the counterfactual d, recomputed from the source
-    capture, which must still be the run it replayed). Runs without a stored capture, or without a
-    d, are passed over."""
+def _d_trajectory(paths, names, manifests, head: tuple[int, int] | None):
+    """``(d, title)``: d over the first prompt for ``head = (layer, head)`` — by default head 0 of the
+    first captured layer that has a d (for a what-if run, the counterfactual d, recomputed from the
+    source capture, which must still be the run it replayed: see :func:`osdn_diag.whatif.source_run`).
+    Runs without a stored capture, or without a d, are passed over; ``None`` if no run has one. Reads
+    only (the shards it loads are hashed), so that a report refused here has written nothing."""
     from ..capture.store import CaptureReader
-    from ..rundir import RunDirectoryError
-    from ..whatif import WhatIf
+    from ..whatif import WhatIf, source_run
 
     for path, name, manifest in zip(paths, names, manifests):
         transform = None
         if manifest.get("counterfactual"):
-            path, transform = Path(manifest["source_run"]), WhatIf(**manifest["what_if"])
+            path, transform = source_run(path, manifest), WhatIf(**manifest["what_if"])
         elif manifest.get("capture_stored") is False or not (path / "capture").is_dir() or not any(
                 layer.get("has_d") for layer in manifest.get("layers", [])):
             continue
@@ -238,8 +255,7 @@ def _d_trajectory_plot(paths, names, manifests, target: Path, head: tuple[int, i
                 raise ValueError(f"argument 'd_head': layer {call.layer} has {call.num_heads} heads, not {h + 1}")
             row, start, end = call.segments()[0]
             d = call.d[row, start:end, h].float().numpy()
-            title = f"{name}: layer {call.layer}, head {h}, prompt {stored.prompts[0]}"
-            return plot_d_trajectory(d, title, target)
+            return d, f"{name}: layer {call.layer}, head {h}, prompt {stored.prompts[0]}"
     return None
 
 
@@ -289,10 +305,19 @@ def write_report(
     out_dir: str | os.PathLike | None = None,
     labels: list[str] | None = None,
     d_head: tuple[int, int] | None = None,
+    *,
+    into_input: bool = False,
 ) -> Path:
     """Write ``report.md`` and ``plots/`` for one run (into the run directory by default) or for
     several runs side by side (``out_dir`` required). ``d_head = (layer, head)`` picks the head whose
-    d trajectory is plotted. Returns the path of ``report.md``."""
+    d trajectory is plotted. Returns the path of ``report.md``.
+
+    Where a report goes: into a run only as that run's own report stage — ``out_dir`` is the single
+    run reported on (or, with ``into_input``, one of the runs: what-if's report of its own output
+    beside its source). Anywhere else it is a comparison report directory (``manifest.json`` with
+    ``"kind": "report"``), which may not be a run, lie inside one, or hold files of those names that
+    osdn-diag did not write. Every input is loaded and checked, and the plotted d computed, before
+    anything is written: a refused report leaves every directory as it was."""
     if not run_dirs:
         raise ValueError("argument 'run_dirs': give at least one run directory")
     if len(run_dirs) > 1 and out_dir is None:
@@ -300,18 +325,51 @@ def write_report(
     if labels is not None and len(labels) != len(run_dirs):
         raise ValueError(f"argument 'labels': expected {len(run_dirs)} labels, got {len(labels)}")
     paths = [Path(r) for r in run_dirs]
-    loaded = [load_run(p) for p in paths]
-    # Writing into one of the runs is that run's report stage (not done until report.md is written).
-    out_path = Path(out_dir) if out_dir is not None else paths[0]
-    owner = next(((p, m) for p, (m, _) in zip(paths, loaded) if p.resolve() == out_path.resolve()), None)
+    out = Path(out_dir) if out_dir is not None else paths[0]
+    owner = next((i for i, p in enumerate(paths) if p.resolve() == out.resolve()), None)
+    _check_out(paths, out, owner, into_input)
+    with output_lock(out):
+        return _write_report(paths, out, owner, labels, d_head)
+
+
+def _check_out(paths: list[Path], out: Path, owner: int | None, into_input: bool) -> None:
     if owner is not None:
-        start_stage(owner[0], owner[1], "report")
+        if len(paths) > 1 and not into_input:
+            raise RunDirectoryError(f"--out {out}: is the run {paths[owner]} itself, whose report is its own; "
+                                    "write a report of several runs into a directory of its own")
+        return
+    if run_manifest(out) is not None:
+        raise RunDirectoryError(f"--out {out}: a run directory, whose report is written by "
+                                f"`osdn-diag report {out}`; choose a directory that is not a run")
+    inside = enclosing_runs(out)
+    if inside:
+        raise RunDirectoryError(f"--out {out}: inside the run {inside[0]}; choose a directory outside any run")
+    found = existing_run_files(out)
+    if found and not is_report_dir(out):
+        raise RunDirectoryError(f"--out {out}: not an osdn-diag report directory, but it holds "
+                                f"{', '.join(found)}, which a report would write; choose another --out")
+
+
+def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_head) -> Path:
+    loaded = [load_run(p) for p in paths]
     if not any(m.get("counterfactual") for m, _ in loaded):
         _check_comparable(paths, loaded)
     names = labels or [_label(p, m) for p, (m, _) in zip(paths, loaded)]
     runs = [(name, m, s) for name, (m, s) in zip(names, loaded)]
-    out = Path(out_dir) if out_dir is not None else paths[0]
+    d_trajectory = _d_trajectory(paths, names, [m for m, _ in loaded], d_head)
 
+    # Everything is checked: only now is anything written. Into a run, this is its report stage (not
+    # done until report.md is written); elsewhere the directory is marked as a report of these runs.
+    if owner is not None:
+        start_stage(paths[owner], loaded[owner][0], "report")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / MANIFEST, json.dumps({
+            "kind": "report",
+            "report_of": [{"path": str(p.resolve()), "run_id": m.get("run_id"), "label": n}
+                          for p, n, (m, _) in zip(paths, names, loaded)],
+        }, indent=2))
+    remove_report_files(out)  # plots of an earlier report that this one may not draw
     plots = out / "plots"
     pairs = [(n, s) for n, _, s in runs]
     plot_contraction(pairs, plots / "contraction.png")
@@ -322,7 +380,7 @@ def write_report(
     if retained_runs:
         plot_retained(retained_runs, plots / "retained.png")
     eps_plot = _eps_vs_q_plot(paths, names, plots / "eps_vs_q.png")
-    d_plot = _d_trajectory_plot(paths, names, [m for m, _ in loaded], plots / "d_trajectory.png", d_head)
+    d_plot = None if d_trajectory is None else plot_d_trajectory(*d_trajectory, plots / "d_trajectory.png")
 
     parts = [
         "# osdn-diag report",
@@ -448,5 +506,5 @@ def write_report(
     report = out / "report.md"
     atomic_write_text(report, text)
     if owner is not None:
-        finish_stage(owner[0], owner[1], "report")
+        finish_stage(paths[owner], loaded[owner][0], "report")
     return report

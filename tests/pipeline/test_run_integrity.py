@@ -238,3 +238,200 @@ def test_no_prompts_is_an_error_before_anything_is_written(tmp_path, capsys):
     err = _one_line_error(["run", MODEL, "--prompts", str(empty), "--out", str(tmp_path / "e"), "-q"], capsys)
     assert str(empty) in err and "no prompts" in err
     assert not (tmp_path / "zero").exists() and not (tmp_path / "e").exists()
+
+
+# 11. --overwrite removes only the run's own files; a directory that is not a run is refused.
+
+def _user_files(root):
+    files = {"plots/vacation.png": b"photo", "capture/experiment1.csv": b"data", "notes.txt": b"mine"}
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return files
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]], ids=["plain", "overwrite"])
+def test_a_directory_that_is_not_a_run_is_refused_naming_what_collides(tmp_path, capsys, overwrite):
+    home = tmp_path / "H"
+    home.mkdir()
+    _user_files(home)
+    (home / "report.md").write_text("# my thesis")
+    (home / "summary.json").write_text("{}")
+    before = _files(home)
+    err = _one_line_error(_args(home, 2, *overwrite, command="capture"), capsys)
+    assert "not an osdn-diag run directory" in err and "choose another --out" in err
+    assert "capture, summary.json, report.md, plots" in err
+    assert _files(home) == before and sorted(p.name for p in home.iterdir()) == sorted(
+        ["plots", "capture", "notes.txt", "report.md", "summary.json"])  # no lock file left either
+
+
+def test_overwrite_removes_only_the_runs_own_files(runs, tmp_path):
+    run = _copy(runs, "two", tmp_path)
+    assert main(["report", str(run)]) == 0
+    mine = _user_files(run)
+    (run / "what-if_mine").mkdir()
+    (run / "what-if_mine" / "keep.txt").write_text("mine")
+    old_id = _manifest(run)["run_id"]
+    assert main(_args(run, 2, "--overwrite", command="capture")) == 0
+    assert _manifest(run)["run_id"] != old_id
+    for name, data in mine.items():
+        assert (run / name).read_bytes() == data, name
+    assert (run / "what-if_mine" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in (run / "plots").iterdir()) == ["vacation.png"]  # the report's plots went
+    for name in ("report.md", "summary.json", "residuals.parquet", "comparator.parquet"):
+        assert not (run / name).exists(), name
+    assert {p for p in _shards(run) if p.endswith(".safetensors")} == set(_manifest(run)["shards"])
+    # A directory holding only files a run never writes is fine.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert main(_args(other, 2, command="capture")) == 0 and (other / "notes.txt").read_text() == "mine"
+
+
+def test_demo_refuses_an_existing_output_and_files_it_did_not_write(runs, tmp_path, capsys, monkeypatch):
+    from osdn_diag import pipeline
+
+    out = tmp_path / "Hd"
+    (out / "mqar-deltanet" / "plots").mkdir(parents=True)
+    (out / "mqar-deltanet" / "plots" / "figure1.png").write_text("precious")
+    (out / "mqar-deltanet" / "report.md").write_text("notes")
+    argv = ["demo", "--out", str(out), "--models", "mqar-deltanet", "--num-prompts", "1", "-q"]
+    before = _files(out)
+    for extra in ([], ["--overwrite"]):
+        err = _one_line_error([*argv, *extra], capsys)
+        assert "not an osdn-diag run directory" in err and "plots" in err
+    shutil.rmtree(out / "mqar-deltanet")
+    (out / "report").mkdir()
+    (out / "report" / "report.md").write_text("# quarterly")
+    before = _files(out)
+    for extra in ([], ["--overwrite"]):
+        err = _one_line_error([*argv, *extra], capsys)
+        assert "not an osdn-diag report directory" in err and "report.md" in err
+    assert _files(out) == before
+    # An earlier demo's output (a run per model and a report of them) is replaced only with --overwrite.
+    shutil.rmtree(out / "report")
+    shutil.copytree(runs / "two", out / "mqar-deltanet")
+    assert main(["report", str(out / "mqar-deltanet"), "--out", str(out / "report")]) == 0
+    (out / "report" / "plots" / "mine.png").write_text("mine")
+    before = _files(out)
+    err = _one_line_error(argv, capsys)
+    assert "--overwrite" in err and _files(out) == before
+    calls = []  # the models' capture and replay stand in as the run already there (the report is real)
+    monkeypatch.setattr(pipeline, "capture_run", lambda *a, **k: calls.append(k["overwrite"]))
+    monkeypatch.setattr(pipeline, "replay_run", lambda *a, **k: None)
+    assert entry([*argv, "--overwrite"]) == 0
+    assert calls == [True] and (out / "report" / "plots" / "mine.png").read_text() == "mine"
+    assert json.loads((out / "report" / "manifest.json").read_text())["kind"] == "report"
+
+
+# 12. A what-if setting that cannot work is refused before the output is touched.
+
+@pytest.mark.parametrize("bad", [["--eta", "-1"], ["--d-min", "3", "--d-max", "1"], ["--d-min", "-1"]])
+def test_a_bad_what_if_setting_leaves_the_output_alone(runs, tmp_path, capsys, bad):
+    target = _copy(runs, "four", tmp_path)
+    before = _files(target)
+    _one_line_error(["what-if", str(runs / "two"), *bad, "--out", str(target), "--overwrite", "-q"], capsys)
+    _one_line_error(["what-if", str(runs / "two"), *bad, "--out", str(tmp_path / "fresh"), "-q"], capsys)
+    assert _files(target) == before and not (tmp_path / "fresh").exists()
+
+
+# 13. One command at a time per directory.
+
+def test_a_second_command_on_a_directory_in_use_is_refused(runs, tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+
+    from osdn_diag.rundir import LOCK_FILE, output_lock, prepare_output
+
+    run = _copy(runs, "two", tmp_path)
+    before = _files(run)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys\nos.umask(0o077)\nfrom osdn_diag.rundir import output_lock\n"
+         "with output_lock(sys.argv[1]):\n    print('held', flush=True)\n    sys.stdin.read()", str(run)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        lock = run / LOCK_FILE
+        assert (lock.stat().st_mode & 0o777) == 0o644 and lock.read_text().strip() == str(holder.pid)
+        for argv in (["replay", str(run), "-q"], _args(run, 2, "--overwrite"),
+                     ["what-if", str(runs / "two"), "--out", str(run), "--overwrite", "-q"], ["report", str(run)]):
+            err = _one_line_error(argv, capsys)
+            assert f"{run} is in use by another osdn-diag command (pid {holder.pid}); wait for it to finish" in err
+        assert {k: v for k, v in _files(run).items() if k != LOCK_FILE} == before
+    finally:
+        holder.communicate("")
+    assert not (run / LOCK_FILE).exists() and _files(run) == before
+    # Within one process the lock is re-entrant, and --overwrite never removes it.
+    with output_lock(run), output_lock(run):
+        prepare_output(run, overwrite=True)
+        assert (run / LOCK_FILE).is_file() and not (run / "manifest.json").exists()
+    assert not (run / LOCK_FILE).exists()
+    fresh = tmp_path / "new" / "dir"
+    with output_lock(fresh):
+        assert os.listdir(fresh) == [LOCK_FILE]
+    assert not (tmp_path / "new").exists()  # nothing written: the directories it made are gone too
+
+
+# 14. A what-if output can be moved with its source; a refused report changes nothing.
+
+def test_a_what_if_output_moved_with_its_source_still_reports(runs, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(runs / "two", "X")
+    assert main(["what-if", "X", "--eta", "0.5", "-q"]) == 0
+    name = "what-if_eta0.5_box0.5-2_r1_ba"
+    assert _manifest(tmp_path / "X" / name)["source_run"] == str(tmp_path / "X")
+    shutil.move("X", "Y")
+    assert main(["report", f"Y/{name}"]) == 0
+    # A what-if whose source is nowhere to be found: refused, naming both places, changing nothing.
+    stale = tmp_path / "Y" / name
+    manifest = _manifest(stale)
+    manifest["source_run_id"] = "0" * 32
+    (stale / "manifest.json").write_text(json.dumps(manifest))
+    before = _files(stale)
+    err = _one_line_error(["report", str(stale)], capsys)
+    assert str(tmp_path / "X") in err and str(tmp_path / "Y") in err
+    assert _files(stale) == before
+    err = _one_line_error(["report", "Y", str(stale), "--out", "CMP"], capsys)
+    assert not (tmp_path / "CMP").exists()
+
+
+# 15. Reports and what-ifs do not write into another run.
+
+def test_report_and_what_if_do_not_write_into_another_run(runs, tmp_path, capsys):
+    a, b = _copy(runs, "two", tmp_path), _copy(runs, "four", tmp_path)
+    before_a, before_b = _files(a), _files(b)
+    err = _one_line_error(["report", str(a), "--out", str(b)], capsys)
+    assert "a run directory" in err
+    err = _one_line_error(["report", str(a), str(b), "--out", str(a)], capsys)
+    assert "itself" in err
+    _one_line_error(["report", str(a), "--out", str(b / "sub")], capsys)
+    for out in (b / "capture", b / "sub"):
+        err = _one_line_error(["what-if", str(a), "--out", str(out), "-q"], capsys)
+        assert str(b) in err
+    assert _files(a) == before_a and _files(b) == before_b and not (b / "sub").exists()
+
+
+# 16. A changed shard: replay refuses it and leaves the run as it was.
+
+def test_a_changed_shard_leaves_a_complete_run_complete(runs, tmp_path, capsys):
+    run = _copy(runs, "two", tmp_path)
+    shard = run / "capture" / "batch_00001" / "layer_001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    before = _files(run)
+    stages = _manifest(run)["stages"]
+    err = _one_line_error(["replay", str(run), "-q"], capsys)
+    assert str(shard) in err and "sha256" in err
+    assert _manifest(run)["stages"] == stages and _manifest(run)["complete"] is True
+    assert {k: v for k, v in _files(run).items() if k != "manifest.json"} == \
+        {k: v for k, v in before.items() if k != "manifest.json"}
+    load_run(run)
+
+
+def test_table_cells_escape_pipes_and_line_breaks():
+    from osdn_diag.report.markdown import _table
+
+    lines = _table(["task"], [["a|b\nc"]]).splitlines()
+    assert len(lines) == 3 and lines[2] == "| a\\|b c |"

@@ -101,5 +101,5 @@ def test_d_trajectory_of_a_chosen_head(tmp_path):
     assert "plots/d_trajectory.png" in text and (tmp_path / "r" / "plots" / "d_trajectory.png").is_file()
     with pytest.raises(ValueError, match="'d_head': layer 1 has 2 heads"):
         write_report([tmp_path / "r"], d_head=(1, 5))
-    with pytest.raises(SystemExit, match="LAYER.HEAD"):
+    with pytest.raises(ValueError, match="LAYER.HEAD"):  # a user error: one line and status 2 from the CLI
         main(["report", str(tmp_path / "r"), "--d-head", "x"])

@@ -1,0 +1,258 @@
+"""Every number summary.json and report.md state about residual ratios, recomputed here from
+residuals.parquet alone (pyarrow + numpy, no accumulator of the package), on two real runs: the built-in
+DeltaNet on ``mqar-pair`` (two tasks, a repeated context) and a random Gated DeltaNet (``post_decay``).
+
+Definitions (README, conventions): ``q_geo = exp(mean log max(q, 1e-30))``, ``q_arith = mean q``, rows
+with ``finite = false`` are left out, and a token's position bin is ``floor(10 · pos / length)`` of its
+own sequence (computed here in integers). The package sums fp32 ratios in fp64 and so does this file
+(``math.fsum``, exact), so the two agree to rounding of fp64 sums: 1e-9 relative.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from osdn_diag.cli import main
+
+REL = 1e-9
+FLOOR = 1e-30
+NUM_BINS = 10
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report_numbers")
+    specs = {
+        "deltanet": ["builtin:mqar-deltanet", "--num-prompts", "4", "--length", "64"],
+        "gated": ["random:gated-deltanet-tiny", "--num-prompts", "2", "--length", "32"],
+    }
+    out = {}
+    for name, (model, *rest) in specs.items():
+        run_dir = root / name
+        assert main(["run", model, "--prompts", "mqar-pair", *rest, "--out", str(run_dir), "-q"]) == 0
+        out[name] = _load(run_dir)
+    return out
+
+
+def _load(run_dir):
+    table = pq.read_table(run_dir / "residuals.parquet")
+    cols = {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
+    cols["task"] = np.asarray(table.column("task").to_pylist(), dtype=object)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    report = (run_dir / "report.md").read_text()
+    return {"cols": cols, "manifest": manifest, "summary": summary, "report": report,
+            "label": manifest["model"]["spec"]}
+
+
+# ------------------------------------------------------------------------- independent computation
+
+def _stats(q: np.ndarray) -> dict | None:
+    """n, n_zero, q_geo, q_arith of fp64 ratios; None over nothing."""
+    n = int(q.size)
+    if n == 0:
+        return None
+    return {
+        "n": n,
+        "n_zero": int((q == 0).sum()),
+        "q_geo": math.exp(math.fsum(np.log(np.maximum(q, FLOOR)).tolist()) / n),
+        "q_arith": math.fsum(q.tolist()) / n,
+    }
+
+
+def _bins(q: np.ndarray, bins: np.ndarray) -> dict:
+    per = [_stats(q[bins == b]) for b in range(NUM_BINS)]
+    return {
+        "q_geo": [None if s is None else s["q_geo"] for s in per],
+        "q_arith": [None if s is None else s["q_arith"] for s in per],
+        "n": [0 if s is None else s["n"] for s in per],
+    }
+
+
+def _expected(run, column: str) -> dict:
+    c = run["cols"]
+    keep = c["finite"].astype(bool)
+    q = c[column].astype(np.float64)[keep]
+    layer, head, task, pos, prompt = (c[k][keep] for k in ("layer", "head", "task", "pos", "prompt"))
+    lengths = {p["id"]: int(p["length"]) for p in run["manifest"]["prompts"]}
+    length = np.asarray([lengths[int(p)] for p in prompt], dtype=np.int64)
+    bins = (pos.astype(np.int64) * NUM_BINS) // length
+    exp = dict(_stats(q))
+    exp["by_layer"] = {f"{int(v):03d}": _stats(q[layer == v]) for v in np.unique(layer)}
+    exp["by_head"] = {f"{int(a):03d}.{int(b):03d}": _stats(q[(layer == a) & (head == b)])
+                      for a, b in sorted({(int(a), int(b)) for a, b in zip(layer, head)})}
+    tasks = sorted(set(task))
+    exp["by_task"] = {t: _stats(q[task == t]) for t in tasks}
+    exp["position_bins"] = {**_bins(q, bins), "by_task": {t: _bins(q[task == t], bins[task == t]) for t in tasks}}
+    exp["excluded_nonfinite"] = int((~c["finite"].astype(bool)).sum())
+    return exp
+
+
+def _repeat_boundary(run) -> dict:
+    acc = defaultdict(list)
+    for p in run["manifest"]["prompts"]:
+        if p["repeat_start"] >= 0:
+            acc[p["task"]].append(p["repeat_start"] / p["length"])
+    return {t: math.fsum(v) / len(v) for t, v in sorted(acc.items())}
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+def _same_stats(got: dict, exp: dict, where: str) -> None:
+    assert got["n"] == exp["n"], where
+    assert got["n_zero"] == exp["n_zero"], where
+    assert got["q_geo"] == pytest.approx(exp["q_geo"], rel=REL, abs=0), where
+    assert got["q_arith"] == pytest.approx(exp["q_arith"], rel=REL, abs=0), where
+
+
+def _same_bins(got: dict, exp: dict, where: str) -> None:
+    assert got["n"] == exp["n"], where
+    for stat in ("q_geo", "q_arith"):
+        for b, (g, e) in enumerate(zip(got[stat], exp[stat], strict=True)):
+            if e is None:
+                assert g is None, f"{where} {stat} bin {b}"
+            else:
+                assert g == pytest.approx(e, rel=REL, abs=0), f"{where} {stat} bin {b}"
+
+
+def _check_summary(got: dict, exp: dict, what: str) -> None:
+    _same_stats(got, exp, f"{what} overall")
+    for group in ("by_layer", "by_head", "by_task"):
+        assert set(got[group]) == set(exp[group]), f"{what} {group}"
+        for key, e in exp[group].items():
+            _same_stats(got[group][key], e, f"{what} {group}[{key}]")
+    bins = got["position_bins"]
+    assert bins["edges"] == pytest.approx([i / NUM_BINS for i in range(NUM_BINS + 1)], abs=1e-15)
+    _same_bins(bins, exp["position_bins"], f"{what} position bins")
+    assert set(bins["by_task"]) == set(exp["position_bins"]["by_task"]), what
+    for t, e in exp["position_bins"]["by_task"].items():
+        _same_bins(bins["by_task"][t], e, f"{what} position bins[{t}]")
+    assert got["excluded_nonfinite"] == exp["excluded_nonfinite"], what
+
+
+def _table_after(report: str, heading: str) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the first markdown table after ``## heading``."""
+    lines = report.splitlines()
+    start = lines.index(f"## {heading}")
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("## "):
+            break
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip()[1:-1].split(" | ")])
+        elif rows:
+            break
+    assert len(rows) >= 3 and set("".join(rows[1])) == {"-", "|"}, f"no table under '## {heading}'"
+    return rows[0], rows[2:]
+
+
+def _printed(cell: str, reported, expected) -> None:
+    """A table cell is the summary's value to 3 decimals, and that is the recomputed value's too."""
+    if expected is None:
+        assert reported is None and cell == "–"
+        return
+    assert cell == f"{reported:.3f}" == f"{expected:.3f}", (cell, reported, expected)
+
+
+def _check_contraction_table(header, rows, label, summary, exp) -> None:
+    tasks = sorted(exp["by_task"])
+    assert header == ["model", "q_geo ↓", "q_arith ↓", *[f"{t} q_geo ↓" for t in tasks], "n"]
+    assert len(rows) == 1 and rows[0][0] == label
+    row = rows[0]
+    _printed(row[1], summary["q_geo"], exp["q_geo"])
+    _printed(row[2], summary["q_arith"], exp["q_arith"])
+    for i, t in enumerate(tasks):
+        _printed(row[3 + i], summary["by_task"][t]["q_geo"], exp["by_task"][t]["q_geo"])
+    assert row[-1] == f"{exp['n']:,}"
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+@pytest.mark.parametrize("name", ["deltanet", "gated"])
+def test_residual_table_is_the_contract(runs, name):
+    """The columns the recomputation relies on: every stream present once, rel_pos = pos / length."""
+    run = runs[name]
+    c = run["cols"]
+    lengths = {p["id"]: int(p["length"]) for p in run["manifest"]["prompts"]}
+    layers = len(run["manifest"]["layers"])
+    heads = {layer["heads"] for layer in run["manifest"]["layers"]}
+    assert len(heads) == 1
+    assert c["pos"].size == sum(lengths.values()) * layers * heads.pop()
+    length = np.asarray([lengths[int(p)] for p in c["prompt"]], dtype=np.float64)
+    np.testing.assert_allclose(c["rel_pos"], c["pos"] / length, rtol=1e-7, atol=0)
+    assert set(c["task"]) == {"mqar", "mqar-twice"}  # two tasks, one of them repeated
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated"])
+def test_summary_numbers_are_those_of_the_table(runs, name):
+    run = runs[name]
+    exp = _expected(run, "residual_ratio")
+    _check_summary(run["summary"], exp, name)
+    assert run["summary"]["position_bins"]["repeat_boundary"] == pytest.approx(_repeat_boundary(run), rel=REL)
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated"])
+def test_bins_are_geometric_means(runs, name):
+    """The data can tell a geometric from an arithmetic mean in every bin (so the check above would
+    catch a bin reporting the wrong one), and the summary's bin q_geo is not its q_arith."""
+    exp = _expected(runs[name], "residual_ratio")["position_bins"]
+    got = runs[name]["summary"]["position_bins"]
+    for per_exp, per_got in [(exp, got), *((exp["by_task"][t], got["by_task"][t]) for t in exp["by_task"])]:
+        for geo, arith, g in zip(per_exp["q_geo"], per_exp["q_arith"], per_got["q_geo"], strict=True):
+            if geo is None:
+                continue
+            assert arith > geo * (1 + 1e-6)  # AM > GM strictly on these ratios
+            assert g != pytest.approx(arith, rel=1e-6)
+
+
+def test_post_decay_numbers(runs):
+    run = runs["gated"]
+    assert "residual_ratio_post" in run["cols"]
+    exp = _expected(run, "residual_ratio_post")
+    _check_summary(run["summary"]["post_decay"], exp, "post_decay")
+    # The post-decay ratio is another column than the pre-decay one, and distinguishably so.
+    pre = _expected(run, "residual_ratio")
+    assert exp["q_geo"] != pytest.approx(pre["q_geo"], rel=1e-7)
+    # Not gated: no post-decay statistics, no section.
+    assert "post_decay" not in runs["deltanet"]["summary"]
+    assert "## Gated layers: post-decay ratio" not in runs["deltanet"]["report"]
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated"])
+def test_report_tables_print_those_numbers(runs, name):
+    run = runs[name]
+    report, summary, label = run["report"], run["summary"], run["label"]
+    exp = _expected(run, "residual_ratio")
+
+    header, rows = _table_after(report, "Residual contraction (the paper's Table 8 layout)")
+    _check_contraction_table(header, rows, label, summary, exp)
+
+    header, rows = _table_after(report, "By relative position (Fig. 2a)")
+    assert header == ["model", *[f"[{b / 10:.1f}, {(b + 1) / 10:.1f})" for b in range(NUM_BINS)]]
+    assert len(rows) == 1 and rows[0][0] == label
+    for b, cell in enumerate(rows[0][1:]):
+        _printed(cell, summary["position_bins"]["q_geo"][b], exp["position_bins"]["q_geo"][b])
+    boundary = _repeat_boundary(run)
+    assert ("The repeated context starts at relative position "
+            + ", ".join(f"{v:.2f} ({t})" for t, v in boundary.items()) + ".") in report
+
+    header, rows = _table_after(report, "By layer and head")
+    assert header == ["layer", label]
+    assert [r[0] for r in rows] == [str(int(k)) for k in sorted(exp["by_layer"])]
+    for row in rows:
+        key = f"{int(row[0]):03d}"
+        _printed(row[1], summary["by_layer"][key]["q_geo"], exp["by_layer"][key]["q_geo"])
+
+    if name == "gated":
+        exp_post = _expected(run, "residual_ratio_post")
+        header, rows = _table_after(report, "Gated layers: post-decay ratio")
+        _check_contraction_table(header, rows, label, summary["post_decay"], exp_post)
+

@@ -118,6 +118,24 @@ def _check_model(spec: str) -> None:
         check_safetensors(weights, f"MODEL {spec!r}")
 
 
+def what_if_settings_error(eta, d_min, d_max, retention, *, name=str, arg=lambda n: f"'{n}'") -> str | None:
+    """What is wrong with a what-if's settings (``None`` if nothing): finite numbers, ``eta >= 0``,
+    ``0 < d_min <= d_max``, ``retention`` in [0, 1]. One rule for the command line (``--d-min``)
+    and :class:`osdn_diag.whatif.WhatIf` (``'d_min'``): ``name`` spells a setting, ``arg`` quotes it."""
+    values = {"eta": eta, "d_min": d_min, "d_max": d_max, "retention": retention}
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return f"argument {arg(name(key))}: expected a finite number, got {value!r}"
+    if not eta >= 0:
+        return f"argument {arg(name('eta'))}: expected a step size >= 0, got {eta}"
+    if not 0 < d_min <= d_max:
+        lo, hi = name("d_min"), name("d_max")
+        return f"arguments {arg(lo)}, {arg(hi)}: expected 0 < {lo} <= {hi}, got {d_min} and {d_max}"
+    if not 0 <= retention <= 1:
+        return f"argument {arg(name('retention'))}: expected a value in [0, 1], got {retention}"
+    return None
+
+
 def _positive(name: str, value, minimum: int = 1) -> None:
     if value is not None and value < minimum:
         raise UsageError(f"argument {name}: expected an integer >= {minimum}, got {value}")
@@ -189,17 +207,10 @@ def check_args(args) -> None:
         if manifest.is_file():
             _read_json(manifest, f"DIR {args.dir!r}")
         if cmd == "what-if":
-            for name in ("eta", "d_min", "d_max", "retention"):
-                value = getattr(args, name)
-                if not math.isfinite(value):
-                    raise UsageError(f"argument --{name.replace('_', '-')}: expected a finite number, got {value}")
-            if args.eta < 0:
-                raise UsageError(f"argument --eta: expected a step size >= 0, got {args.eta}")
-            if not 0 < args.d_min <= args.d_max:
-                raise UsageError(f"arguments --d-min, --d-max: expected 0 < d-min <= d-max, got {args.d_min} "
-                                 f"and {args.d_max}")
-            if not 0 <= args.retention <= 1:
-                raise UsageError(f"argument --retention: expected a value in [0, 1], got {args.retention}")
+            error = what_if_settings_error(args.eta, args.d_min, args.d_max, args.retention,
+                                           name=lambda n: n.replace("_", "-"), arg=lambda n: f"--{n}")
+            if error:
+                raise UsageError(error)
             if args.out:
                 check_writable_dir(args.out, "argument --out")
         else:

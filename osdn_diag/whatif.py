@@ -9,14 +9,13 @@ numbers answer "how would these writes contract under OSDN", not "what would an 
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from ._json import dumps as strict_json
+from ._cli_checks import what_if_settings_error
 from .capture.record import KernelCall
 from .capture.store import CaptureReader
 from .math.phase1 import osdn_phase1
@@ -49,17 +48,9 @@ class WhatIf:
     def __post_init__(self):
         # Checked here, before any file is touched: a what-if with a setting phase 1 cannot use must
         # not replace an existing output first. (NaN fails every comparison below.)
-        for name in ("eta", "d_min", "d_max", "retention"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"argument '{name}': expected a finite number, got {value!r}")
-        if not self.eta >= 0:
-            raise ValueError(f"argument 'eta': expected a step size >= 0, got {self.eta}")
-        if not 0 < self.d_min <= self.d_max:
-            raise ValueError(f"arguments 'd_min', 'd_max': expected 0 < d_min <= d_max, got d_min = {self.d_min}, "
-                             f"d_max = {self.d_max}")
-        if not 0.0 <= self.retention <= 1.0:
-            raise ValueError(f"argument 'retention': expected a value in [0, 1], got {self.retention}")
+        error = what_if_settings_error(self.eta, self.d_min, self.d_max, self.retention)
+        if error:
+            raise ValueError(error)
 
     def name(self) -> str:
         ba = "ba" if self.beta_aware else "nba"

@@ -189,22 +189,21 @@ class Capture:
                 if owner == self._current:
                     kw[PHASE1_D] = d
             recording = self.enabled and self._current is not None
-            # The kernel is called with what the caller gave (plus the overrides below), by name.
-            call_kw = _bind(original, args, kwargs, defaults=False)
             # Every kernel is asked for its fp32 final state (the state fidelity check compares the
-            # replay's with it); a caller that did not ask gets None in its place, as before.
-            wants_final = bool(kw.get("output_final_state", False))
+            # replay's with it); a caller that did not ask gets None in its place, as before. A fused
+            # OSDN kernel also returns its d trajectory, which the record keeps.
+            overrides = {}
             if recording and "output_final_state" in kw:
-                call_kw["output_final_state"] = True
-            wanted = None
-            if getattr(site.adapter, "trajectory", False):
-                # A fused OSDN kernel: run it with the d trajectory on, record that exact d.
-                wanted = bool(kw.get("return_trajectory", False))
-                call_kw["return_trajectory"] = True
-                out = site.adapter.reference(call_kw) if use_reference else original(**call_kw)
+                overrides["output_final_state"] = True
+            trajectory = getattr(site.adapter, "trajectory", False)
+            if trajectory:
+                overrides["return_trajectory"] = True
+            if use_reference:  # the reference reads every argument, defaults included
+                out = site.adapter.reference({**{n: x for n, x in kw.items() if n != PHASE1_D}, **overrides})
+            else:  # fla gets what the caller gave, by name, plus the overrides
+                out = original(**{**_bind(original, args, kwargs, defaults=False), **overrides})
+            if trajectory:
                 kw[PHASE1_D] = out.d
-            else:
-                out = site.adapter.reference(call_kw) if use_reference else original(**call_kw)
             if recording:
                 index, name = self._current
                 with torch.no_grad():
@@ -218,9 +217,9 @@ class Capture:
 
                     call = to_device(call, "cpu")
                 self._sink(call)
-            if recording and not wants_final:
+            if recording and not kw.get("output_final_state", False):
                 out = site.adapter.strip_final_state(out)
-            if wanted is False:
+            if trajectory and not kw.get("return_trajectory", False):
                 out = replace(out, d=None)
             return out
 

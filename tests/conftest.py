@@ -6,38 +6,112 @@ Triton decides when a kernel is defined (at import) whether it will be compiled 
 loaded before any test module, so it sets the variable here — only on a machine without CUDA, so
 that a GPU run of the suite keeps compiled Triton.
 
-``python -m pytest`` (what CI runs) uses the ``ci`` profile: 200 examples per property, no deadline
-(the reference recurrences loop over time in Python, so example times vary with the drawn shape).
-Set ``HYPOTHESIS_PROFILE=dev`` for a quick local run (25 examples), ``thorough`` for a long hunt
-(2000 examples, e.g. after touching a tolerance), or pass hypothesis' own
-``--hypothesis-profile`` option, which takes precedence over both.
+``python -m pytest`` (what CI runs) uses the ``ci`` profile, which runs every property that keeps the
+profile's settings twice (two test ids, ``[fixed]`` and ``[seeded]``), 100 examples each, no deadline
+(the reference recurrences loop over time in Python, so example times vary with the drawn shape):
+
+* ``[fixed]`` draws the same examples on every run (derandomised from the test's own source), so a
+  failure there is reproducible by rerunning;
+* ``[seeded]`` draws a fresh batch from one seed per pytest run, printed in the header and beside every
+  failure; ``OSDN_HYPOTHESIS_SEED=N`` (or hypothesis' ``--hypothesis-seed=N``) reruns that batch.
+
+A property with its own ``@settings`` (e.g. a long counterexample search) runs once, as it asks. Set
+``HYPOTHESIS_PROFILE=dev`` for a quick local run (25 examples, fresh each time), ``thorough`` for a long
+hunt (2000 examples, e.g. after touching a tolerance), or pass hypothesis' own ``--hypothesis-profile``
+option, which takes precedence over both.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import sys
 from pathlib import Path
 
 import pytest
+import hypothesis
 import torch
 from hypothesis import HealthCheck, settings
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# "ci" draws the same examples on every run (a red CI is then reproducible, not luck); "dev" and
-# "thorough" explore afresh each time.
-for name, examples in (("ci", 200), ("dev", 25), ("thorough", 2000)):
-    settings.register_profile(
-        name,
-        max_examples=examples,
-        deadline=None,
-        derandomize=name == "ci",
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+# One seed per pytest run for the "[seeded]" batches: given, or drawn afresh (and printed).
+_SEED_ENV = "OSDN_HYPOTHESIS_SEED"
+_seed_given = os.environ.get(_SEED_ENV, "").strip()
+if _seed_given and not _seed_given.isdigit():
+    raise pytest.UsageError(f"{_SEED_ENV}={_seed_given!r}: give the seed a failed run printed, a whole number")
+HYPOTHESIS_SEED = int(_seed_given) if _seed_given else secrets.randbelow(2**32)
+
+# "ci": the fixed batch is derandomised (and keeps no example database, so it is the same on every
+# machine); its seeded twin is set up per test by the `_hypothesis_batch` fixture below.
+settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+for name, examples in (("dev", 25), ("thorough", 2000)):
+    settings.register_profile(name, max_examples=examples, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _twin_batches(function) -> bool:
+    """Whether a test runs as a fixed and a seeded batch: a hypothesis property that keeps the ``ci``
+    profile's settings (``@given`` binds the profile active when the test module is imported; a test
+    with its own ``@settings`` holds a different object)."""
+    function = getattr(function, "__func__", function)
+    return (getattr(function, "is_hypothesis_test", False)
+            and settings.get_current_profile_name() == "ci"
+            and getattr(function, "_hypothesis_internal_use_settings", None) is settings.get_profile("ci"))
+
+
+def pytest_configure(config) -> None:
+    # hypothesis' own --hypothesis-seed names the seeded batch too, so one option reproduces a run.
+    forced = config.getoption("hypothesis_seed", default=None)
+    if forced is not None:
+        if not str(forced).isdigit():
+            raise pytest.UsageError(f"--hypothesis-seed={forced!r}: the seeded batches need a whole number")
+        global HYPOTHESIS_SEED
+        HYPOTHESIS_SEED = int(forced)
+
+
+def pytest_report_header(config) -> str:
+    if settings.get_current_profile_name() != "ci":
+        return f"hypothesis: profile {settings.get_current_profile_name()!r}"
+    return (f"hypothesis: ci profile, a fixed batch and a seeded batch per property; seed {HYPOTHESIS_SEED} "
+            f"(rerun with {_SEED_ENV}={HYPOTHESIS_SEED})")
+
+
+def pytest_generate_tests(metafunc) -> None:
+    if _twin_batches(metafunc.function):
+        metafunc.parametrize("_hypothesis_batch", ["fixed", "seeded"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def _hypothesis_batch(request):
+    """Under the ``ci`` profile, gives a ``[seeded]`` property this run's seed for the duration of the
+    test (hypothesis' ``@seed`` overrides ``derandomize``); ``[fixed]`` and other tests run as written."""
+    if getattr(request, "param", None) != "seeded":
+        yield
+        return
+    function = getattr(request.function, "__func__", request.function)
+    before = function._hypothesis_internal_use_seed
+    hypothesis.seed(HYPOTHESIS_SEED)(function)
+    try:
+        yield
+    finally:
+        function._hypothesis_internal_use_seed = before
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    callspec = getattr(item, "callspec", None)
+    if report.failed and callspec is not None and callspec.params.get("_hypothesis_batch") == "seeded":
+        report.sections.append((
+            "seeded hypothesis batch",
+            f"seed {HYPOTHESIS_SEED}: rerun with {_SEED_ENV}={HYPOTHESIS_SEED} python -m pytest '{item.nodeid}'",
+        ))
+    return report
 
 
 def _in_ci() -> bool:

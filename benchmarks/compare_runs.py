@@ -2,9 +2,11 @@
 
     python benchmarks/compare_runs.py RUN_A RUN_B [--rtol 0] [--atol 0]
 
-Compares every number of ``summary.json`` (largest relative difference, and where; ``world_size``
-and ``run_id``, which say how and when the run was made, are left out) and the rows of ``residuals.parquet`` (sorted by
-prompt, layer, head, position; a partitioned table from ``torchrun`` reads as one). Differences of at
+Compares every number of ``summary.json`` (largest relative difference, and where) and the rows of
+``residuals.parquet`` (sorted by prompt, layer, head, position; a partitioned table from ``torchrun``
+reads as one). What describes how a run was made rather than what it found — text such as the replay's
+device or a precision's name, and ``world_size``, ``run_id`` — is metadata: its differences are listed
+apart and never make two runs' results different. Differences of at
 most ``--atol`` count as none (a solver's certificate near 0 moves with summation order). Exit status
 0 when every difference is within ``--rtol`` (default 0: bitwise equal), 1 otherwise. Used to check
 that a run spread over several GPUs (``--device-map``) or sharded over ranks (``torchrun``) gives the
@@ -31,28 +33,44 @@ def _leaves(obj, prefix=""):
         yield prefix, obj
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _rel(a, b, atol: float) -> float:
-    if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
+    if not _is_number(a) or not _is_number(b):
         return 0.0 if a == b else math.inf
     if math.isnan(a) and math.isnan(b):
         return 0.0
     return 0.0 if abs(a - b) <= atol else abs(a - b) / max(abs(a), abs(b))
 
 
-#: summary keys that describe how a run was made rather than what it found (every run has its own id)
+#: numeric summary keys that describe how a run was made rather than what it found
 NOT_RESULTS = ("world_size", "run_id")
 
 
+def _is_metadata(key: str, a, b) -> bool:
+    """Text (a device, a dtype's name, a backend) and the keys of :data:`NOT_RESULTS` describe the run;
+    numbers, booleans and nulls are what it found."""
+    return key in NOT_RESULTS or isinstance(a, str) or isinstance(b, str)
+
+
 def compare(run_a: Path, run_b: Path, atol: float = 0.0) -> dict:
-    """``{"summary": (max rel diff, key), "residuals": (max rel diff, column), "rows": (n_a, n_b)}``."""
+    """``{"summary": (max rel diff, key), "residuals": (max rel diff, column), "rows": (n_a, n_b),
+    "metadata": [(key, value_a, value_b), ...]}`` — the metadata that differs, which the first three
+    leave out."""
     import numpy as np
     import pyarrow.parquet as pq
 
-    sa, sb = ({key: v for key, v in _leaves(json.loads((run / "summary.json").read_text()))
-               if key not in NOT_RESULTS} for run in (run_a, run_b))
-    worst = (0.0, None)
+    sa, sb = (dict(_leaves(json.loads((run / "summary.json").read_text()))) for run in (run_a, run_b))
+    worst, metadata = (0.0, None), []
     for key in sorted(sa.keys() | sb.keys()):
-        d = _rel(sa[key], sb[key], atol) if key in sa and key in sb else math.inf
+        a, b = sa.get(key), sb.get(key)
+        if _is_metadata(key, a, b):
+            if key not in NOT_RESULTS and (key not in sa or key not in sb or a != b):
+                metadata.append((key, a, b))
+            continue
+        d = _rel(a, b, atol) if key in sa and key in sb else math.inf
         worst = max(worst, (d, key), key=lambda x: x[0])
     keys = [(k, "ascending") for k in ("prompt", "layer", "head", "pos")]
     ta = pq.read_table(run_a / "residuals.parquet").sort_by(keys)
@@ -75,7 +93,7 @@ def compare(run_a: Path, run_b: Path, atol: float = 0.0) -> dict:
                 den = np.maximum(np.maximum(np.abs(a[ok]), np.abs(b[ok])), 1e-300)
                 d = float(np.max(np.where(diff <= atol, 0.0, diff / den), initial=0.0))
         col_worst = max(col_worst, (d, name), key=lambda x: x[0])
-    return {"summary": worst, "residuals": col_worst, "rows": (ta.num_rows, tb.num_rows)}
+    return {"summary": worst, "residuals": col_worst, "rows": (ta.num_rows, tb.num_rows), "metadata": metadata}
 
 
 def main(argv=None) -> int:
@@ -94,6 +112,8 @@ def main(argv=None) -> int:
     print(f"summary.json: largest relative difference {ds:.3g}" + (f" ({ks})" if ds else ""))
     print(f"residuals.parquet: {na:,} vs {nb:,} rows; largest relative difference {dr:.3g}"
           + (f" ({kr})" if dr else ""))
+    for key, va, vb in r["metadata"]:
+        print(f"metadata (not compared as a result): {key}: {va!r} vs {vb!r}")
     ok = ds <= a.rtol and dr <= a.rtol
     print("same results" if ok else f"DIFFERENT (rtol {a.rtol:g})")
     return 0 if ok else 1

@@ -87,6 +87,9 @@ def _print_summary(summary: dict, run_dir) -> None:
         print(f"{layer:>6s} {_g(s['q_geo'], 8)} {_g(s['q_arith'], 8)} {s['n']:10,d}")
     if summary.get("counterfactual"):
         print("fidelity: not applicable (counterfactual writes)")
+    elif summary["fidelity"].get("max_rel_error") is None:
+        print("fidelity: not measured (reference kernels: the package's own recurrence stood in for the "
+              "model's kernels, so there is no kernel output to check the replay against)")
     else:
         print(f"fidelity (replay vs kernel output, max relative error): "
               f"{summary['fidelity']['max_rel_error']:.2e}")
@@ -255,11 +258,39 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"osdn-diag: error: {message} (see {self.prog} --help)\n")
 
 
+def _version() -> str:
+    """This package's version and the versions of what it hooks, read from the installed metadata
+    (importing torch or fla for their version would cost seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    parts = []
+    for dist in ("flash-linear-attention", "torch", "triton", "transformers"):
+        try:
+            parts.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return f"osdn-diag {__version__} ({', '.join(parts)})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: one unwrapped line (argparse's own action wraps it to the terminal's width)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(_version())
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="osdn-diag",
         description="Residual-contraction diagnostics for delta-rule linear attention.",
     )
+    parser.add_argument("--version", action=_VersionAction, help="print the versions and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     prove = sub.add_parser(

@@ -31,7 +31,7 @@ class DemoRow:
     q_arith: float
     q_geo_by_task: dict[str, float]
     accuracy_by_task: dict[str, float]
-    fidelity: float
+    fidelity: float | None  # None: no live kernel ran (reference kernels), nothing to compare
 
 
 def run_demo(
@@ -102,8 +102,17 @@ def run_demo(
         raise RunDirectoryError(f"{report_dir}: already holds a report; pass --overwrite to replace it, or "
                                 "choose another --out")
     with output_lock(out_dir):
+        _ignore_in_git(out_dir)
         return _run(out_dir, names, tasks, num_prompts=num_prompts, device=device, seed=seed, progress=progress,
                     root=root, overwrite=overwrite)
+
+
+def _ignore_in_git(out_dir: Path) -> None:
+    """The demo writes into the working directory by default, often a checkout: a ``.gitignore`` of
+    ``*`` inside its folder keeps ``git status`` clean without touching the user's own ignore files."""
+    marker = out_dir / ".gitignore"
+    if not marker.exists():
+        marker.write_text("# osdn-diag demo output: generated, not source\n*\n")
 
 
 def _run(out_dir: Path, names, tasks, *, num_prompts, device, seed, progress, root, overwrite):

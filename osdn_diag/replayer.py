@@ -91,6 +91,9 @@ class Replayer:
         self.theorem_batch_elems = theorem_batch_elems
         self._pending: list[_Problems] = []  # comparator problems not yet solved, all of one shape
         self.fidelity: dict[int, float] = defaultdict(float)
+        # What each layer's output was compared with: "fla" (a live kernel) or "reference" (the
+        # package's own recurrence stood in for it, so agreement measures nothing about a kernel).
+        self.against: dict[int, str] = {}
         self.tolerances: dict[int, float] = {}
         self.nonfinite: dict[int, int] = defaultdict(int)
         # (prompt, layer, head) streams left out for NaN/Inf inputs, and how many streams there were.
@@ -107,6 +110,7 @@ class Replayer:
             call = self.transform(call)
         res = replay_call(call, backend=self.backend, dtype=self.dtype, tolerance=self.tolerance)
         self.fidelity[call.layer] = max(self.fidelity[call.layer], res.fidelity)
+        self._add_against(call.layer, call.flags.get("kernels", "fla"))
         self.tolerances[call.layer] = res.tolerance
         self.nonfinite[call.layer] += res.nonfinite
         self.streams += len(res.sequence_lengths) * call.num_heads
@@ -164,6 +168,8 @@ class Replayer:
             self.retention.merge(other.retention)
         for layer, err in other.fidelity.items():
             self.fidelity[layer] = max(self.fidelity[layer], err)
+        for layer, kernels in other.against.items():
+            self._add_against(layer, kernels)
         self.tolerances.update(other.tolerances)
         for layer, err in other.state_fidelity.items():
             self._add_state(layer, err, *other.state_meta[layer])
@@ -178,8 +184,13 @@ class Replayer:
         """What :meth:`merge` needs, picklable (sent between ranks)."""
         self.flush()
         return {name: getattr(self, name) for name in (
-            "ratios", "post", "audit", "retention", "fidelity", "tolerances", "nonfinite",
+            "ratios", "post", "audit", "retention", "fidelity", "against", "tolerances", "nonfinite",
             "excluded_streams", "streams", "state_fidelity", "state_meta", "comparator_tables")}
+
+    def _add_against(self, layer: int, kernels: str) -> None:
+        # A layer measured against fla in one call and the stand-in in another says "mixed".
+        seen = self.against.get(layer)
+        self.against[layer] = kernels if seen in (None, kernels) else "mixed"
 
     def nonfinite_summary(self) -> dict:
         """The (prompt, layer, head) streams left out because their kernel inputs held NaN/Inf:
@@ -201,15 +212,20 @@ class Replayer:
         summary = self.ratios.summary(boundary)
         if self.post.cells:
             summary["post_decay"] = self.post.summary(boundary)
+        # The headline error counts only layers checked against a live kernel: replaying the stand-in
+        # reproduces it by construction, so its agreement is no evidence (null when no kernel ran).
+        live = [v for k, v in self.fidelity.items() if self.against.get(k, "fla") != "reference"]
         summary["fidelity"] = {
-            "max_rel_error": max(self.fidelity.values(), default=0.0),
+            "measured": bool(live),
+            "max_rel_error": max(live) if live else None,
             "by_layer": {f"{k:03d}": v for k, v in sorted(self.fidelity.items())},
+            "against_by_layer": {f"{k:03d}": v for k, v in sorted(self.against.items())},
             "tolerance_by_layer": {f"{k:03d}": v for k, v in sorted(self.tolerances.items())},
         }
-        if self.state_fidelity:
-            layers = sorted(self.state_fidelity)
+        layers = sorted(k for k in self.state_fidelity if self.against.get(k, "fla") != "reference")
+        if layers:
             summary["fidelity"]["state"] = {
-                "max_rel_error": max(self.state_fidelity.values()),
+                "max_rel_error": max(self.state_fidelity[k] for k in layers),
                 "max_rounding_units": max(self.state_meta[k][1] for k in layers),
                 "by_layer": {
                     f"{k:03d}": {

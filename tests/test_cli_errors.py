@@ -176,3 +176,15 @@ def test_what_if_settings_are_checked_when_made(settings):
 
     with pytest.raises(ValueError, match="argument"):
         WhatIf(**settings)
+
+
+def test_version(capsys):
+    """``--version``: one line naming this package's version and fla's (from the installed metadata)."""
+    from importlib.metadata import version
+
+    import osdn_diag
+
+    assert entry(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(f"osdn-diag {osdn_diag.__version__} (")
+    assert f"flash-linear-attention {version('flash-linear-attention')}" in out

@@ -98,6 +98,22 @@ def test_demo_writes_a_complete_run_per_model(demo):
         assert all(fid["by_layer"][k] <= fid["tolerance_by_layer"][k] for k in fid["by_layer"])
 
 
+def test_output_is_ignored_by_git(demo, tmp_path):
+    """The demo's folder keeps a checkout's ``git status`` clean (it ignores itself)."""
+    import shutil
+    import subprocess
+
+    out, _, _ = demo
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    repo = tmp_path / "checkout"
+    shutil.copytree(out, repo / "osdn-demo")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=all"],
+                            check=True, capture_output=True, text=True).stdout
+    assert status == "", status
+
+
 def test_trained_models_recall_both_tasks(demo):
     out, _, _ = demo
     for name in MODELS:

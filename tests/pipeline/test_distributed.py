@@ -114,6 +114,17 @@ def test_compare_runs_names_what_differs(one, tmp_path):
     proc = _compare(one, other)
     assert proc.returncode == 1 and "(q_geo)" in proc.stdout and "DIFFERENT" in proc.stdout, proc.stdout
     assert _compare(one, other, "--rtol", "1e-5").returncode == 0
+    # A device name is metadata: listed, not a difference in results; a changed flag is a result.
+    summary["q_geo"] /= 1 + 1e-6
+    summary["replay"]["device"] = "cuda:1"
+    (other / "summary.json").write_text(json.dumps(summary))
+    proc = _compare(one, other)
+    assert proc.returncode == 0 and "same results" in proc.stdout, proc.stdout
+    assert "metadata (not compared as a result): replay.device: 'cpu' vs 'cuda:1'" in proc.stdout, proc.stdout
+    summary["fidelity"]["measured"] = not summary["fidelity"]["measured"]
+    (other / "summary.json").write_text(json.dumps(summary))
+    proc = _compare(one, other)
+    assert proc.returncode == 1 and "(fidelity.measured)" in proc.stdout, proc.stdout
     proc = _compare(one, tmp_path / "nowhere")
     assert proc.returncode == 2 and "RUN_B" in proc.stderr and "no summary.json" in proc.stderr, proc.stderr
 

@@ -50,7 +50,12 @@ def test_run_writes_the_contract(run_dir):
     assert summary["q_arith"] == pytest.approx(q.mean().item(), rel=1e-9)
     assert set(summary["by_layer"]) == {"000", "001"}
     assert sum(s["n"] for s in summary["by_layer"].values()) == summary["n"]
-    assert summary["fidelity"]["max_rel_error"] <= 1e-5
+    # On the CPU the reference recurrence stood in for fla: nothing to check the replay against, and
+    # the summary says so rather than reporting the stand-in's self-agreement as a fidelity.
+    fid = summary["fidelity"]
+    assert fid["measured"] is False and fid["max_rel_error"] is None and "state" not in fid
+    assert fid["against_by_layer"] == {"000": "reference", "001": "reference"}
+    assert max(fid["by_layer"].values()) <= 1e-5
 
 
 def test_run_is_deterministic(run_dir, tmp_path):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -12,7 +15,7 @@ from osdn_diag.pipeline import replay_run
 from osdn_diag.report import write_report
 
 
-def _run(path, seed: int, gated: bool, task: str):
+def _run(path, seed: int, gated: bool, task: str, kernels: str | None = None):
     gen = torch.Generator().manual_seed(seed)
     B, T, H, K, V = 1, 24, 2, 8, 8
     q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
@@ -25,8 +28,9 @@ def _run(path, seed: int, gated: bool, task: str):
              "prompts": [{"id": 0, "task": task, "length": T, "repeat_start": 12}]})
     for layer in range(2):
         w.write(0, [0], KernelCall(layer=layer, layer_name=f"layers.{layer}", family="x", kernel="x",
-                                   q=q, k=k, v=v, beta=beta, g=g, o=ref, scale=K**-0.5))
-    w.finish({"kernels": ["reference"]})
+                                   q=q, k=k, v=v, beta=beta, g=g, o=ref, scale=K**-0.5,
+                                   flags={} if kernels is None else {"kernels": kernels}))
+    w.finish({"kernels": [kernels or "fla"]})
     replay_run(path, progress=False)
     return path
 
@@ -51,6 +55,25 @@ def test_side_by_side(tmp_path):
     text = (tmp_path / "cmp" / "report.md").read_text()
     assert "| DeltaNet |" in text and "| OSDN |" in text and "t1 q_geo" in text
     assert "post-decay" not in text
+
+
+def test_fidelity_is_not_claimed_without_a_live_kernel(tmp_path, capsys):
+    """A run whose kernels were the package's own reference has no kernel output to check the replay
+    against: summary, report and the command line say "not measured", never a fidelity of 0."""
+    ref = _run(tmp_path / "ref", 1, gated=False, task="t1", kernels="reference")
+    live = _run(tmp_path / "live", 1, gated=False, task="t1", kernels="fla")
+    fid = json.loads((ref / "summary.json").read_text())["fidelity"]
+    assert fid["measured"] is False and fid["max_rel_error"] is None
+    assert fid["against_by_layer"] == {"000": "reference", "001": "reference"}
+    fid = json.loads((live / "summary.json").read_text())["fidelity"]
+    assert fid["measured"] is True and fid["max_rel_error"] == max(fid["by_layer"].values()) <= 1e-5
+    text = write_report([ref, live], tmp_path / "cmp", ["ref", "live"]).read_text()
+    ref_row = next(line for line in text.splitlines() if line.startswith("| ref |") and "reference" in line)
+    live_row = next(line for line in text.splitlines() if line.startswith("| live |") and "fla" in line)
+    assert ref_row.count("not measured (reference kernels)") == 2  # output and final state
+    assert "not measured" not in live_row and re.search(r"\| \d\.\de[+-]\d\d \|", live_row), live_row
+    assert main(["replay", str(ref)]) == 0
+    assert "fidelity: not measured (reference kernels" in capsys.readouterr().out
 
 
 def test_runs_on_different_prompts_are_not_compared(tmp_path):

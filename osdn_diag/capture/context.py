@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from .adapters import ADAPTERS, PHASE1_D, KernelSite, Phase1Site
-from .record import KernelCall
+from .record import TENSOR_FIELDS, KernelCall
 
 __all__ = ["SUPPORTED_FLA", "SUPPORTED_LAYERS", "Capture", "capture"]
 
@@ -209,6 +209,13 @@ class Capture:
                 with torch.no_grad():
                     call = site.adapter.record(kw, out, layer=index, layer_name=name, kernel=site.name,
                                                fla=not use_reference)
+                # A record is data, never part of the model's autograd graph: the forward may run
+                # with gradients on (training code, a notebook without no_grad), and a kept graph
+                # would hold activations alive and refuse .numpy() later.
+                for field_name in TENSOR_FIELDS:
+                    x = getattr(call, field_name)
+                    if isinstance(x, torch.Tensor) and x.requires_grad:
+                        setattr(call, field_name, x.detach())
                 call.flags["kernels"] = "reference" if use_reference else "fla"
                 call.flags["device"] = kw["q"].device.type
                 call.forward = self._forward

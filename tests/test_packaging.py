@@ -26,3 +26,28 @@ def test_builtin_models_ship_as_package_data():
     assert any(f.endswith("model.safetensors") for f in files)
     missing = [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)]
     assert not missing, f"built-in files not in package-data: {missing}"
+
+
+def test_public_ops_import_from_the_package():
+    """``from osdn_diag.ops import ...`` gives each public kernel, the same object as its module's, with
+    a docstring that states shapes; importing the package alone loads none of them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, osdn_diag.ops as ops; "
+            "assert not any(m.startswith(('fla', 'triton')) for m in sys.modules), 'eager import'; "
+            "print(sorted(ops.__all__))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['chunk_osdn', 'fused_recurrent_osdn', 'fused_replay', 'osdn_precondition']"
+
+
+def test_public_ops_are_the_modules_functions(fla_interpreter):
+    import importlib
+
+    from osdn_diag import ops
+
+    for name, module in (("osdn_precondition", "phase1"), ("chunk_osdn", "osdn_chunk"),
+                         ("fused_recurrent_osdn", "osdn_recurrent"), ("fused_replay", "replay")):
+        fn = getattr(ops, name)
+        assert fn is getattr(importlib.import_module(f"osdn_diag.ops.{module}"), name)
+        assert "[B, T, H" in (fn.__doc__ or "") or "[N, " in (fn.__doc__ or ""), name

@@ -1,1 +1,43 @@
-"""Triton kernels, each beside the plain-torch reference it is tested against (:mod:`osdn_diag.math`)."""
+"""Triton kernels, each beside the plain-torch reference it is tested against (:mod:`osdn_diag.math`).
+
+The public ops, importable from here (``from osdn_diag.ops import chunk_osdn``):
+
+* :func:`osdn_precondition` (:mod:`.phase1`) — OSDN phase 1: the preconditioner sweep over keys
+  ``k: [B, T, H, K]`` and ``beta: [B, T, H]``, giving ``d`` and the write keys ``d ⊙ k``; forward and
+  backward.
+* :func:`chunk_osdn` (:mod:`.osdn_chunk`) — OSDN / OSGDN phase 2, the chunked delta rule with read
+  key ``k`` and write key ``d ⊙ k`` (optional log decay ``g``), forward and backward.
+* :func:`fused_recurrent_osdn` (:mod:`.osdn_recurrent`) — both phases in one recurrent kernel
+  (inference, decoding).
+* :func:`fused_replay` (:mod:`.replay`) — the diagnostic's replay: the recurrence with both residual
+  norms of every write, fp32.
+
+Each states its shapes, dtypes and devices in its docstring. They are loaded on first access: the
+modules import triton and fla, which on a machine without a GPU must wait until
+``TRITON_INTERPRET=1`` is set (:func:`osdn_diag.runtime.prepare`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "osdn_precondition": "phase1",
+    "chunk_osdn": "osdn_chunk",
+    "fused_recurrent_osdn": "osdn_recurrent",
+    "fused_replay": "replay",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

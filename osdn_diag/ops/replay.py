@@ -131,8 +131,20 @@ def fused_replay(
     block_v: int | None = None,
     num_warps: int | None = None,
 ) -> RecurrenceResult:
-    """Same contract as :func:`osdn_diag.math.recurrence.delta_rule_recurrence` (shapes, ``g`` as log
-    decay, ``V×K`` state), computed by the fused kernel in ``dtype`` (fp32 or fp64) on ``q``'s device.
+    """The delta-rule recurrence with both residual norms of every write, fused: the contract of
+    :func:`osdn_diag.math.recurrence.delta_rule_recurrence`, computed by one Triton kernel in
+    ``dtype`` (fp32 or fp64) on ``q``'s device (CUDA; the CPU under Triton's interpreter).
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and read keys, as the kernel read them (no normalisation here).
+        v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
+        write_key: ``[B, T, H, K]`` (OSDN's ``d ⊙ k``) or ``None`` (the read key writes).
+        g: log decay, ``[B, T, H]`` (head gate) or ``[B, T, H, K]`` (channel gate), or ``None``.
+        initial_state: ``[N, H, V, K]`` (``V×K`` per head) or ``None`` (zeros).
+        cu_seqlens: ``[N + 1]`` packed sequence bounds with ``B = 1``, or ``None`` (``N = B``).
+
+    Returns a :class:`~osdn_diag.math.recurrence.RecurrenceResult`: outputs ``[B, T, H, V]``, the
+    losses before and after each write ``[B, T, H]``, the final state ``[N, H, V, K]``.
 
     ``block_v`` (rows of the state per program) and ``num_warps`` override the launch configuration
     (``benchmarks/bench_replay.py --sweep`` measures the choices). ``cu_seqlens`` is checked in

@@ -24,12 +24,48 @@ from .prompts import Prompt
 __all__ = ["Results", "replay"]
 
 
-@dataclass
+@dataclass(repr=False)
 class Results:
-    """Replayed per-token table (pyarrow) and its summary (the ``summary.json`` dictionary)."""
+    """Replayed per-token table (pyarrow; one row per (prompt, layer, head, pos), the columns of
+    ``residuals.parquet``) and its summary (the ``summary.json`` dictionary).
+
+    From memory (:func:`replay`) or from a finished run directory (:meth:`load`); plot either with
+    :mod:`osdn_diag.plot`.
+    """
 
     table: pa.Table
     summary: dict
+
+    @classmethod
+    def load(cls, run_dir) -> Results:
+        """A finished run directory's ``residuals.parquet`` and ``summary.json`` (errors name what is
+        missing, or a file another run wrote)."""
+        import pyarrow.parquet as pq
+
+        from .report.markdown import load_run
+
+        _, summary = load_run(run_dir)
+        from pathlib import Path
+
+        return cls(pq.read_table(Path(run_dir) / "residuals.parquet"), summary)
+
+    def __repr__(self) -> str:
+        s = self.summary
+        layers, tasks = len(s.get("by_layer", {})), sorted(s.get("by_task", {}))
+
+        def g(x):
+            return "null" if x is None else f"{x:.4g}"
+
+        fid = s.get("fidelity", {})
+        if s.get("counterfactual"):
+            check = "counterfactual"
+        elif fid.get("max_rel_error") is None:
+            check = "fidelity not measured (reference kernels)"
+        else:
+            check = f"fidelity {fid['max_rel_error']:.1e}"
+        return (f"Results(q_geo={g(s.get('q_geo'))}, q_arith={g(s.get('q_arith'))}, n={s.get('n', 0):,} "
+                f"measurements over {layers} layer{'s' * (layers != 1)}, tasks {tasks or '-'}, {check}; "
+                f".table: {self.table.num_rows:,} rows × {self.table.num_columns} columns)")
 
     def to_pandas(self):
         try:

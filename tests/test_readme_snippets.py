@@ -2,8 +2,7 @@
 
 A block may use names a reader brings (``model``, ``input_ids``: any fla model and a batch of token
 ids); the test supplies them from the tiny random DeltaNet preset on the CPU, with gradients on, as
-a notebook would have them. A block is run with its own namespace after the blocks before it in the
-same file, so a later block may build on an earlier one.
+a notebook would have them. Each block runs alone, in a namespace of its own.
 """
 
 from __future__ import annotations
@@ -45,3 +44,5 @@ def test_snippet_runs(path, code, fla_interpreter):
     if res is not None:  # the Python API snippet: its figures are real numbers from a real replay
         assert math.isfinite(res.summary["q_geo"]) and 0 < res.summary["q_geo"] < 1
         assert res.table.num_rows == 2 * 24 * model.config.num_hidden_layers * model.config.num_heads
+    if "fig" in namespace:
+        assert namespace["fig"].axes and namespace["fig"].axes[0].get_lines()

@@ -22,6 +22,7 @@ from ..rundir import (
     start_stage,
 )
 from .plots import (
+    save,
     plot_by_layer,
     plot_contraction,
     plot_d_trajectory,
@@ -31,7 +32,7 @@ from .plots import (
     plot_retained,
 )
 
-__all__ = ["load_run", "write_report"]
+__all__ = ["d_trajectory_of", "eps_q_series", "load_run", "write_report"]
 
 
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
@@ -234,12 +235,26 @@ def _audit_table(runs) -> str:
             f"[{a['beta_min']:.3f}, {a['beta_max']:.3f}]",
             f"[{a['d_min']:.3f}, {a['d_max']:.3f}]", f"{100 * a['share_zero_residual']:.2f} %",
             f"{100 * a['share_newton_infeasible']:.1f} %", "yes" if a["decay"] else "no",
-            "hold" if a["theorem_d7_hypotheses_hold"] else "do not hold",
+            "hold" if a["theorem_d7_hypotheses_hold"] else "do not hold: " + ", ".join(_failed_hypotheses(a)),
         ])
     return _table(header, rows)
 
 
-def _d_trajectory(paths, names, manifests, head: tuple[int, int] | None):
+def _failed_hypotheses(a: dict) -> list[str]:
+    """Which of Theorem D.7's hypotheses the audit found broken, in the audit table's words."""
+    failed = []
+    if not a["unit_keys"]:
+        failed.append("keys not unit")
+    if not a["beta_in_open_unit_interval"]:
+        failed.append("β outside (0, 1)")
+    if not a["d_in_box"]:
+        failed.append("d outside the box")
+    if a["decay"]:
+        failed.append("state decays")
+    return failed or ["?"]
+
+
+def d_trajectory_of(paths, names, manifests, head: tuple[int, int] | None):
     """``(d, title)``: d over the first prompt for ``head = (layer, head)`` — by default head 0 of the
     first captured layer that has a d (for a what-if run, the counterfactual d, recomputed from the
     source capture, which must still be the run it replayed: see :func:`osdn_diag.whatif.source_run`).
@@ -291,7 +306,9 @@ def _comparator_table(runs) -> str:
     return _table(header, rows)
 
 
-def _eps_vs_q_plot(paths, names, target: Path) -> Path | None:
+def eps_q_series(paths, names) -> list[tuple[str, list[float], list[float]]]:
+    """``(label, ε_T^diag per stream, q_geo per stream)`` of each run that has ``comparator.parquet``
+    (the stream's q_geo is ``exp(log_prod_q / n_valid)``; streams with no valid write are left out)."""
     import pyarrow.parquet as pq
 
     series = []
@@ -302,7 +319,12 @@ def _eps_vs_q_plot(paths, names, target: Path) -> Path | None:
         t = pq.read_table(f, columns=["eps_diag", "log_prod_q", "n_valid"]).to_pydict()
         pts = [(e, math.exp(lp / n)) for e, lp, n in zip(t["eps_diag"], t["log_prod_q"], t["n_valid"]) if n]
         series.append((name, [p[0] for p in pts], [p[1] for p in pts]))
-    return plot_eps_vs_q(series, target) if series else None
+    return series
+
+
+def _eps_vs_q_plot(paths, names, target: Path) -> Path | None:
+    series = eps_q_series(paths, names)
+    return save(plot_eps_vs_q(series), target) if series else None
 
 
 def _retained_table(retained) -> str:
@@ -372,7 +394,7 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
         _check_comparable(paths, loaded)
     names = labels or [_label(p, m) for p, (m, _) in zip(paths, loaded)]
     runs = [(name, m, s) for name, (m, s) in zip(names, loaded)]
-    d_trajectory = _d_trajectory(paths, names, [m for m, _ in loaded], d_head)
+    d_trajectory = d_trajectory_of(paths, names, [m for m, _ in loaded], d_head)
 
     # Everything is checked: only now is anything written. Into a run, this is its report stage (not
     # done until report.md is written); elsewhere the directory is marked as a report of these runs.
@@ -388,15 +410,15 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
     remove_report_files(out)  # plots of an earlier report that this one may not draw
     plots = out / "plots"
     pairs = [(n, s) for n, _, s in runs]
-    plot_contraction(pairs, plots / "contraction.png")
-    plot_q_bars(pairs, plots / "q_geo.png")
-    plot_by_layer(pairs, plots / "by_layer.png")
-    plot_layer_head(pairs, plots / "layer_head.png")
+    save(plot_contraction(pairs), plots / "contraction.png")
+    save(plot_q_bars(pairs), plots / "q_geo.png")
+    save(plot_by_layer(pairs), plots / "by_layer.png")
+    save(plot_layer_head(pairs), plots / "layer_head.png")
     retained_runs = [(n, s["retained"]) for n, _, s in runs if s.get("retained")]
     if retained_runs:
-        plot_retained(retained_runs, plots / "retained.png")
+        save(plot_retained(retained_runs), plots / "retained.png")
     eps_plot = _eps_vs_q_plot(paths, names, plots / "eps_vs_q.png")
-    d_plot = None if d_trajectory is None else plot_d_trajectory(*d_trajectory, plots / "d_trajectory.png")
+    d_plot = None if d_trajectory is None else save(plot_d_trajectory(*d_trajectory), plots / "d_trajectory.png")
 
     parts = [
         "# osdn-diag report",

@@ -1,4 +1,10 @@
-"""Plots of one or more runs' summaries (matplotlib, no display needed)."""
+"""Plots of one or more runs' summaries (matplotlib).
+
+Each ``plot_*`` draws on ``ax`` (a new figure when ``None``) and returns the figure, so a notebook
+shows it and a caller may restyle it; :func:`save` writes it as PNG and PDF. The report uses these
+same functions; :mod:`osdn_diag.plot` takes run directories or in-memory results and calls them.
+A run is ``(label, summary)``, the summary being ``summary.json``'s dictionary.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from pathlib import Path
 from .._atomic import atomic_path
 
 __all__ = [
+    "save",
     "plot_by_layer",
     "plot_contraction",
     "plot_d_trajectory",
@@ -22,76 +29,91 @@ def _num(x) -> float:
     return float("nan") if x is None else float(x)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
+def save(fig, path: Path) -> Path:
     """Save ``path`` (PNG) and the same figure as PDF beside it, each through a temporary file and a
     rename: a crash never leaves a half-written image."""
     for target in (path, path.with_suffix(".pdf")):
         with atomic_path(target, suffix=target.suffix) as tmp:  # matplotlib reads the format from it
             fig.savefig(tmp, dpi=150, bbox_inches="tight")
-    plt = _pyplot()
-    plt.close(fig)
     return path
 
 
-def _finish(fig, ax, path: Path, *, xlabel: str, ylabel: str, title: str, legend: bool = True,
-            title_size: float | None = None) -> Path:
-    """Labels, grid and legend every line plot here shares; then save."""
+def _figure(figsize, **kwargs):
+    """A figure outside pyplot: no backend is chosen or changed (a notebook keeps its own, a server
+    needs none) and nothing stays registered after the caller drops it. Jupyter shows it as returned."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=figsize, **kwargs)
+
+
+def _axes(ax, figsize):
+    """``(figure, axes)``: ``ax``'s own, or a new figure of ``figsize``."""
+    if ax is not None:
+        return ax.figure, ax
+    fig = _figure(figsize)
+    return fig, fig.subplots()
+
+
+def _finish(fig, ax, *, xlabel: str, ylabel: str, title: str, legend: bool = True,
+            title_size: float | None = None):
+    """Labels, grid and legend every line plot here shares."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))
     ax.grid(alpha=0.3)
     if legend:
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    return fig
 
 
-def plot_contraction(runs: list[tuple[str, dict]], path: Path) -> Path:
-    """Fig. 2(a): geometric mean of q_t by relative-position bin, one line per run; the dashed line
-    marks where the repeated context starts (mean over prompts that repeat)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    boundaries = set()
-    for label, summary in runs:
+def plot_contraction(runs: list[tuple[str, dict]], ax=None):
+    """Fig. 2(a): geometric mean of q_t by relative-position bin. A run whose prompts are all of one
+    task is one line; a run of several tasks (e.g. single and repeated context) gets a line per task —
+    colour per run, line style per task — because pooling a once-read and a twice-read context mixes
+    two curves. Where a task repeats its context, a dashed line in that task's style marks the
+    repeat's mean start."""
+    fig, ax = _axes(ax, (6.4, 4.0))
+    tasks = sorted({t for _, s in runs for t in s["position_bins"].get("by_task", {})})
+    split = any(len(s["position_bins"].get("by_task", {})) > 1 for _, s in runs)
+    style = {t: ("-", "--", ":", "-.")[i % 4] for i, t in enumerate(tasks)}
+    starts = {}  # task -> where its repeat starts (one marker per task, whichever run has it)
+    for i, (label, summary) in enumerate(runs):
         bins = summary["position_bins"]
         edges = bins["edges"]
         centers = [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
-        ax.plot(centers, [_num(x) for x in bins["q_geo"]], marker="o",
-                label=f"{label} (q_geo {_num(summary['q_geo']):.3f})")
-        boundaries.update(round(v, 3) for v in bins.get("repeat_boundary", {}).values())
-    for b in sorted(boundaries):
-        ax.axvline(b, color="0.4", linestyle="--", linewidth=1)
-    if boundaries:
-        ax.text(min(boundaries), ax.get_ylim()[1], " repeat starts", va="top", fontsize=8, color="0.3")
+        if split:
+            for task in sorted(bins["by_task"]):
+                ax.plot(centers, [_num(x) for x in bins["by_task"][task]["q_geo"]], marker="o", color=f"C{i}",
+                        linestyle=style[task], label=f"{label} · {task}")
+        else:
+            ax.plot(centers, [_num(x) for x in bins["q_geo"]], marker="o", color=f"C{i}",
+                    label=f"{label} (q_geo {_num(summary['q_geo']):.3f})")
+        starts.update(bins.get("repeat_boundary") or {})
+    for task, start in sorted(starts.items()):
+        ax.axvline(start, color="0.4", linestyle="--" if style.get(task, "-") == "-" else style[task], linewidth=1)
+        ax.text(start, ax.get_ylim()[1], f" {task}: repeat starts", va="top", fontsize=7, color="0.3")
     ax.set_xlim(0, 1)
-    return _finish(fig, ax, path, xlabel="relative position in prompt",
+    return _finish(fig, ax, xlabel="relative position in prompt",
                    ylabel=r"$q_{geo}$ = geometric mean of $f_t(S_t)/f_t(S_{t-1})$",
                    title="Residual contraction by position")
 
 
-def plot_by_layer(runs: list[tuple[str, dict]], path: Path) -> Path:
+def plot_by_layer(runs: list[tuple[str, dict]], ax=None):
     """q_geo of every layer, one line per run."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = _axes(ax, (6.4, 4.0))
     for label, summary in runs:
         layers = sorted(summary["by_layer"], key=int)
         ax.plot([int(layer) for layer in layers], [_num(summary["by_layer"][layer]["q_geo"]) for layer in layers],
                 marker="o", label=label)
-    return _finish(fig, ax, path, xlabel="layer", ylabel=r"$q_{geo}$", title="Residual contraction by layer")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
+    return _finish(fig, ax, xlabel="layer", ylabel=r"$q_{geo}$", title="Residual contraction by layer")
 
 
-def plot_q_bars(runs: list[tuple[str, dict]], path: Path) -> Path:
+def plot_q_bars(runs: list[tuple[str, dict]], ax=None):
     """Fig. 2(b): overall q_geo of each run."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(runs), 3.6))
+    fig, ax = _axes(ax, (1.2 + 1.1 * len(runs), 3.6))
     labels = [label for label, _ in runs]
     values = [_num(s["q_geo"]) for _, s in runs]
     bars = ax.bar(range(len(runs)), values, color=[f"C{i}" for i in range(len(runs))])
@@ -103,16 +125,21 @@ def plot_q_bars(runs: list[tuple[str, dict]], path: Path) -> Path:
     ax.set_ylabel(r"$q_{geo}$ (all tokens, layers, heads)")
     ax.set_title("Overall residual contraction")
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return fig
 
 
-def plot_layer_head(runs: list[tuple[str, dict]], path: Path) -> Path:
+def plot_layer_head(runs: list[tuple[str, dict]], axes=None):
     """q_geo of every (layer, head), one heat map per run."""
     import numpy as np
 
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.8), squeeze=False,
-                             constrained_layout=True)
+    if axes is None:
+        fig = _figure((4.2 * len(runs), 3.8), layout="constrained")
+        axes = list(fig.subplots(1, len(runs), squeeze=False)[0])
+    else:
+        axes = [axes] if hasattr(axes, "imshow") else list(axes)
+        if len(axes) != len(runs):
+            raise ValueError(f"argument 'axes': one per run ({len(runs)}), got {len(axes)}")
+        fig = axes[0].figure
     grids = []
     for _, s in runs:
         keys = [tuple(int(x) for x in k.split(".")) for k in s["by_head"]]
@@ -124,7 +151,7 @@ def plot_layer_head(runs: list[tuple[str, dict]], path: Path) -> Path:
     # One colour scale, so the runs compare by eye (over the cells measured; any, if none were).
     measured = np.concatenate([g[np.isfinite(g)] for g in grids])
     vmin, vmax = (measured.min(), measured.max()) if measured.size else (0.0, 1.0)
-    for ax, (label, _), grid in zip(axes[0], runs, grids):
+    for ax, (label, _), grid in zip(axes, runs, grids):
         L, H = grid.shape
         im = ax.imshow(grid, aspect="auto", cmap="viridis", origin="lower", vmin=vmin, vmax=vmax)
         ax.set_xticks(range(0, H, max(1, H // 8)))
@@ -132,39 +159,38 @@ def plot_layer_head(runs: list[tuple[str, dict]], path: Path) -> Path:
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_title(label, fontsize=9)
-    fig.colorbar(im, ax=list(axes[0]), label=r"$q_{geo}$")
-    return _save(fig, path)
+    fig.colorbar(im, ax=axes, label=r"$q_{geo}$")
+    return fig
 
 
-def plot_eps_vs_q(runs: list[tuple[str, list[float], list[float]]], path: Path) -> Path:
+def plot_eps_vs_q(runs: list[tuple[str, list[float], list[float]]], ax=None):
     """ε_T^diag of each (prompt, layer, head) stream against that stream's q_geo."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.6, 4.2))
+    fig, ax = _axes(ax, (5.6, 4.2))
     for label, eps, q in runs:
         ax.scatter(eps, q, s=8, alpha=0.6, label=label)
-    return _finish(fig, ax, path, xlabel=r"$\varepsilon_T^{diag}$ (best fixed diagonal comparator)",
+    return _finish(fig, ax, xlabel=r"$\varepsilon_T^{diag}$ (best fixed diagonal comparator)",
                    ylabel=r"$q_{geo}$ of the stream", title="Comparator gap against measured contraction")
 
 
-def plot_d_trajectory(d, title: str, path: Path, channels: int = 8) -> Path:
-    """``d: [T, K]`` of one head: the first ``channels`` coordinates, and the mean over all."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+def plot_d_trajectory(d, title: str, ax=None, channels: int = 8):
+    """``d: [T, K]`` of one head: the first ``channels`` coordinates, and the mean over all ``K`` —
+    which the legend says, since it may lie outside the channels drawn."""
+    fig, ax = _axes(ax, (6.4, 3.8))
     t = range(d.shape[0])
-    for i in range(min(channels, d.shape[1])):
-        ax.plot(t, d[:, i], linewidth=0.8, alpha=0.7)
-    ax.plot(t, d.mean(1), color="k", linewidth=1.6, label="mean over channels")
-    return _finish(fig, ax, path, xlabel="position", ylabel=r"$d_t$", title=title, title_size=9)
+    shown = min(channels, d.shape[1])
+    for i in range(shown):
+        ax.plot(t, d[:, i], linewidth=0.8, alpha=0.7, label=f"channels 0–{shown - 1}" if i == 0 else None)
+    ax.plot(t, d.mean(1), color="k", linewidth=1.6, label=f"mean over all {d.shape[1]} channels")
+    return _finish(fig, ax, xlabel="position", ylabel=r"$d_t$", title=title, title_size=9)
 
 
-def plot_retained(runs: list[tuple[str, dict]], path: Path) -> Path:
+def plot_retained(runs: list[tuple[str, dict]], ax=None):
     """Mean retrieval error of earlier writes by distance t − j, per run and task."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = _axes(ax, (6.4, 4.0))
     for label, per_task in runs:
         for task, r in per_task.items():
             x = [max(lo, 0.5) for lo, _ in r["distance_bins"]]
             ax.plot(x, r["mean_error"], marker="o", label=f"{label} · {task}")
     ax.set_xscale("log", base=2)
-    return _finish(fig, ax, path, xlabel="distance t − j (bin start; 0 drawn at 1/2)",
+    return _finish(fig, ax, xlabel="distance t − j (bin start; 0 drawn at 1/2)",
                    ylabel=r"mean $\|S_t k_j - v_j\|^2 / \|v_j\|^2$", title="Retained associations")

@@ -1,0 +1,114 @@
+"""Plots for a notebook: each function takes runs and returns a matplotlib figure.
+
+    import osdn_diag.plot as odp
+    odp.contraction(["runs/deltanet", "runs/osdn"])          # run directories
+    odp.contraction(res)                                     # osdn_diag.replay(cap)'s Results
+    odp.by_layer({"DeltaNet": "runs/deltanet", "OSDN": res}, ax=my_ax)
+
+A *run* is a run directory (``str`` or ``Path``), a :class:`~osdn_diag.results.Results`, or a
+``summary.json`` dictionary; ``runs`` is one run, a list of them (labelled by their model spec or
+``run 0, 1, ...``), or a ``{label: run}`` mapping. Functions draw on ``ax`` when given (a new figure
+otherwise) and return the figure, which Jupyter shows; ``osdn_diag.report.plots.save(fig, path)``
+writes it as PNG + PDF. These are the report's own plots, drawn by the same code.
+
+This module sits after the report in the data flow (capture → replay → metrics → report → plot): it
+only reads finished runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from .report import plots as _plots
+
+__all__ = ["by_layer", "contraction", "d_trajectory", "eps_vs_q", "layer_head", "q_bars", "retained"]
+
+
+def _one(run, default_label: str) -> tuple[str, dict, Path | None]:
+    """``(label, summary, run directory or None)`` of one run."""
+    from .report.markdown import _label, load_run
+    from .results import Results
+
+    if isinstance(run, (str, os.PathLike)):
+        manifest, summary = load_run(run)
+        return _label(Path(run), manifest), summary, Path(run)
+    if isinstance(run, Results):
+        return default_label, run.summary, None
+    if isinstance(run, Mapping) and "q_geo" in run and "position_bins" in run:
+        return default_label, dict(run), None
+    raise TypeError(f"argument 'runs': expected a run directory, a Results or a summary dictionary, "
+                    f"got {type(run).__name__}")
+
+
+def _runs(runs) -> list[tuple[str, dict, Path | None]]:
+    if isinstance(runs, Mapping) and not ("q_geo" in runs and "position_bins" in runs):
+        return [(str(label), *_one(run, str(label))[1:]) for label, run in runs.items()]
+    if isinstance(runs, (list, tuple)):
+        if not runs:
+            raise ValueError("argument 'runs': no runs given")
+        return [_one(run, f"run {i}") for i, run in enumerate(runs)]
+    return [_one(runs, "run")]
+
+
+def _pairs(runs) -> list[tuple[str, dict]]:
+    return [(label, summary) for label, summary, _ in _runs(runs)]
+
+
+def contraction(runs, ax=None):
+    """Fig. 2(a): q_geo by relative position — a line per run, or per (run, task) when a run holds
+    several tasks (single and repeated context apart), with where each repeat starts."""
+    return _plots.plot_contraction(_pairs(runs), ax=ax)
+
+
+def by_layer(runs, ax=None):
+    """q_geo of every layer, a line per run."""
+    return _plots.plot_by_layer(_pairs(runs), ax=ax)
+
+
+def q_bars(runs, ax=None):
+    """Fig. 2(b): each run's overall q_geo."""
+    return _plots.plot_q_bars(_pairs(runs), ax=ax)
+
+
+def layer_head(runs, axes=None):
+    """q_geo of every (layer, head), a heat map per run on one colour scale (``axes``: one per run)."""
+    return _plots.plot_layer_head(_pairs(runs), axes=axes)
+
+
+def retained(runs, ax=None):
+    """Mean retrieval error of earlier writes by distance, for runs replayed with ``--retained``."""
+    pairs = [(label, s["retained"]) for label, s in _pairs(runs) if s.get("retained")]
+    if not pairs:
+        raise ValueError("argument 'runs': no run was replayed with --retained")
+    return _plots.plot_retained(pairs, ax=ax)
+
+
+def eps_vs_q(runs, ax=None):
+    """ε_T^diag against q_geo per (prompt, layer, head) stream, from each run directory's
+    ``comparator.parquet``."""
+    from .report.markdown import eps_q_series
+
+    found = [(label, path) for label, _, path in _runs(runs) if path is not None]
+    series = eps_q_series([p for _, p in found], [label for label, _ in found])
+    if not series:
+        raise ValueError("argument 'runs': no run directory with comparator.parquet (replay writes it)")
+    return _plots.plot_eps_vs_q(series, ax=ax)
+
+
+def d_trajectory(run, head: tuple[int, int] | None = None, ax=None, channels: int = 8):
+    """The preconditioner ``d_t`` of one head over the first prompt of a run directory whose capture
+    was stored: ``head = (layer, head)``, by default head 0 of the first layer that has a ``d``."""
+    from .report.markdown import d_trajectory_of
+    from .capture.store import read_manifest
+
+    label, _, path = _one(run, "run")
+    if path is None:
+        raise TypeError("argument 'run': the d trajectory is read from a run directory's stored capture")
+    found = d_trajectory_of([path], [label], [read_manifest(path)], head)
+    if found is None:
+        raise ValueError(f"{path}: no stored capture with a preconditioner d (an OSDN-family run, "
+                         "captured without --stream)")
+    d, title = found
+    return _plots.plot_d_trajectory(d, title, ax=ax, channels=channels)

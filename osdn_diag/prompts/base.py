@@ -75,10 +75,36 @@ def read_jsonl(
             task = row.get("task", path.stem)
             if not isinstance(task, str):
                 raise ValueError(f"{where}: field 'task' must be a string, got {type(task).__name__}")
-            prompts.append(Prompt(id=len(prompts), task=task, input_ids=ids, repeat_start=repeat))
+            meta = _answers(row, where, len(context) + len(query), len(context) if twice else 0, vocab_size)
+            prompts.append(Prompt(id=len(prompts), task=task, input_ids=ids, repeat_start=repeat, meta=meta))
     if not prompts:
         raise ValueError(f"{path}: no prompts (expected one JSON object per line)")
     return prompts
+
+
+def _answers(row, where, length, shift, vocab_size) -> dict:
+    """A recall prompt's ``answer_positions`` and ``answers`` (the model's prediction at position ``p``,
+    the argmax of its next-token logits, should be ``answers[i]``): positions index the prompt as
+    written (context then query); with ``--twice`` they move by the context's length, so that they
+    are read after the context was seen once. ``{}`` for a prompt without answers."""
+    if "answer_positions" not in row and "answers" not in row:
+        return {}
+    pos, ans = row.get("answer_positions"), row.get("answers")
+    if pos is None or ans is None:
+        raise ValueError(f"{where}: fields 'answer_positions' and 'answers' go together (give both, or neither)")
+    for key, values in (("answer_positions", pos), ("answers", ans)):
+        if not (isinstance(values, list) and values
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in values)):
+            raise ValueError(f"{where}: field {key!r} must be a non-empty list of integers"
+                             + (" (token ids)" if key == "answers" else " (positions in the prompt)"))
+    if len(pos) != len(ans):
+        raise ValueError(f"{where}: {len(pos)} answer_positions but {len(ans)} answers; give one answer per position")
+    bad = [i for i in pos if not 0 <= i < length]
+    if bad:
+        raise ValueError(f"{where}: answer_positions {bad[:3]} outside the prompt's {length} tokens [0, {length})")
+    if vocab_size is not None and any(i < 0 or i >= vocab_size for i in ans):
+        raise ValueError(f"{where}: field 'answers' has token ids outside [0, {vocab_size})")
+    return {"answer_positions": [i + shift for i in pos], "answers": list(ans)}
 
 
 def _tokens(row, ids_key, text_key, where, tokenize, vocab_size, *, required):

@@ -82,3 +82,34 @@ def test_run_on_mqar_pair_reports_recall_per_task(tmp_path):
         assert row["accuracy"] == pytest.approx(row["correct"] / 8)
     report = (tmp_path / "report.md").read_text()
     assert "## Recall accuracy (the paper's Table 7 layout)" in report
+
+
+def test_jsonl_prompts_with_answers_report_recall(tmp_path, fla_interpreter):
+    """A user's JSONL prompts carrying answers get recall accuracy, once and ``--twice``. The answers
+    are written from the model's own next-token argmax (a forward pass of the same seeded model
+    without capture, here) — right at some positions, one id off at others — so the count of right
+    answers is known before the run."""
+    from osdn_diag.models import load_model
+
+    model = load_model("random:deltanet-tiny").model
+    vocab = model.config.vocab_size
+    prompts = [([3, 7, 11, 19, 23, 5], [7, 19], [6, 7, 2], [True, False, True]),
+               ([2, 4, 6, 8], [], [0, 1], [False, True])]
+    for twice in (False, True):
+        rows = []
+        for ctx, query, positions, right in prompts:
+            ids, shift = (ctx + ctx + query, len(ctx)) if twice else (ctx + query, 0)
+            with torch.no_grad():
+                pred = model(torch.tensor([ids])).logits[0].argmax(-1)
+            answers = [int(pred[p + shift]) if ok else (int(pred[p + shift]) + 1) % vocab
+                       for p, ok in zip(positions, right)]
+            rows.append({"input_ids": ctx, "query_ids": query, "answer_positions": positions,
+                         "answers": answers, "task": "kv"})
+        path = tmp_path / f"kv-{twice}.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        out = tmp_path / f"run-{twice}"
+        assert main(["run", "random:deltanet-tiny", "--prompts", str(path), "--out", str(out), "-q",
+                     *(["--twice"] if twice else [])]) == 0
+        recall = json.loads((out / "summary.json").read_text())["recall"]
+        assert recall["kv"]["queries"] == 5 and recall["kv"]["correct"] == 3, recall
+        assert recall["kv"]["accuracy"] == pytest.approx(3 / 5)

@@ -64,3 +64,34 @@ def test_random_suite_is_deterministic_and_twice_repeats():
 def test_unknown_prompt_spec(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a built-in suite"):
         load_prompts(str(tmp_path / "missing.jsonl"), vocab_size=10)
+
+
+def test_jsonl_answers_are_recall_prompts(tmp_path):
+    """``answer_positions`` index the prompt as written; ``--twice`` moves them past the first copy."""
+    path = _write(tmp_path, [{"input_ids": [1, 2, 3], "query_ids": [9, 8], "answer_positions": [3, 1],
+                              "answers": [5, 6]}, {"input_ids": [4]}])
+    once, plain = read_jsonl(path, vocab_size=10)
+    assert once.meta == {"answer_positions": [3, 1], "answers": [5, 6]} and plain.meta == {}
+    (twice, _) = read_jsonl(path, twice=True)
+    assert twice.meta == {"answer_positions": [6, 4], "answers": [5, 6]}
+    assert twice.input_ids[6] == once.input_ids[3] and twice.input_ids[4] == once.input_ids[1]
+    assert twice.manifest_entry()["answers"] == [5, 6]
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"answers": [1]}, "'answer_positions' and 'answers' go together"),
+        ({"answer_positions": [0]}, "'answer_positions' and 'answers' go together"),
+        ({"answer_positions": [0, 1], "answers": [1]}, "2 answer_positions but 1 answers"),
+        ({"answer_positions": [3], "answers": [1]}, "answer_positions [3] outside the prompt's 3 tokens"),
+        ({"answer_positions": [-1], "answers": [1]}, "outside the prompt's 3 tokens"),
+        ({"answer_positions": [0], "answers": [10]}, "'answers' has token ids outside [0, 10)"),
+        ({"answer_positions": [0], "answers": ["x"]}, "'answers' must be a non-empty list of integers (token ids)"),
+        ({"answer_positions": [], "answers": []}, "'answer_positions' must be a non-empty list"),
+    ],
+)
+def test_jsonl_answer_errors_name_the_line(tmp_path, extra, message):
+    path = _write(tmp_path, [{"input_ids": [1]}, {"input_ids": [1, 2, 3], **extra}])
+    with pytest.raises(ValueError, match=f"p.jsonl:2: .*{__import__('re').escape(message)}"):
+        read_jsonl(path, vocab_size=10)

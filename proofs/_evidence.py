@@ -229,6 +229,8 @@ class _Instance:
 
     @property
     def established(self) -> bool:
+        if self.needs is None:  # a bare instance claims nothing
+            return False
         return self.holds is self.needs and all(is_definitely_true(ok) for ok in self.steps.values())
 
     def shortfall(self) -> list[str]:

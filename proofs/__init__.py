@@ -11,5 +11,10 @@ preconditioner ``d``, ``s = k ⊙ k``, ``n = ‖k‖²``, residual ``u = v − S
 A proof here is a derivation: an identity is accepted only when the difference of its two sides
 expands to exactly 0, and an inequality only when the quantity has been rewritten (by a checked
 identity) as an expression whose sign sympy derives from the symbols' declared assumptions.
-A check that cannot establish its claim reports ``failed``, never ``verified``.
+
+A check returns the evidence it computed (:mod:`._evidence`: derivations with the sizes they ran
+on, counterexamples and witnesses with their exact numbers, conditionals), and the claim's status
+is derived from it (:func:`._claims.status_of`): a counterexample refutes, a hypothesis that is
+needed makes it conditional, derivations and witnesses alone verify. A check that cannot establish
+its claim reports ``failed``, never ``verified``.
 """

@@ -1,11 +1,23 @@
-"""The record types of the claims ledger: a :class:`Claim` and the :class:`Outcome` of checking it."""
+"""The record types of the claims ledger: a :class:`Claim` and the :class:`Outcome` of checking it.
+
+An outcome's status is derived from its evidence (:mod:`._evidence`) by :func:`status_of`; a proof
+cannot state it. The rule, in order:
+
+1. no evidence, or any piece not established → ``failed``;
+2. any :class:`~._evidence.Counterexample` → ``refuted`` (a claim with a counterexample is never
+   verified, whatever else was derived);
+3. any :class:`~._evidence.Conditional` → ``conditional``, with its condition;
+4. otherwise (derivations and witnesses only) → ``verified``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["ESTABLISHED", "STATUSES", "Claim", "Outcome", "conclude"]
+from ._evidence import EVIDENCE_KINDS, Conditional, Counterexample
+
+__all__ = ["ESTABLISHED", "STATUSES", "Claim", "Outcome", "conclude", "status_of"]
 
 #: Every status an outcome can have; ``failed`` means the check could not establish anything.
 STATUSES = ("verified", "refuted", "conditional", "failed")
@@ -13,25 +25,55 @@ STATUSES = ("verified", "refuted", "conditional", "failed")
 ESTABLISHED = ("verified", "refuted", "conditional")
 
 
+def status_of(evidence: Iterable) -> tuple[str, str | None]:
+    """``(status, condition)`` that ``evidence`` establishes, by the rule in the module docstring."""
+    evidence = tuple(evidence)
+    if not evidence or not all(e.established for e in evidence):
+        return "failed", None
+    if any(isinstance(e, Counterexample) for e in evidence):
+        return "refuted", None
+    conditions = [e.condition for e in evidence if isinstance(e, Conditional)]
+    if conditions:
+        return "conditional", "; ".join(conditions)
+    return "verified", None
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What a check established.
 
-    ``status``: ``verified`` (the claim holds), ``refuted`` (it does not, with a counter-case),
-    ``conditional`` (it holds under ``condition``) or ``failed`` (nothing established).
-    ``detail``: what was shown, with the numbers. ``numbers``: key figures, JSON-serialisable.
+    ``detail``: what was shown, with the numbers. ``evidence``: the pieces of :mod:`._evidence` the
+    check computed; ``status`` and ``condition`` are derived from them (:func:`status_of`).
+    ``numbers``: key figures, JSON-serialisable. An outcome with no evidence (a check that raised)
+    is ``failed``.
     """
 
-    status: str
     detail: str
-    condition: str | None = None
+    evidence: tuple = ()
     numbers: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"Outcome.status must be one of {STATUSES}, got {self.status!r}")
-        if self.status == "conditional" and not self.condition:
-            raise ValueError("a 'conditional' outcome must state its condition")
+        if not isinstance(self.detail, str):
+            raise TypeError(f"Outcome.detail must be a str, got {type(self.detail).__name__}")
+        if isinstance(self.evidence, (str, bytes)) or not isinstance(self.evidence, Iterable):
+            raise TypeError(
+                "Outcome.evidence must be a sequence of Derivation/Counterexample/Witness/Conditional, "
+                f"got {type(self.evidence).__name__}; the status is derived from it and cannot be given"
+            )
+        object.__setattr__(self, "evidence", tuple(self.evidence))
+        for item in self.evidence:
+            if not isinstance(item, EVIDENCE_KINDS):
+                raise TypeError(f"Outcome.evidence holds a {type(item).__name__}, not evidence")
+
+    @property
+    def status(self) -> str:
+        """``verified`` / ``refuted`` / ``conditional`` / ``failed``, derived from the evidence."""
+        return status_of(self.evidence)[0]
+
+    @property
+    def condition(self) -> str | None:
+        """The added hypothesis of a ``conditional`` outcome (None otherwise)."""
+        return status_of(self.evidence)[1]
 
 
 @dataclass(frozen=True)
@@ -53,24 +95,16 @@ class Claim:
             raise ValueError(f"Claim.expected must be one of {ESTABLISHED}, got {self.expected!r}")
 
 
-def conclude(
-    status: str,
-    detail: str,
-    steps: Mapping[str, bool],
-    *,
-    condition: str | None = None,
-    numbers: dict | None = None,
-) -> Outcome:
-    """Return ``Outcome(status, detail, ...)`` if every named proof step holds, else ``failed``.
+def conclude(detail: str, evidence: Iterable, *, numbers: dict | None = None) -> Outcome:
+    """The :class:`Outcome` of ``evidence``; when something is not established its detail says what.
 
-    ``steps`` maps a short description of each step to whether it was established; only the value
-    ``True`` itself counts (a sympy ``None`` — "unknown" — does not).
+    Only a definite truth counts as established (a sympy ``None`` — "unknown" — does not); see
+    :mod:`._evidence`.
     """
-    missing = [name for name, ok in steps.items() if ok is not True]
+    evidence = tuple(evidence)
+    missing = [m for e in evidence for m in e.shortfall()]
+    if not evidence:
+        missing = ["no evidence"]
     if missing:
-        return Outcome(
-            "failed",
-            "could not establish: " + "; ".join(missing),
-            numbers=dict(numbers or {}),
-        )
-    return Outcome(status, detail, condition=condition, numbers=dict(numbers or {}))
+        detail = "could not establish: " + "; ".join(missing)
+    return Outcome(detail, evidence, numbers=dict(numbers or {}))

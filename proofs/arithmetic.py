@@ -20,10 +20,12 @@ from __future__ import annotations
 import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
+from ._evidence import Counterexample, Derivation, derive, format_sizes
 from ._sym import holds_on, is_nonnegative, is_positive, vanishes
 
 __all__ = [
     "CLAIMS",
+    "GRID",
     "PAPER_TABLE_MIB",
     "SHAPES",
     "d_elements",
@@ -73,39 +75,66 @@ def _percent(x) -> float:
     return float(100 * x)
 
 
+def shape_counterexample(name: str, shape: tuple[int, int, int, int]) -> Counterexample:
+    """The claimed ``d/state ≤ 0.05 %`` at one model shape (L, H, d_k, d_v), exactly."""
+    l, h, dk, dv = shape
+    ratio = overhead_ratio(l, h, dk, dv)
+    return Counterexample(
+        name.split(" (")[0],
+        ratio,
+        "<=",
+        CLAIMED_BOUND,
+        instance={"state_MiB": mib_bf16(state_elements(l, h, dk, dv)), "d_MiB": mib_bf16(d_elements(l, h, dk))},
+        sizes={"L": l, "H": h, "d_k": dk, "d_v": dv},
+        steps={"ratio = 1/d_v": ratio == sp.Rational(1, dv)},
+    )
+
+
+def table_counterexample(row: str, before: str, after: str) -> Counterexample:
+    """The claimed bound against one row of the paper's Tables 19–20 (MiB before → after)."""
+    b, a = sp.Rational(before), sp.Rational(after)
+    return Counterexample(
+        f"paper table {row}",
+        (a - b) / b,
+        "<=",
+        CLAIMED_BOUND,
+        instance={"before_MiB": b, "after_MiB": a},
+    )
+
+
 def check_state_overhead() -> Outcome:
     L, H, d_k, d_v = sp.symbols("L H d_k d_v", positive=True, integer=True)
     symbolic_ratio = d_elements(L, H, d_k) / state_elements(L, H, d_k, d_v)
-    steps = {"d/state = 1/d_v for symbolic L, H, d_k, d_v": vanishes(symbolic_ratio - 1 / d_v)}
+    symbolic = Derivation(
+        "symbolic shape",
+        {"d/state = 1/d_v for symbolic L, H, d_k, d_v": vanishes(symbolic_ratio - 1 / d_v)},
+    )
+    shapes = [shape_counterexample(name, shape) for name, shape in SHAPES.items()]
+    table = [table_counterexample(row, *mib) for row, mib in PAPER_TABLE_MIB.items()]
     numbers: dict = {"claimed_max_percent": 0.05}
     parts = []
-    for name, (l, h, dk, dv) in SHAPES.items():
+    for case, (l, h, dk, dv) in zip(shapes, SHAPES.values()):
         base, extra = mib_bf16(state_elements(l, h, dk, dv)), mib_bf16(d_elements(l, h, dk))
-        ratio = overhead_ratio(l, h, dk, dv)
-        tag = name.split(" (")[0]
-        steps[f"{tag}: ratio = 1/d_v > 0.05 %"] = ratio == sp.Rational(1, dv) and bool(ratio > CLAIMED_BOUND)
-        numbers[f"{tag}: state_MiB"] = float(base)
-        numbers[f"{tag}: d_MiB"] = float(extra)
-        numbers[f"{tag}: overhead_percent"] = _percent(ratio)
-        parts.append(f"{tag}: d adds {float(extra)} MiB to {float(base):.3f} MiB, {_percent(ratio)} %")
-    table = {}
-    for row, (before, after) in PAPER_TABLE_MIB.items():
-        b, a = sp.Rational(before), sp.Rational(after)
-        table[row] = (a - b) / b
-        numbers[f"paper table {row}: percent"] = round(_percent(table[row]), 3)
-    steps["every row of the paper's own tables exceeds 0.05 %"] = all(
-        bool(r > CLAIMED_BOUND) for r in table.values()
-    )
-    smallest = min(table, key=table.get)
+        numbers[f"{case.label}: state_MiB"] = float(base)
+        numbers[f"{case.label}: d_MiB"] = float(extra)
+        numbers[f"{case.label}: overhead_percent"] = _percent(case.lhs)
+        parts.append(f"{case.label}: d adds {float(extra)} MiB to {float(base):.3f} MiB, {_percent(case.lhs)} %")
+    by_row = {case.label.removeprefix("paper table "): case.lhs for case in table}
+    for row, ratio in by_row.items():
+        numbers[f"paper table {row}: percent"] = round(_percent(ratio), 3)
+    smallest = min(by_row, key=by_row.get)
     return conclude(
-        "refuted",
         "Claimed ≤ 0.05 %; computed d/state = 1/d_v exactly, " + "; ".join(parts) + ". The paper's own "
-        f"tables agree with us (6.000 → 6.047 MiB is {_percent(table['DeltaNet → OSDN (340M)']):.2f} %; "
-        f"smallest row {smallest}: {_percent(table[smallest]):.2f} %). The increments (0.047, 0.031, 0.045 "
+        f"tables agree with us (6.000 → 6.047 MiB is {_percent(by_row['DeltaNet → OSDN (340M)']):.2f} %; "
+        f"smallest row {smallest}: {_percent(by_row[smallest]):.2f} %). The increments (0.047, 0.031, 0.045 "
         "MiB at 340M) are ≤ 0.05 MiB, which may be what was meant; at 1.3B it is 0.094 MiB.",
-        steps,
+        [symbolic, *shapes, *table],
         numbers=numbers,
     )
+
+
+#: the key dimensions of the Newton-feasibility proof
+GRID = {"K": tuple(range(1, 5))}
 
 
 def newton_infeasible_steps(K: int) -> dict[str, bool]:
@@ -117,27 +146,24 @@ def newton_infeasible_steps(K: int) -> dict[str, bool]:
     a = beta * sum((d_max - w * t) * si for t, si in zip(tau, s))
     slack = beta * w * sum(t * si for t, si in zip(tau, s))
     return {
-        f"K={K}: 1 − a = (1 − β d_max) + β w Σ τ_i s_i": holds_on(1 - a, c + slack, constraints),
-        f"K={K}: 1 − a > 0": is_positive(c + slack),
-        f"K={K}: (1 − a)² − (1 − β d_max)² = slack·(2c + slack)": holds_on(
+        "1 − a = (1 − β d_max) + β w Σ τ_i s_i": holds_on(1 - a, c + slack, constraints),
+        "1 − a > 0": is_positive(c + slack),
+        "(1 − a)² − (1 − β d_max)² = slack·(2c + slack)": holds_on(
             (1 - a) ** 2 - c**2, slack * (2 * c + slack), constraints
         ),
-        f"K={K}: slack·(2c + slack) ≥ 0": is_nonnegative(slack * (2 * c + slack)),
+        "slack·(2c + slack) ≥ 0": is_nonnegative(slack * (2 * c + slack)),
     }
 
 
 def check_newton_infeasible() -> Outcome:
-    steps: dict[str, bool] = {}
-    for K in range(1, 5):
-        steps.update(newton_infeasible_steps(K))
+    proof = derive("unit keys, d in the box", newton_infeasible_steps, **GRID)
     d_max = sp.Integer(2)
     return conclude(
-        "verified",
         "With unit keys and d ∈ [d_min, d_max]^K, 1 − β_t⟨d, s_t⟩ ≥ 1 − β_t d_max > 0 whenever "
         f"β_t < 1/d_max (= {1 / d_max} for d_max = 2), so β_t⟨d, s_t⟩ = 1 is impossible at such a token "
-        "and ε_T^diag ≥ (1/2T) Σ_{those t} (1 − β_t d_max)² > 0 (K = 1..4; the convex-combination "
-        "argument holds for all K).",
-        steps,
+        f"and ε_T^diag ≥ (1/2T) Σ_{{those t}} (1 − β_t d_max)² > 0 ({format_sizes(proof.sizes)}; the "
+        "convex-combination argument holds for all K).",
+        [proof],
         numbers={"beta_threshold_at_d_max_2": float(1 / d_max)},
     )
 
@@ -157,7 +183,7 @@ CLAIMS = [
         location="reader's slides ('Super-geometric contraction is conditional'); Thm 5.2",
         statement="Reader's inference: with unit keys and d ≤ d_max = 2, the gated Newton condition "
         "β_t⟨d, s_t⟩ = 1 is infeasible at every token with β_t < 1/d_max = 0.5.",
-        method="sympy, K = 1..4: 1 − a rewritten on the simplex as (1 − βd_max) + βwΣτ_i s_i with "
+        method=f"sympy, {format_sizes(GRID)}: 1 − a rewritten on the simplex as (1 − βd_max) + βwΣτ_i s_i with "
         "nonnegative symbols; sign from assumptions; same for (1 − a)² − (1 − βd_max)².",
         expected="verified",
         check=check_newton_infeasible,

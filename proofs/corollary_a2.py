@@ -27,9 +27,13 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
+from ._evidence import Witness, derive, format_sizes, format_values
 from ._sym import holds_on, is_positive, vanishes
 
-__all__ = ["CLAIMS", "COUNTER_CASES", "CounterCase", "descent_steps", "loss_ratio", "write_gain"]
+__all__ = ["CLAIMS", "COUNTER_CASES", "GRID", "CounterCase", "descent_steps", "loss_ratio", "write_gain"]
+
+#: the key dimensions checked with explicit symbols
+GRID = {"K": tuple(range(1, 5))}
 
 
 def write_gain(beta, d, s) -> sp.Expr:
@@ -84,39 +88,50 @@ def descent_steps(K: int) -> dict[str, bool]:
     lower = beta * d_min + beta * w * sum(t_i * s_i for t_i, s_i in zip(t, s))
     upper = 2 * gap + beta * m + beta * w * sum(tau_i * s_i for tau_i, s_i in zip(tau, s))
     return {
-        f"K={K}: a = β d_min + β w Σ t_i s_i on the constraint set": holds_on(a, lower, constraints),
-        f"K={K}: 2 − a = 2(1 − β) + β(2 − d_max) + β w Σ (1 − t_i) s_i": holds_on(2 - a, upper, constraints),
-        f"K={K}: 1 − (1 − a)² = a(2 − a)": vanishes(1 - (1 - a) ** 2 - a * (2 - a)),
-        f"K={K}: a > 0": is_positive(lower),
-        f"K={K}: 2 − a > 0": is_positive(upper),
-        f"K={K}: 1 − (1 − a)² > 0": is_positive(lower * upper),
+        "a = β d_min + β w Σ t_i s_i on the constraint set": holds_on(a, lower, constraints),
+        "2 − a = 2(1 − β) + β(2 − d_max) + β w Σ (1 − t_i) s_i": holds_on(2 - a, upper, constraints),
+        "1 − (1 − a)² = a(2 − a)": vanishes(1 - (1 - a) ** 2 - a * (2 - a)),
+        "a > 0": is_positive(lower),
+        "2 − a > 0": is_positive(upper),
+        "1 − (1 − a)² > 0": is_positive(lower * upper),
     }
 
 
 def check_descent() -> Outcome:
-    steps: dict[str, bool] = {}
-    for K in range(1, 5):
-        steps.update(descent_steps(K))
+    proof = derive("hypotheses as sign assumptions", descent_steps, **GRID)
+    sizes = format_sizes(proof.sizes)
     return conclude(
-        "verified",
         "With unit keys, β ∈ (0,1) and d ∈ [d_min, d_max]^K, 0 < d_min ≤ d_max ≤ 2: a = β⟨d,s⟩ "
         "∈ [β d_min, β d_max] ⊂ (0, 2) and 1 − (1 − a)² = a(2 − a) > 0, so the loss ratio (1 − a)² < 1; "
-        "proved for K = 1..4, and for every K by the same convex-combination lines.",
-        steps,
-        numbers={"K_checked": "1..4"},
+        f"proved for {sizes}, and for every K by the same convex-combination lines.",
+        [proof],
+        numbers={"K_checked": format_values(proof.sizes["K"])},
+    )
+
+
+def counter_witness(case: CounterCase) -> Witness:
+    """The write of ``case`` raises the token loss: ratio (1 − βd)² > 1, exactly."""
+    return Witness(
+        case.label,
+        case.ratio,
+        ">",
+        1,
+        instance={"beta": case.beta, "d": case.d, "s": case.s, "a": case.gain},
+        sizes={"K": len(case.d)},
+        steps={"s sums to 1 (unit key)": sum(case.s) == 1},
     )
 
 
 def check_counter_cases() -> Outcome:
-    steps = {f"{c.label}: loss ratio {c.ratio} > 1": bool(c.ratio > 1) for c in COUNTER_CASES}
+    witnesses = [counter_witness(c) for c in COUNTER_CASES]
     parts = [
-        f"{c.label}: β = {c.beta}, d = {c.d[0]}, K = 1 → a = {c.gain}, ratio {c.ratio} = {float(c.ratio):g}"
-        for c in COUNTER_CASES
+        f"{c.label}: β = {c.beta}, d = {c.d[0]}, {format_sizes(w.sizes)} → a = {c.gain}, ratio {c.ratio} = "
+        f"{float(c.ratio):g}"
+        for c, w in zip(COUNTER_CASES, witnesses)
     ]
     return conclude(
-        "verified",
         "Dropping either hypothesis breaks descent: " + "; ".join(parts) + ".",
-        steps,
+        witnesses,
         numbers={f"ratio[{c.label}]": float(c.ratio) for c in COUNTER_CASES},
     )
 
@@ -127,7 +142,7 @@ CLAIMS = [
         location="App. A.4, Cor. A.2; Sec. 4.2",
         statement="Unit keys, β ∈ (0,1) and d ∈ [d_min, d_max]^K with 0 < d_min ≤ d_max ≤ 2 give "
         "0 < β⟨d, s⟩ < 2, hence a token loss ratio (1 − β⟨d, s⟩)² < 1.",
-        method="sympy, K = 1..4: hypotheses as sign assumptions on free symbols; a, 2 − a and "
+        method=f"sympy, {format_sizes(GRID)}: hypotheses as sign assumptions on free symbols; a, 2 − a and "
         "1 − (1 − a)² rewritten (identities checked after eliminating Σs = 1) as sums/products of "
         "positive terms; general K: ⟨d, s⟩ is a convex combination of the d_i.",
         expected="verified",
@@ -138,7 +153,8 @@ CLAIMS = [
         location="App. A.4, Cor. A.2 (hypotheses d_max ≤ 2, β < 1)",
         statement="Without d_max ≤ 2, or with gates β > 1 as fla's allow_neg_eigval permits, one "
         "write can increase the token loss.",
-        method="exact rational arithmetic on two unit-key writes (K = 1): ratio (1 − βd)² > 1.",
+        method="exact rational arithmetic on two unit-key writes "
+        f"({format_sizes({'K': sorted({len(c.d) for c in COUNTER_CASES})})}): ratio (1 − βd)² > 1.",
         expected="verified",
         check=check_counter_cases,
     ),

@@ -16,9 +16,13 @@ from __future__ import annotations
 import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
+from ._evidence import Derivation, format_sizes
 from ._sym import vanishes
 
-__all__ = ["CLAIMS", "exact_write", "replay", "token_loss"]
+__all__ = ["CLAIMS", "REPLAY_STEPS", "exact_write", "replay", "token_loss"]
+
+#: tokens replayed explicitly (the induction covers every t)
+REPLAY_STEPS = 8
 
 
 def token_loss(S, t) -> sp.Expr:
@@ -48,28 +52,39 @@ def check_counterexample() -> Outcome:
     S, x = sp.Symbol("S", real=True), sp.Symbol("x", real=True)
     F = ((x - 1) ** 2 + (x + 1) ** 2) / 4  # ½ · mean over one period
     S_star = sp.solve(sp.diff(F, x), x)
-    rows = replay(8)
-    steps = {
-        "any S: exact write lands on v_t": vanishes(exact_write(S, t) - (-1) ** t),
-        "induction: S_{t−1} = (−1)^{t−1} ⇒ S_t = (−1)^t": vanishes(
-            exact_write((-1) ** (t - 1), t) - (-1) ** t
-        ),
-        "f_t(S_t) = 0": vanishes(token_loss((-1) ** t, t)),
-        "f_t(S_{t−1}) = 2 for t ≥ 2": vanishes(token_loss((-1) ** (t - 1), t) - 2),
-        "f_1(S_0) = 1/2": token_loss(0, 1) == sp.Rational(1, 2),
-        "population minimiser S* = 0 (F'' = 1 > 0)": S_star == [0] and sp.diff(F, x, 2) == 1,
-        "F(S*) = 1/2 and F(±1) = 1": F.subs(x, 0) == sp.Rational(1, 2) and F.subs(x, 1) == F.subs(x, -1) == 1,
-        "replay t = 1..8: S_t = (−1)^t, f_t(S_t) = 0, q_t = 0": all(
-            S_t == (-1) ** i and after == 0 and before > 0 for i, (S_t, before, after) in enumerate(rows, 1)
-        ),
-        "replay t = 1..8: |S_t − S*| = 1": all(abs(S_t - 0) == 1 for S_t, _, _ in rows),
-    }
+    induction = Derivation(
+        "symbolic t (induction)",
+        {
+            "any S: exact write lands on v_t": vanishes(exact_write(S, t) - (-1) ** t),
+            "induction: S_{t−1} = (−1)^{t−1} ⇒ S_t = (−1)^t": vanishes(
+                exact_write((-1) ** (t - 1), t) - (-1) ** t
+            ),
+            "f_t(S_t) = 0": vanishes(token_loss((-1) ** t, t)),
+            "f_t(S_{t−1}) = 2 for t ≥ 2": vanishes(token_loss((-1) ** (t - 1), t) - 2),
+            "f_1(S_0) = 1/2": token_loss(0, 1) == sp.Rational(1, 2),
+            "population minimiser S* = 0 (F'' = 1 > 0)": S_star == [0] and sp.diff(F, x, 2) == 1,
+            "F(S*) = 1/2 and F(±1) = 1": F.subs(x, 0) == sp.Rational(1, 2) and F.subs(x, 1) == F.subs(x, -1) == 1,
+        },
+        sizes={"K": 1, "V": 1},
+    )
+    rows = replay(REPLAY_STEPS)
+    replayed = Derivation(
+        "explicit replay",
+        {
+            f"t={i}: S_t = (−1)^t, f_t(S_t) = 0 < f_t(S_(t−1)), |S_t − S*| = 1": S_t == (-1) ** i
+            and after == 0
+            and before > 0
+            and abs(S_t - 0) == 1
+            for i, (S_t, before, after) in enumerate(rows, 1)
+        },
+        sizes={"K": 1, "V": 1, "t": tuple(range(1, len(rows) + 1))},
+    )
     return conclude(
-        "verified",
-        "From S_0 = 0 the exact writes give S_t = (−1)^t (induction on symbolic t, replayed for t ≤ 8): "
-        "f_t(S_t) = 0 and f_t(S_{t−1}) = 2 for t ≥ 2 (½ at t = 1), so every q_t = 0 and Π q_t = 0, while "
-        "the population minimiser is S* = 0 with F(S*) = ½, F(S_t) = 1 and |S_t − S*| = 1 for all t.",
-        steps,
+        "From S_0 = 0 the exact writes give S_t = (−1)^t (induction on symbolic t, replayed for "
+        f"{format_sizes({'t': replayed.sizes['t']})}): f_t(S_t) = 0 and f_t(S_{{t−1}}) = 2 for t ≥ 2 "
+        "(f_1(S_0) = ½), so every q_t = 0 and Π q_t = 0, while the population minimiser is S* = 0 with F(S*) = ½, "
+        "F(S_t) = 1 and |S_t − S*| = 1 for all t.",
+        [induction, replayed],
         numbers={
             "f_before_t_ge_2": 2.0,
             "f_before_t1": 0.5,
@@ -88,7 +103,7 @@ CLAIMS = [
         "residual is driven to 0 (Π q_t = 0) yet S_t = ±1 never approaches the population "
         "minimiser S* = 0.",
         method="sympy: one-step induction with integer symbol t; token losses before/after; minimiser "
-        "of the period-averaged loss; exact replay for t = 1..8.",
+        f"of the period-averaged loss; exact replay for {format_sizes({'t': range(1, REPLAY_STEPS + 1)})}.",
         expected="verified",
         check=check_counterexample,
     ),

@@ -55,7 +55,7 @@ def evaluate(claim: Claim) -> ClaimResult:
         if not isinstance(outcome, Outcome):
             raise TypeError(f"check returned {type(outcome).__name__}, not Outcome")
     except Exception as exc:  # noqa: BLE001 - any error in a proof is reported, not raised
-        outcome = Outcome("failed", f"{type(exc).__name__}: {exc}")
+        outcome = Outcome(f"{type(exc).__name__}: {exc}")  # no evidence: failed
     return ClaimResult(claim, outcome, time.perf_counter() - start)
 
 
@@ -119,7 +119,14 @@ def format_table(results: Sequence[ClaimResult]) -> str:
 
 
 def to_records(results: Sequence[ClaimResult]) -> list[dict]:
-    """One JSON-ready dict per claim."""
+    """One JSON-ready dict per claim.
+
+    ``evidence`` lists what the check computed, each piece with its ``kind`` (derivation,
+    counterexample, witness, conditional), ``sizes`` (the dimensions covered, e.g. ``{"K": [1, 2, 3, 4]}``)
+    and ``established``; a counterexample or witness adds its ``instance`` (exact numbers) and
+    ``relation``, a conditional its ``condition``, ``under`` and ``without``. The status is derived
+    from it (:func:`._claims.status_of`).
+    """
     return [
         {
             "id": r.claim.id,
@@ -132,6 +139,7 @@ def to_records(results: Sequence[ClaimResult]) -> list[dict]:
             "detail": r.outcome.detail,
             "condition": r.outcome.condition,
             "numbers": r.outcome.numbers,
+            "evidence": [e.record() for e in r.outcome.evidence],
             "seconds": round(r.seconds, 4),
         }
         for r in results

@@ -33,21 +33,19 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
+from ._evidence import Derivation, Witness, derive, format_sizes
 from ._sym import all_vanish, dot, matrix, vanishes, vector
 
 __all__ = [
     "CLAIMS",
-    "DIMS",
+    "GRID",
     "Write",
     "dimension_free_identities",
+    "explicit_steps",
     "surrogate_closed_form",
     "surrogate_gradient_closed_form",
     "write",
 ]
-
-#: (K, V) pairs checked with explicit symbols.
-DIMS = tuple((K, V) for K in range(1, 5) for V in (1, 2))
-
 
 @dataclass(frozen=True)
 class Write:
@@ -176,51 +174,60 @@ def dimension_free_identities() -> bool:
     return residual_ok and vanishes(loss - (1 - beta * c) ** 2 * uu / 2)
 
 
-def _all_dims(step) -> bool:
-    return all(step(write(K, V)) for K, V in DIMS)
+def explicit_steps(K: int, V: int) -> dict[str, bool]:
+    """(a)–(c) and the loss gradient for one write with every entry of an ``V×K`` state symbolic."""
+    w = write(K, V)
+    return {
+        "residual identity": residual_identity(w),
+        "loss identities": loss_identities(w),
+        "∇f(S) = −u kᵀ and ‖∇f(S)‖² = ‖u‖² n": gradient_of_loss(w),
+        "closed form of h": closed_form_identity(w),
+    }
 
 
 # --- claims ---------------------------------------------------------------------------------------
 
-_DIMS_TEXT = "K=1..4 × V=1..2"
+#: the sizes checked with explicit symbols
+GRID = {"K": tuple(range(1, 5)), "V": (1, 2)}
+_GRID_TEXT = format_sizes(GRID)
 
 
 def check_closed_form() -> Outcome:
-    steps = {
-        f"residual identity for {_DIMS_TEXT}": _all_dims(residual_identity),
-        f"loss identities for {_DIMS_TEXT}": _all_dims(loss_identities),
-        f"∇f(S) = −u kᵀ and ‖∇f(S)‖² = ‖u‖² n for {_DIMS_TEXT}": _all_dims(gradient_of_loss),
-        f"closed form of h for {_DIMS_TEXT}": _all_dims(closed_form_identity),
-        "dimension-free residual and loss identities": dimension_free_identities(),
-    }
+    explicit = derive("identities with explicit symbols", explicit_steps, **GRID)
+    free = Derivation(
+        "free noncommutative algebra (any K, V)",
+        {"residual and loss identities": dimension_free_identities()},
+    )
+    sizes = format_sizes(explicit.sizes)
     return conclude(
-        "verified",
         "S'k − v = −(1 − a)u and f(S') = ½‖u‖²(1 − a)² hold as polynomial identities for "
-        f"{_DIMS_TEXT} and in the free noncommutative algebra; hence f(S')/f(S) = (1 − a)² for any "
+        f"{sizes} and in the free noncommutative algebra; hence f(S')/f(S) = (1 − a)² for any "
         "key and any u ≠ 0 (no unit-key or β ∈ (0,1) assumption is needed), and h = ((1 − a)² − 1)/(2n).",
-        steps,
-        numbers={"dims_checked": _DIMS_TEXT},
+        [explicit, free],
+        numbers={"dims_checked": sizes},
     )
 
 
 def check_gradient() -> Outcome:
+    proof = derive("gradient identity", lambda K, V: {"∇_d h": gradient_identity(write(K, V))}, **GRID)
+    sizes = format_sizes(proof.sizes)
     return conclude(
-        "verified",
         "Differentiating the definition of h (with S and v still symbolic) gives "
-        f"∇_d h = −β(1 − a)/n · s exactly, for {_DIMS_TEXT}.",
-        {f"gradient identity for {_DIMS_TEXT}": _all_dims(gradient_identity)},
-        numbers={"dims_checked": _DIMS_TEXT},
+        f"∇_d h = −β(1 − a)/n · s exactly, for {sizes}.",
+        [proof],
+        numbers={"dims_checked": sizes},
     )
 
 
 def check_decoupling() -> Outcome:
+    proof = derive("no S/v dependence", lambda K, V: {"h free of S, v": state_independence(write(K, V))}, **GRID)
+    sizes = format_sizes(proof.sizes)
     return conclude(
-        "verified",
         "The definition of h equals ((1 − a)² − 1)/(2n) as rational functions, and that expression "
-        f"contains no entry of S or v ({_DIMS_TEXT}); so every ∂h/∂S_ij and ∂h/∂v_i is 0, h and ∇h "
+        f"contains no entry of S or v ({sizes}); so every ∂h/∂S_ij and ∂h/∂v_i is 0, h and ∇h "
         "depend only on k, β and d, and phase 1 can run on the key stream alone.",
-        {f"no S/v dependence for {_DIMS_TEXT}": _all_dims(state_independence)},
-        numbers={"dims_checked": _DIMS_TEXT},
+        [proof],
+        numbers={"dims_checked": sizes},
     )
 
 
@@ -228,23 +235,34 @@ def check_ratio_reading() -> Outcome:
     a, n = sp.symbols("a n", real=True)
     h = surrogate_closed_form(a, n)
     gap = (1 - a) ** 2 - (1 + 2 * h)
+    explicit = derive(
+        "‖∇f(S)‖² = 2n f(S)", lambda K, V: {"‖∇f(S)‖² = 2n f(S)": gradient_of_loss(write(K, V))}, **GRID
+    )
+    scalar = Derivation(
+        "q versus 1 + 2h",
+        {
+            "q = 1 + 2nh given ‖∇f(S)‖² = 2n f(S)": ratio_relation(),
+            "q − (1 + 2h) = ((1 − a)² − 1)(n − 1)/n": vanishes(gap - ((1 - a) ** 2 - 1) * (n - 1) / n),
+            "gap vanishes at n = 1": vanishes(gap.subs(n, 1)),
+        },
+    )
     # A concrete non-unit key (n = 2) with a = 1, where q = 0 but 1 + 2h = 1/2.
     k0, d0, beta0 = sp.Matrix([1, 1]), sp.Matrix([1, 1]), sp.Rational(1, 2)
     a0, n0 = beta0 * dot(d0, k0.multiply_elementwise(k0)), dot(k0, k0)
     q0, h0 = (1 - a0) ** 2, surrogate_closed_form(a0, n0)
-    steps = {
-        f"‖∇f(S)‖² = 2n f(S) for {_DIMS_TEXT}": _all_dims(gradient_of_loss),
-        "q = 1 + 2nh given ‖∇f(S)‖² = 2n f(S)": ratio_relation(),
-        "q − (1 + 2h) = ((1 − a)² − 1)(n − 1)/n": vanishes(gap - ((1 - a) ** 2 - 1) * (n - 1) / n),
-        "gap vanishes at n = 1": vanishes(gap.subs(n, 1)),
-        "example with n = 2 has q ≠ 1 + 2h": q0 != 1 + 2 * h0,
-    }
+    example = Witness(
+        "a non-unit key has q ≠ 1 + 2h",
+        q0,
+        "!=",
+        1 + 2 * h0,
+        instance={"k": k0, "beta": beta0, "d": d0, "n": n0},
+        sizes={"K": len(k0)},
+    )
     return conclude(
-        "verified",
         "q = f(S')/f(S) = 1 + 2‖k‖²·h for every nonzero key; q − (1 + 2h) = ((1 − a)² − 1)(n − 1)/n, "
         "so the paper's q_t = 1 + 2h_t(d_t) holds only for unit keys (or a ∈ {0, 2}). Example: "
         f"k = (1, 1), β = 1/2, d = (1, 1) gives q = {q0}, h = {h0}, 1 + 2h = {1 + 2 * h0}.",
-        steps,
+        [explicit, scalar, example],
         numbers={"example_q": float(q0), "example_h": float(h0), "example_1_plus_2h": float(1 + 2 * h0)},
     )
 
@@ -256,7 +274,7 @@ CLAIMS = [
         statement="One OSDN write scales the residual by (1 − β⟨d, k⊙k⟩), so the token loss ratio is "
         "(1 − a)² and the surrogate is h(d) = ((1 − a)² − 1)/(2‖k‖²).",
         method="sympy: residual, loss and surrogate identities expand to 0 with all entries symbolic "
-        f"({_DIMS_TEXT}); residual and loss also in the free noncommutative algebra (any K, V).",
+        f"({_GRID_TEXT}); residual and loss also in the free noncommutative algebra (any K, V).",
         expected="verified",
         check=check_closed_form,
     ),
@@ -264,7 +282,7 @@ CLAIMS = [
         id="lemma-4.1-gradient",
         location="Sec. 4.2, Lemma 4.1 Eq. (3); App. A.3",
         statement="∇_d h(d) = −β(1 − β⟨d, s⟩)/‖k‖² · s.",
-        method=f"sympy: differentiate the definition of h (S, v symbolic) in each d_i, {_DIMS_TEXT}; "
+        method=f"sympy: differentiate the definition of h (S, v symbolic) in each d_i, {_GRID_TEXT}; "
         "difference to the closed form vanishes.",
         expected="verified",
         check=check_gradient,
@@ -274,7 +292,7 @@ CLAIMS = [
         location="Sec. 4.2, consequence (i)",
         statement="Neither h nor ∇h depends on the state S, the value v or the residual u.",
         method="sympy: the definition of h (all entries symbolic) minus the closed form vanishes, and "
-        f"the closed form's free symbols exclude every entry of S and v ({_DIMS_TEXT}).",
+        f"the closed form's free symbols exclude every entry of S and v ({_GRID_TEXT}).",
         expected="verified",
         check=check_decoupling,
     ),
@@ -283,7 +301,7 @@ CLAIMS = [
         location="Thm 5.2 / App. D.4 Eq. (20); Lemma 4.1",
         statement="Our precise reading of 'q_t = 1 + 2h_t(d_t)': in general q_t = 1 + 2‖k_t‖² h_t(d_t); "
         "the paper's form is exact only for unit keys, as Theorem D.7 assumes.",
-        method=f"sympy: ∇f(S) = −u kᵀ and ‖∇f(S)‖² = 2n f(S) ({_DIMS_TEXT}), hence q = 1 + 2nh; the "
+        method=f"sympy: ∇f(S) = −u kᵀ and ‖∇f(S)‖² = 2n f(S) ({_GRID_TEXT}), hence q = 1 + 2nh; the "
         "gap to 1 + 2h factored; a concrete non-unit key.",
         expected="verified",
         check=check_ratio_reading,

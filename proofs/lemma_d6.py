@@ -23,12 +23,14 @@ from __future__ import annotations
 import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
+from ._evidence import Derivation, derive, format_sizes, format_values
 from ._sym import all_vanish, dot, holds_on, is_nonnegative, vanishes, vector
 from .lemma_4_1 import surrogate_closed_form, surrogate_gradient_closed_form
 
-__all__ = ["CLAIMS", "apf_step", "hessian_steps", "smoothness_steps"]
+__all__ = ["CLAIMS", "GRID", "apf_step", "apf_steps", "gate_steps", "hessian_steps", "smoothness_steps"]
 
-_KS = range(1, 5)
+#: the key dimensions checked with explicit symbols
+GRID = {"K": tuple(range(1, 5))}
 
 
 def _key(K: int):
@@ -45,25 +47,32 @@ def hessian_steps(K: int) -> dict[str, bool]:
     lam = beta**2 * dot(s, s) / n
     n_pos = sp.Symbol("n", positive=True)  # k ≠ 0
     return {
-        f"K={K}: H = β²/n s sᵀ": all_vanish(H - beta**2 / n * s * s.T),
-        f"K={K}: H constant in d": all(all_vanish(H.diff(di)) for di in d),
-        f"K={K}: xᵀHx = β²(sᵀx)²/n": vanishes((x.T * H * x)[0] - beta**2 * dot(s, x) ** 2 / n),
-        f"K={K}: β²(sᵀx)²/n ≥ 0 for n > 0": is_nonnegative(beta**2 * dot(s, x) ** 2 / n_pos),
-        f"K={K}: H s = λ s": all_vanish(H * s - lam * s),
-        f"K={K}: tr H = λ": vanishes(H.trace() - lam),
+        "H = β²/n s sᵀ": all_vanish(H - beta**2 / n * s * s.T),
+        "H constant in d": all(all_vanish(H.diff(di)) for di in d),
+        "xᵀHx = β²(sᵀx)²/n": vanishes((x.T * H * x)[0] - beta**2 * dot(s, x) ** 2 / n),
+        "β²(sᵀx)²/n ≥ 0 for n > 0": is_nonnegative(beta**2 * dot(s, x) ** 2 / n_pos),
+        "H s = λ s": all_vanish(H * s - lam * s),
+        "tr H = λ": vanishes(H.trace() - lam),
     }
 
 
 def smoothness_steps(K: int) -> dict[str, bool]:
     """Proposition A.1's bound ``λ ≤ β² ≤ 1`` (unit keys, ``0 < β ≤ 1``) for one K."""
     k, s, n = _key(K)
-    beta, gap = sp.Symbol("beta", positive=True), sp.Symbol("g", nonnegative=True)
+    beta = sp.Symbol("beta", positive=True)
     cross = 2 * sum(k[i] ** 2 * k[j] ** 2 for i in range(K) for j in range(i + 1, K))
     lam = beta**2 * dot(s, s) / n
     return {
-        f"K={K}: n² − ‖s‖² = 2Σ_{{i<j}} k_i²k_j²": vanishes(n**2 - dot(s, s) - cross),
-        f"K={K}: 2Σ_{{i<j}} k_i²k_j² ≥ 0": is_nonnegative(cross),
-        f"K={K}: β²n − λ = β²(n² − ‖s‖²)/n": vanishes(beta**2 * n - lam - beta**2 * (n**2 - dot(s, s)) / n),
+        "n² − ‖s‖² = 2Σ_{i<j} k_i²k_j²": vanishes(n**2 - dot(s, s) - cross),
+        "2Σ_{i<j} k_i²k_j² ≥ 0": is_nonnegative(cross),
+        "β²n − λ = β²(n² − ‖s‖²)/n": vanishes(beta**2 * n - lam - beta**2 * (n**2 - dot(s, s)) / n),
+    }
+
+
+def gate_steps() -> dict[str, bool]:
+    """``β² ≤ 1`` for ``0 < β ≤ 1`` (no size involved)."""
+    beta, gap = sp.Symbol("beta", positive=True), sp.Symbol("g", nonnegative=True)
+    return {
         "1 − β² = g(1 + β) with g = 1 − β": holds_on(1 - beta**2, gap * (1 + beta), {gap: 1 - beta}),
         "g(1 + β) ≥ 0": is_nonnegative(gap * (1 + beta)),
     }
@@ -104,53 +113,47 @@ def apf_steps(K: int) -> dict[str, bool]:
     steps = {}
     for name, (step, jac, offset) in forms.items():
         J = step.jacobian(d)
-        steps[f"K={K}, {name}: Jacobian"] = all_vanish(J - jac)
-        steps[f"K={K}, {name}: second derivatives vanish"] = all(all_vanish(J.diff(di)) for di in d)
-        steps[f"K={K}, {name}: offset"] = all_vanish(step.subs(dict.fromkeys(d, 0)) - offset)
+        steps[f"{name}: Jacobian"] = all_vanish(J - jac)
+        steps[f"{name}: second derivatives vanish"] = all(all_vanish(J.diff(di)) for di in d)
+        steps[f"{name}: offset"] = all_vanish(step.subs(dict.fromkeys(d, 0)) - offset)
     grad = surrogate_gradient_closed_form(beta, beta * dot(d, s), n, s)
     step = apf_step(d, s, n, beta, eta, sp.Integer(1))
-    steps[f"K={K}: r = 1, n̄ = n step is d − η∇h"] = all_vanish(step - (d - eta * grad))
-    return steps
-
-
-def _collect(fn) -> dict[str, bool]:
-    steps: dict[str, bool] = {}
-    for K in _KS:
-        steps.update(fn(K))
+    steps["r = 1, n̄ = n step is d − η∇h"] = all_vanish(step - (d - eta * grad))
     return steps
 
 
 def check_hessian() -> Outcome:
+    proof = derive("Hessian of the closed form", hessian_steps, **GRID)
     return conclude(
-        "verified",
         "∇²h = β²/n · s sᵀ exactly and independent of d (h is an exact quadratic); as an outer product it "
         "has rank ≤ 1 and xᵀHx = β²(sᵀx)²/n ≥ 0; H s = λ s and tr H = λ, so its operator norm is "
-        "λ = β²‖s‖²/n. Shown for K = 1..4; the argument does not depend on K.",
-        _collect(hessian_steps),
-        numbers={"K_checked": "1..4"},
+        f"λ = β²‖s‖²/n. Shown for {format_sizes(proof.sizes)}; the argument does not depend on K.",
+        [proof],
+        numbers={"K_checked": format_values(proof.sizes["K"])},
     )
 
 
 def check_smoothness() -> Outcome:
+    proof = derive("‖s‖² ≤ n²", smoothness_steps, **GRID)
+    gate = Derivation("β² ≤ 1", gate_steps())
     return conclude(
-        "verified",
         "‖k‖⁴ − Σk_i⁴ = 2Σ_{i<j} k_i²k_j² ≥ 0 gives λ = β²Σk_i⁴/‖k‖² ≤ β²‖k‖², i.e. λ ≤ β² ≤ 1 for unit "
-        "keys and β ∈ (0, 1] (K = 1..4; the sum-of-cross-terms argument holds for all K). Without unit "
-        "keys the bound is β²‖k‖², which can exceed 1.",
-        _collect(smoothness_steps),
-        numbers={"K_checked": "1..4"},
+        f"keys and β ∈ (0, 1] ({format_sizes(proof.sizes)}; the sum-of-cross-terms argument holds for all "
+        "K). Without unit keys the bound is β²‖k‖², which can exceed 1.",
+        [proof, gate],
+        numbers={"K_checked": format_values(proof.sizes["K"])},
     )
 
 
 def check_apf() -> Outcome:
+    proof = derive("APF step is affine", apf_steps, **GRID)
     return conclude(
-        "verified",
         "The unprojected APF step has constant Jacobian rI − ηβ²/n̄ · s sᵀ (diag(r) − … for per-channel "
         "retention; rI − η/n̄ · s sᵀ for the non-beta-aware 1.3B form), offset ηβ/n̄ · s and zero second "
         "derivatives: it is affine in d with coefficients from (k, β, r, η) only; with r = 1 and n ≥ ε "
-        "it is d − η∇h(d). Shown for K = 1..4.",
-        _collect(apf_steps),
-        numbers={"K_checked": "1..4"},
+        f"it is d − η∇h(d). Shown for {format_sizes(proof.sizes)}.",
+        [proof],
+        numbers={"K_checked": format_values(proof.sizes["K"])},
     )
 
 
@@ -160,7 +163,7 @@ CLAIMS = [
         location="App. D.4, Lemma D.6; App. A.3",
         statement="h is a convex quadratic in d: its Hessian β²/‖k‖² · s sᵀ is constant, rank one, "
         "PSD, with operator norm β²‖s‖²/‖k‖².",
-        method="sympy, K = 1..4: hessian of the closed form minus β²/n s sᵀ vanishes; third "
+        method=f"sympy, {format_sizes(GRID)}: hessian of the closed form minus β²/n s sᵀ vanishes; third "
         "derivatives vanish; xᵀHx = β²(sᵀx)²/n; H s = λ s and tr H = λ (rank-one PSD).",
         expected="verified",
         check=check_hessian,
@@ -169,7 +172,8 @@ CLAIMS = [
         id="prop-a1-smoothness",
         location="App. A.4, Prop. A.1; Lemma D.6; Sec. 4.2",
         statement="With unit keys and β ≤ 1 the surrogate is at most 1-smooth: ‖∇²h‖ = β²Σk_i⁴ ≤ β² ≤ 1.",
-        method="sympy, K = 1..4: ‖k‖⁴ − Σk_i⁴ equals 2Σ_{i<j}k_i²k_j², nonnegative from real k; "
+        method=f"sympy, {format_sizes(GRID)}: "
+        "‖k‖⁴ − Σk_i⁴ equals 2Σ_{i<j}k_i²k_j², nonnegative from real k; "
         "1 − β² = (1 − β)(1 + β) ≥ 0.",
         expected="verified",
         check=check_smoothness,
@@ -180,7 +184,7 @@ CLAIMS = [
         statement="For fixed k, β and retention r, the unprojected APF step is affine in d with "
         "Jacobian rI − ηβ²/n̄ s sᵀ and offset ηβ/n̄ s (likewise diag(r)); it involves no state, "
         "value or residual.",
-        method="sympy, K = 1..4: Jacobian and offset of the step match; its second derivatives "
+        method=f"sympy, {format_sizes(GRID)}: Jacobian and offset of the step match; its second derivatives "
         "vanish; also for diag(r) and the non-beta-aware form; r = 1 step equals d − η∇h.",
         expected="verified",
         check=check_apf,

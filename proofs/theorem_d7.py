@@ -29,14 +29,17 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
+from ._evidence import Conditional, Counterexample, Derivation, derive, format_sizes, format_values
 from ._sym import dot, is_nonnegative, vanishes, vector
 from .lemma_4_1 import surrogate_closed_form
 
-__all__ = ["CLAIMS", "Stream", "TS", "stream"]
+__all__ = ["CLAIMS", "GRID", "TS", "Stream", "no_newton_comparator", "stream", "zero_residual_stream"]
 
 #: stream lengths checked with explicit symbols
-TS = range(1, 5)
+TS = tuple(range(1, 5))
 _K = 2
+#: the sizes of the symbolic streams: T tokens with K-dimensional keys
+GRID = {"T": TS, "K": (_K,)}
 
 
 @dataclass(frozen=True)
@@ -81,81 +84,80 @@ def stream(T: int, K: int = _K) -> Stream:
     )
 
 
-def proof_steps(T: int) -> dict[str, bool]:
+def proof_steps(T: int, K: int = _K) -> dict[str, bool]:
     """(a), (b) and the combination step (d) with an upper bound ``R̂`` on the regret, for one T."""
-    z = stream(T)
+    z = stream(T, K)
     R_hat = sp.Symbol("R_hat", real=True)
     h_learner = sum(z.h(t, z.traj[t]) for t in range(T))
     h_comparator = sum(z.h(t, z.d) for t in range(T))
     combined = 1 + sp.Rational(2, T) * (h_comparator + R_hat)  # after Σh_t(d_t) ≤ Σh_t(d) + R̂
     bound_base = 2 * z.eps(z.d) + 2 * R_hat / T
     return {
-        f"T={T}: q_t = 1 + 2h_t(d_t)": all(vanishes(z.q(t) - 1 - 2 * z.h(t, z.traj[t])) for t in range(T)),
-        f"T={T}: Σh_t(d) = Tε_T(d) − T/2": vanishes(h_comparator - T * z.eps(z.d) + sp.Rational(T, 2)),
-        f"T={T}: mean q = 1 + (2/T)Σh_t(d_t)": vanishes(z.mean_q() - 1 - sp.Rational(2, T) * h_learner),
-        f"T={T}: 1 + (2/T)(Σh_t(d) + R̂) = 2ε_T(d) + 2R̂/T": vanishes(combined - bound_base),
+        "q_t = 1 + 2h_t(d_t)": all(vanishes(z.q(t) - 1 - 2 * z.h(t, z.traj[t])) for t in range(T)),
+        "Σh_t(d) = Tε_T(d) − T/2": vanishes(h_comparator - T * z.eps(z.d) + sp.Rational(T, 2)),
+        "mean q = 1 + (2/T)Σh_t(d_t)": vanishes(z.mean_q() - 1 - sp.Rational(2, T) * h_learner),
+        "1 + (2/T)(Σh_t(d) + R̂) = 2ε_T(d) + 2R̂/T": vanishes(combined - bound_base),
     }
 
 
 def am_gm_two() -> dict[str, bool]:
+    """AM–GM for two nonnegative factors (T = 2)."""
     x, y = sp.symbols("x y", real=True)
     return {
-        "AM–GM T=2: ((x+y)/2)² − xy = ((x−y)/2)²": vanishes(((x + y) / 2) ** 2 - x * y - ((x - y) / 2) ** 2),
-        "AM–GM T=2: ((x−y)/2)² ≥ 0": is_nonnegative(((x - y) / 2) ** 2),
+        "((x+y)/2)² − xy = ((x−y)/2)²": vanishes(((x + y) / 2) ** 2 - x * y - ((x - y) / 2) ** 2),
+        "((x−y)/2)² ≥ 0": is_nonnegative(((x - y) / 2) ** 2),
     }
 
 
-def realised_regret_identity(T: int) -> dict[str, bool]:
+def realised_regret_identity(T: int, K: int = _K) -> dict[str, bool]:
     """(d) with the realised regret: ``2ε_T(d) + 2R_T(d)/T − mean q = 0`` and no comparator symbol left."""
-    z = stream(T)
+    z = stream(T, K)
     rhs = sp.expand(2 * z.eps(z.d) + 2 * z.regret(z.d) / T)
     return {
-        f"T={T}: 2ε_T(d) + 2R_T(d)/T = mean q": vanishes(rhs - z.mean_q()),
-        f"T={T}: comparator d cancels": not (rhs.free_symbols & set(z.d)),
+        "2ε_T(d) + 2R_T(d)/T = mean q": vanishes(rhs - z.mean_q()),
+        "comparator d cancels": not (rhs.free_symbols & set(z.d)),
     }
 
 
 def check_proof_steps() -> Outcome:
-    steps: dict[str, bool] = {}
-    for T in TS:
-        steps.update(proof_steps(T))
-    steps.update(am_gm_two())
+    proof = derive("proof steps on symbolic streams", proof_steps, **GRID)
+    am_gm = Derivation("AM–GM", am_gm_two(), sizes={"T": 2})
     return conclude(
-        "verified",
         "For unit keys and nonzero residuals: q_t = 1 + 2h_t(d_t), Σh_t(d) = Tε_T(d) − T/2, and "
         "mean q = 2ε_T(d) + 2R̂/T − (2/T)(R̂ − R_T(d)), so with q_t ≥ 0 and AM–GM, Π q_t ≤ "
-        "(2ε_T(d) + 2R̂/T)^T for any R̂ ≥ R_T(d) (T = 1..4, K = 2 symbolic; AM–GM proved for T = 2).",
-        steps,
-        numbers={"T_checked": "1..4", "K": _K},
+        f"(2ε_T(d) + 2R̂/T)^T for any R̂ ≥ R_T(d) ({format_sizes(proof.sizes)} symbolic; AM–GM proved for "
+        f"{format_sizes(am_gm.sizes)}).",
+        [proof, am_gm],
+        numbers={"T_checked": format_values(proof.sizes["T"]), "K": proof.sizes["K"][0]},
     )
 
 
 def check_realised_regret_identity() -> Outcome:
-    steps: dict[str, bool] = {}
-    for T in TS:
-        steps.update(realised_regret_identity(T))
+    proof = derive("realised-regret identity on symbolic streams", realised_regret_identity, **GRID)
     return conclude(
-        "verified",
-        "2ε_T(d) + 2R_T(d)/T = (1/T)Σ_t q_t identically, and the comparator d cancels (T = 1..4, "
-        "K = 2, all symbols free). With the realised regret the bound is therefore Π q_t ≤ (mean q_t)^T, "
-        "i.e. AM–GM alone: it holds for every d ∈ R^K (inside the box or not), every learner and every "
-        "stream. Nothing about contraction follows unless R_T(d) is bounded a priori as in (19).",
-        steps,
-        numbers={"T_checked": "1..4", "K": _K},
+        "2ε_T(d) + 2R_T(d)/T = (1/T)Σ_t q_t identically, and the comparator d cancels "
+        f"({format_sizes(proof.sizes)}, all symbols free). With the realised regret the bound is therefore "
+        "Π q_t ≤ (mean q_t)^T, i.e. AM–GM alone: it holds for every d ∈ R^K (inside the box or not), every "
+        "learner and every stream. Nothing about contraction follows unless R_T(d) is bounded a priori as "
+        "in (19).",
+        [proof],
+        numbers={"T_checked": format_values(proof.sizes["T"]), "K": proof.sizes["K"][0]},
     )
 
 
-def zero_residual_stream(T: int) -> dict[str, sp.Expr]:
-    """K = V = 1, k_t = 1, v_t = 0, S_0 = 0, β_t = 1/2, learner d_t = 2, comparator d* = 2 ∈ [0.5, 2].
+def zero_residual_stream(
+    T: int, *, k=1, v=0, beta=sp.Rational(1, 2), d_learner=2, d_star=2
+) -> dict[str, sp.Expr]:
+    """K = V = 1 stream from ``S_0 = 0`` with constant key ``k``, value ``v``, gate ``β``, learner ``d_t``.
 
-    Every residual is 0. Projected OGD started at ``d_1 = 2`` never moves: its gradient is 0 under
-    the paper's ``h_t ≡ 0`` and under Eq. (18) (``β⟨2, 1⟩ = 1``). Runs the writes exactly and returns
-    the product of ratios under the paper's convention (``q_t = 1`` where ``f_t(S_{t−1}) = 0``) and the
-    bound ``(2ε_T(d*) + 2R_T(d*)/T)^T`` under both readings of ``h_t`` at ``u_t = 0``
-    (``bound_convention``, ``bound_eq18``).
+    With the defaults (``k_t = 1``, ``v_t = 0``, ``β_t = 1/2``, ``d_t = 2``, comparator ``d* = 2`` ∈
+    [0.5, 2]) every residual is 0. Projected OGD started at ``d_1 = 2`` never moves: its gradient is 0
+    under the paper's ``h_t ≡ 0`` and under Eq. (18) (``β⟨2, 1⟩ = 1``). Runs the writes exactly and
+    returns the product of ratios under the paper's convention (``q_t = 1`` where ``f_t(S_{t−1}) = 0``),
+    the bound ``(2ε_T(d*) + 2R_T(d*)/T)^T`` under both readings of ``h_t`` at ``u_t = 0``
+    (``bound_convention``, ``bound_eq18``), and the stream's parameters (``params``).
     """
-    k, v, beta = sp.Integer(1), sp.Integer(0), sp.Rational(1, 2)
-    d_learner, d_star = sp.Integer(2), sp.Integer(2)
+    k, v, beta, d_learner, d_star = (sp.nsimplify(x) for x in (k, v, beta, d_learner, d_star))
     S = sp.Integer(0)
     prod_q, eps, regret_convention, regret_eq18 = sp.Integer(1), sp.Integer(0), sp.Integer(0), sp.Integer(0)
     for _ in range(T):
@@ -174,46 +176,75 @@ def zero_residual_stream(T: int) -> dict[str, sp.Expr]:
         "eps": eps,
         "bound_convention": (2 * eps + 2 * regret_convention / T) ** T,
         "bound_eq18": (2 * eps + 2 * regret_eq18 / T) ** T,
+        "params": {"k_t": k, "v_t": v, "S_0": 0, "beta_t": beta, "d_t": d_learner, "d*": d_star},
     }
 
 
+#: the two readings of h_t at a token with u_t = 0
+_READINGS = {"bound_convention": "h_t ≡ 0 where u_t = 0", "bound_eq18": "h_t from Eq. (18)"}
+#: the preconditioner box of the paper
+_BOX = (sp.Rational(1, 2), sp.Integer(2))
+
+
+def zero_residual_counterexamples(T: int) -> list[Counterexample]:
+    """The zero-residual stream of length T against the bound, under both readings of ``h_t``."""
+    z = zero_residual_stream(T)
+    d_star = z["params"]["d*"]
+    return [
+        Counterexample(
+            f"T={T}, {label}",
+            z["prod_q"],
+            "<=",
+            z[reading],  # claimed: Π q_t ≤ (2ε_T(d*) + 2R_T(d*)/T)^T
+            instance={**z["params"], "reading": label},
+            sizes={"K": 1, "V": 1, "T": T},
+            steps={
+                "ε_T(d*) = 0": z["eps"] == 0,
+                "d* in the box [1/2, 2]": bool(_BOX[0] <= d_star <= _BOX[1]),
+            },
+        )
+        for reading, label in _READINGS.items()
+    ]
+
+
 def check_zero_residual_convention() -> Outcome:
-    steps: dict[str, bool] = {}
-    for T in TS:
-        z = zero_residual_stream(T)
-        steps[f"T={T}: ε_T(d*) = 0"] = z["eps"] == 0
-        for reading in ("bound_convention", "bound_eq18"):
-            steps[f"T={T}: Π q = {z['prod_q']} > {reading} = {z[reading]}"] = bool(z["prod_q"] > z[reading])
+    cases = [c for T in TS for c in zero_residual_counterexamples(T)]
     T = sp.Symbol("T", positive=True, integer=True)
-    steps["any T ≥ 1: 0^T = 0"] = sp.Integer(0) ** T == 0
+    every_T = Derivation("every T", {"any T ≥ 1: 0^T = 0": sp.Integer(0) ** T == 0})
+    covered = format_sizes({"T": sorted({c.sizes["T"][0] for c in cases})})
+    p = cases[0].instance
     return conclude(
-        "refuted",
-        "K = V = 1, k_t = 1, v_t = 0, S_0 = 0, β_t = 1/2: every residual is 0, so q_t = 1 and "
-        "Π q_t = 1. The comparator d* = 2 ∈ [0.5, 2] meets the gated Newton condition (ε_T(d*) = 0), "
+        f"K = V = 1, k_t = {p['k_t']}, v_t = {p['v_t']}, S_0 = {p['S_0']}, β_t = {p['beta_t']}: every "
+        "residual is 0, so q_t = 1 and Π q_t = 1. The comparator d* = "
+        f"{p['d*']} ∈ [0.5, 2] meets the gated Newton condition (ε_T(d*) = 0), "
         "and the realised regret is 0 (for every learner under the paper's h_t ≡ 0; for projected OGD "
-        "from d_1 = 2, which never moves, also with h_t from Eq. (18)): the bound is 0^T = 0 < 1 for "
-        "every T. Repair: take the product, ε_T and R_T over tokens with u_t ≠ 0 only (T → their "
-        "count); tokens with u_t = 0 contribute the factor 1.",
-        steps,
+        f"from d_1 = {p['d_t']}, which never moves, also with h_t from Eq. (18)): the bound is 0^T = 0 < 1 "
+        f"(computed exactly for {covered}, and 0^T = 0 for every T). Repair: take the product, ε_T and "
+        "R_T over tokens with u_t ≠ 0 only (T → their count); tokens with u_t = 0 contribute the factor 1.",
+        [*cases, every_T],
         numbers={"prod_q": 1.0, "bound": 0.0},
     )
+
+
+def newton_epsilon_steps(T: int) -> dict[str, bool]:
+    """ε_T(d*) = 0 when every one of T tokens has gain ``a_t = 1`` (the Newton condition)."""
+    a = sp.symbols(f"a_1:{T + 1}", real=True)
+    eps = sum((1 - x) ** 2 for x in a) / (2 * T)
+    return {"Newton condition a_t = 1 gives ε_T(d*) = 0": eps.subs(dict.fromkeys(a, 1)) == 0}
 
 
 def super_geometric_steps() -> tuple[dict[str, bool], dict]:
     """Algebra of the conditional conclusion, and the textbook fixed-step OGD numbers."""
     T, c, rho = sp.Symbol("T", positive=True), sp.Symbol("c", positive=True), sp.Symbol("rho", positive=True)
-    a = sp.symbols("a_1:5", real=True)
-    eps_newton = sum((1 - x) ** 2 for x in a).subs(dict.fromkeys(a, 1))
     base = 2 * c / sp.sqrt(T)  # 2ε + 2R/T with ε = 0 and R = c√T
     log_ratio = T * (sp.log(2 * c) - sp.log(T) / 2 - sp.log(rho))  # log(base^T / ρ^T)
     # Projected OGD with a constant step η (Zinkevich): R_T ≤ D²/(2η) + ηG²T/2, so the bound's
     # base is at least D²/(ηT): it is < 1 only for T > D²/η. Paper: K = 128, box [0.5, 2], η = 0.003.
-    K, width, eta = 128, sp.Rational(3, 2), sp.Rational(3, 1000)
+    K, width, eta = 128, _BOX[1] - _BOX[0], sp.Rational(3, 1000)
     t_min_diameter = width**2 * K / eta
     # From d_1 = 1 the distance to any d* in the box is at most √K·max(1 − 0.5, 2 − 1) = √K.
-    t_min_from_ones = K * max(1 - sp.Rational(1, 2), 2 - sp.Integer(1)) ** 2 / eta
+    t_min_from_ones = K * max(1 - _BOX[0], _BOX[1] - 1) ** 2 / eta
     steps = {
-        "Newton condition a_t = 1 gives ε_T(d*) = 0": eps_newton == 0,
         "(2c/√T)^T / ρ^T → 0 for every ρ > 0": sp.limit(log_ratio, T, sp.oo) == -sp.oo,
         "2c/√T < 1 ⇔ T > 4c²": vanishes(sp.solve(sp.Eq(base, 1), T)[0] - 4 * c**2),
     }
@@ -226,22 +257,58 @@ def super_geometric_steps() -> tuple[dict[str, bool], dict]:
     return steps, numbers
 
 
+def no_newton_comparator(beta=sp.Rational(1, 4), rho=sp.Rational(1, 4)) -> Counterexample:
+    """Without the Newton condition the decay is at most geometric.
+
+    K = 1, ``k_t = 1`` and a constant gate ``β < 1/d_max``: every ``d`` in the box has
+    ``β d ≤ β d_max < 1``, so no comparator meets ``β⟨d*, s_t⟩ = 1``, and whatever the learner,
+    ``q_t = (1 − β d_t)² ≥ q_min = min over the box > 0``. Then ``Π q_t / ρ^T ≥ (q_min/ρ)^T``; a
+    super-geometric decay needs the limit of that lower bound to be ≤ 0, and with ``ρ = q_min`` it is 1.
+    """
+    x, T = sp.Symbol("x", real=True), sp.Symbol("T", positive=True, integer=True)
+    box = sp.Interval(*_BOX)
+    q_min = sp.minimum((1 - beta * x) ** 2, x, box)
+    return Counterexample(
+        "no comparator meets the Newton condition (β_t < 1/d_max)",
+        sp.limit((q_min / rho) ** T, T, sp.oo),
+        "<=",
+        0,  # claimed: Π q_t / ρ^T → 0, so the limit of its lower bound (q_min/ρ)^T is ≤ 0
+        instance={"k_t": 1, "beta_t": beta, "d_min": _BOX[0], "d_max": _BOX[1], "q_min": q_min, "rho": rho},
+        sizes={"K": 1},
+        steps={
+            "β_t d < 1 for every d in the box": sp.maximum(beta * x, x, box) < 1,
+            "q_min > 0": q_min > 0,
+        },
+    )
+
+
 def check_super_geometric() -> Outcome:
     steps, numbers = super_geometric_steps()
+    under = (
+        derive("Newton condition gives ε_T(d*) = 0", newton_epsilon_steps, T=TS),
+        Derivation("super-geometric rate from ε_T(d*) = 0 and R_T(d*) ≤ c√T", steps),
+    )
+    without = no_newton_comparator()
+    p = without.instance
     t1, t2 = numbers["ogd_fixed_step_T_min_diameter"], numbers["ogd_fixed_step_T_min_from_d1_ones"]
-    return conclude(
-        "conditional",
-        "Under the condition, ε_T(d*) = 0 and Π q_t ≤ (2c/√T)^T, which falls below every ρ^T "
-        "(T·log(2c/(ρ√T)) → −∞) and is informative once T > 4c². The condition is not automatic: "
-        "the Newton condition is infeasible at any token with β_t < 1/d_max (reader-newton-infeasible), "
-        "and for the paper's fixed step η = 0.003 (K = 128, box [0.5, 2]) the textbook OGD bound "
-        "R_T ≤ D²/(2η) + ηG²T/2 makes the base ≥ D²/(ηT), informative only for "
-        f"T > {t1:,.0f} (> {t2:,.0f} from d_1 = 1), and it tends to 2ε + ηG², not 0, so that route "
-        "gives a geometric rate at best.",
-        steps,
-        condition="unit keys and u_t ≠ 0; a comparator d* ∈ [d_min, d_max]^K with β_t⟨d*, s_t⟩ = 1 "
+    condition = Conditional(
+        "unit keys and u_t ≠ 0; a comparator d* ∈ [d_min, d_max]^K with β_t⟨d*, s_t⟩ = 1 "
         "at every token (so ε_T^diag = 0); and an a-priori regret bound R_T(d*) = o(T), e.g. c√T from "
         "projected OGD with step η ∝ 1/√T.",
+        under,
+        (without,),
+    )
+    return conclude(
+        "Under the condition, ε_T(d*) = 0 and Π q_t ≤ (2c/√T)^T, which falls below every ρ^T "
+        "(T·log(2c/(ρ√T)) → −∞) and is informative once T > 4c². The condition is not automatic: "
+        "the Newton condition is infeasible at any token with β_t < 1/d_max (reader-newton-infeasible); "
+        f"e.g. {format_sizes(without.sizes)}, k_t = {p['k_t']}, β_t = {p['beta_t']}: every d_t in "
+        f"[{p['d_min']}, {p['d_max']}] gives q_t ≥ {p['q_min']}, so Π q_t ≥ ({p['q_min']})^T for every T and "
+        "every learner. And for the paper's fixed step η = 0.003 (d_k = 128, box [0.5, 2]) the textbook OGD "
+        "bound R_T ≤ D²/(2η) + ηG²T/2 makes the base ≥ D²/(ηT), informative only for "
+        f"T > {t1:,.0f} (> {t2:,.0f} from d_1 = 1), and it tends to 2ε + ηG², not 0, so that route "
+        "gives a geometric rate at best.",
+        [condition],
         numbers=numbers,
     )
 
@@ -251,7 +318,7 @@ CLAIMS = [
         id="thm-d7-proof-steps",
         location="Sec. 5, Thm 5.2; App. D.4, Thm D.7 (proof)",
         statement="With unit keys, Π_t q_t ≤ (2ε_T(d) + 2R_T(d)/T)^T for any d, given a regret bound R_T(d).",
-        method="sympy, T = 1..4, K = 2 (term-wise identities, so all T): q_t = 1 + 2h_t(d_t); "
+        method=f"sympy, {format_sizes(GRID)} (term-wise identities, so all T): q_t = 1 + 2h_t(d_t); "
         "Σh_t(d) = Tε_T(d) − T/2; combination with a regret bound R̂; AM–GM proved for T = 2 "
         "(((x+y)/2)² − xy = ((x−y)/2)²), classical AM–GM cited for general T.",
         expected="verified",
@@ -263,7 +330,7 @@ CLAIMS = [
         statement="With the realised regret, 2ε_T(d) + 2R_T(d)/T equals mean_t q_t for every comparator "
         "d, so the bound is exactly AM–GM on the q_t and holds for all d ∈ R^K with no regret "
         "assumption; its content lies entirely in an a-priori regret bound (19).",
-        method="sympy, T = 1..4, K = 2: the difference expands to 0 and the comparator's symbols "
+        method=f"sympy, {format_sizes(GRID)}: the difference expands to 0 and the comparator's symbols "
         "cancel from 2ε_T(d) + 2R_T(d)/T.",
         expected="verified",
         check=check_realised_regret_identity,
@@ -274,8 +341,8 @@ CLAIMS = [
         statement="Theorem D.7's bound holds on every unit-key stream, including tokens whose residual "
         "is zero, under the paper's conventions for them.",
         method="exact arithmetic on a K = V = 1 stream with v_t = 0, S_0 = 0, β_t = 1/2, d_t = 2, "
-        "T = 1..4 and any T: product of ratios vs. the bound at the comparator d* = 2, under the "
-        "paper's convention h_t ≡ 0 and under Eq. (18).",
+        f"{format_sizes({'T': TS})} and any T: product of ratios vs. the bound at the comparator d* = 2, "
+        "under the paper's convention h_t ≡ 0 and under Eq. (18).",
         expected="refuted",
         check=check_zero_residual_convention,
     ),
@@ -285,8 +352,10 @@ CLAIMS = [
         statement="If a feasible diagonal comparator satisfies the gated Newton condition and the "
         "regret is sublinear, the product of residual ratios decays super-geometrically, "
         "(O(1)/√T)^T under O(√T) regret.",
-        method="sympy: ε_T(d*) = 0 under β_t⟨d*, s_t⟩ = 1; limit of T·log(2c/(ρ√T)); threshold "
-        "T > 4c²; exact arithmetic on the constant-step OGD regret bound with the paper's η, K, box.",
+        method=f"sympy: ε_T(d*) = 0 under β_t⟨d*, s_t⟩ = 1 ({format_sizes({'T': TS})}); limit of "
+        "T·log(2c/(ρ√T)); threshold T > 4c²; without the condition, a K = 1 stream with β_t < 1/d_max "
+        "whose Π q_t stays ≥ q_min^T (exact minimum over the box); exact arithmetic on the constant-step "
+        "OGD regret bound with the paper's η, d_k, box.",
         expected="conditional",
         check=check_super_geometric,
     ),

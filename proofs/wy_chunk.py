@@ -29,10 +29,14 @@ from __future__ import annotations
 import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
+from ._evidence import derive, format_sizes, format_values
 from ._sym import all_vanish, matrix
 
 __all__ = [
     "CLAIMS",
+    "GATED",
+    "KDA",
+    "PLAIN",
     "chunk_state",
     "gated_chunk_state",
     "kda_chunk_state",
@@ -119,8 +123,10 @@ def _chunk_symbols(C: int, dk: int, dv: int, kda: bool = False):
     return S, matrix("k", C, dk), matrix("kt", C, dk), matrix("v", C, dv), sp.symbols(f"beta_1:{C + 1}")
 
 
-def plain_steps(C: int, dk: int = 2, dv: int = 2) -> dict[str, bool]:
-    S, K, Kt, V, beta = _chunk_symbols(C, dk, dv)
+def plain_steps(C: int, K: int = 2, V: int = 2) -> dict[str, bool]:
+    """Eq. 10–11 for one chunk of C tokens; ``K``, ``V``: the key and value sizes."""
+    dk, dv = K, V
+    S, K, Kt, V, beta = _chunk_symbols(C, dk, dv)  # from here on K, V are the stacked C×· matrices
     B = sp.diag(*beta)
     L = sp.eye(C) + _strict_lower(B * K * Kt.T)
     T = unit_lower_inverse(L)
@@ -129,62 +135,69 @@ def plain_steps(C: int, dk: int = 2, dv: int = 2) -> dict[str, bool]:
         P = P * (sp.eye(dk) - beta[i] * _row(K, i) * _row(Kt, i).T)
     chunk_minus_tokens = chunk_state(S, K, Kt, V, beta) - token_state(S, K, Kt, V, beta)
     return {
-        f"C={C}: T(I + A) = I": all_vanish(T * L - sp.eye(C)),
-        f"C={C}: Eq. 11 state = token recurrence": all_vanish(chunk_minus_tokens),
-        f"C={C}: Eq. 10 Π(I − β k k̃ᵀ) = I − WᵀK̃": all_vanish(P - (sp.eye(dk) - (T * B * K).T * Kt)),
+        "T(I + A) = I": all_vanish(T * L - sp.eye(C)),
+        "Eq. 11 state = token recurrence": all_vanish(chunk_minus_tokens),
+        "Eq. 10 Π(I − β k k̃ᵀ) = I − WᵀK̃": all_vanish(P - (sp.eye(dk) - (T * B * K).T * Kt)),
     }
 
 
-def gated_steps(C: int, dk: int = 2, dv: int = 1) -> dict[str, bool]:
-    S, K, Kt, V, beta = _chunk_symbols(C, dk, dv)
+def gated_steps(C: int, K: int = 2, V: int = 1) -> dict[str, bool]:
+    """Eq. 15 for one chunk of C tokens; ``K``, ``V``: the key and value sizes."""
+    dk, dv = K, V
+    S, K, Kt, V, beta = _chunk_symbols(C, dk, dv)  # from here on K, V are the stacked C×· matrices
     alpha = sp.symbols(f"alpha_1:{C + 1}", positive=True)
     diff = gated_chunk_state(S, K, Kt, V, beta, alpha) - token_state(S, K, Kt, V, beta, alpha)
-    return {f"C={C}: Eq. 15 state = gated token recurrence": all_vanish(diff)}
+    return {"Eq. 15 state = gated token recurrence": all_vanish(diff)}
 
 
-def kda_steps(C: int, dk: int = 2, dv: int = 1) -> dict[str, bool]:
-    S, K, Kt, V, beta = _chunk_symbols(C, dk, dv, kda=True)
+def kda_steps(C: int, K: int = 2, V: int = 1) -> dict[str, bool]:
+    """The KDA chunk form for one chunk of C tokens; ``K``, ``V``: the key and value sizes."""
+    dk, dv = K, V
+    S, K, Kt, V, beta = _chunk_symbols(C, dk, dv, kda=True)  # from here on K, V are C×· matrices
     A = matrix("alpha", C, dk, positive=True)
     diff = kda_chunk_state(S, K, Kt, V, beta, A) - kda_token_state(S, K, Kt, V, beta, A)
-    return {f"C={C}: KDA chunk state = token recurrence": all_vanish(diff)}
+    return {"KDA chunk state = token recurrence": all_vanish(diff)}
 
 
-def _collect(fn, sizes) -> dict[str, bool]:
-    steps: dict[str, bool] = {}
-    for C in sizes:
-        steps.update(fn(C))
-    return steps
+#: chunk sizes C and key/value sizes K, V checked for each form
+PLAIN = {"C": (2, 3, 4), "K": (2,), "V": (2,)}
+GATED = {"C": (2, 3), "K": (2,), "V": (1,)}
+KDA = {"C": (2, 3), "K": (2,), "V": (1,)}
+
+
+def _numbers(sizes: dict) -> dict:
+    return {"C_checked": format_values(sizes["C"]), "K": sizes["K"][0], "V": sizes["V"][0]}
 
 
 def check_plain() -> Outcome:
+    proof = derive("chunk form vs token recurrence", plain_steps, **PLAIN)
     return conclude(
-        "verified",
-        "For C = 2, 3, 4 (K = 2, V = 2, all entries symbolic, write keys independent of read keys) the "
+        f"For {format_sizes(proof.sizes)} (all entries symbolic, write keys independent of read keys) the "
         "WY chunk state S + (U − WSᵀ)ᵀK̃ equals the token-by-token asymmetric delta rule, the "
         "forward-substitution T inverts I + tril(BKK̃ᵀ, −1), and Π(I − β_i k_i k̃_iᵀ) = I − WᵀK̃.",
-        _collect(plain_steps, (2, 3, 4)),
-        numbers={"C_checked": "2,3,4", "K": 2, "V": 2},
+        [proof],
+        numbers=_numbers(proof.sizes),
     )
 
 
 def check_gated() -> Outcome:
+    proof = derive("gated chunk form vs token recurrence", gated_steps, **GATED)
     return conclude(
-        "verified",
-        "For C = 2, 3 (K = 2, V = 1, positive symbolic decays) the decay-ratio chunk form "
+        f"For {format_sizes(proof.sizes)} (positive symbolic decays) the decay-ratio chunk form "
         "γ_C S + (U − WSᵀ)ᵀ(ρ ⊙ K̃) equals the gated token recurrence S̄ = α_i S, "
         "S ← S̄ + β_i(v_i − S̄k_i)k̃_iᵀ exactly.",
-        _collect(gated_steps, (2, 3)),
-        numbers={"C_checked": "2,3", "K": 2, "V": 1},
+        [proof],
+        numbers=_numbers(proof.sizes),
     )
 
 
 def check_kda() -> Outcome:
+    proof = derive("KDA chunk form vs token recurrence", kda_steps, **KDA)
     return conclude(
-        "verified",
-        "For C = 2, 3 (d_k = 2, d_v = 1, positive symbolic channel decays) the KDA chunk form "
-        "Diag(γ_C)S + (Γ^{i→C} ⊙ K̃)ᵀ(U − WS) equals the token recurrence with write key k̃ exactly.",
-        _collect(kda_steps, (2, 3)),
-        numbers={"C_checked": "2,3", "K": 2, "V": 1},
+        f"For {format_sizes(proof.sizes)} (K = d_k, V = d_v; positive symbolic channel decays) the KDA "
+        "chunk form Diag(γ_C)S + (Γ^{i→C} ⊙ K̃)ᵀ(U − WS) equals the token recurrence with write key k̃ exactly.",
+        [proof],
+        numbers=_numbers(proof.sizes),
     )
 
 
@@ -194,8 +207,8 @@ CLAIMS = [
         location="Sec. 4.3 Eq. (5)–(6); App. A.2 Eq. (8)–(11)",
         statement="The asymmetric WY chunk form (Gram B K K̃ᵀ, T by forward substitution, "
         "W = TBK, U = TBV, S_next = S + (U − WSᵀ)ᵀK̃) reproduces the token recurrence.",
-        method="sympy: chunk state minus token-by-token state expands to 0 entrywise, C = 2, 3, 4 "
-        "(K = V = 2); also T(I + A) = I and Eq. (10).",
+        method="sympy: chunk state minus token-by-token state expands to 0 entrywise, "
+        f"{format_sizes(PLAIN)}; also T(I + A) = I and Eq. (10).",
         expected="verified",
         check=check_plain,
     ),
@@ -204,7 +217,7 @@ CLAIMS = [
         location="App. B.1, Eq. (13)–(15)",
         statement="The gated (OSGDN) chunk form with decay ratios γ_i/γ_j reproduces the gated token "
         "recurrence with write key k̃.",
-        method="sympy: chunk minus token state, denominators cleared, expands to 0; C = 2, 3 (K = 2, V = 1).",
+        method=f"sympy: chunk minus token state, denominators cleared, expands to 0; {format_sizes(GATED)}.",
         expected="verified",
         check=check_gated,
     ),
@@ -213,7 +226,7 @@ CLAIMS = [
         location="App. B.2 (OSKDA chunkwise UT transform)",
         statement="The OSKDA chunk form with channel-wise cumulative decays Γ reproduces KDA's token "
         "recurrence with write key k̃ (native K×V state).",
-        method="sympy: chunk minus token state, denominators cleared, expands to 0; C = 2, 3 (K = 2, V = 1).",
+        method=f"sympy: chunk minus token state, denominators cleared, expands to 0; {format_sizes(KDA)}.",
         expected="verified",
         check=check_kda,
     ),

@@ -9,18 +9,29 @@ import pytest
 
 from osdn_diag.cli import main
 from osdn_diag.proofs import ledger
+from osdn_diag.proofs._evidence import Conditional, Counterexample, Derivation
 from osdn_diag.proofs.ledger import Claim, Outcome
 
-FIELDS = {"id", "location", "statement", "method", "status", "expected", "detail", "condition", "numbers"}
+FIELDS = {
+    "id", "location", "statement", "method", "status", "expected", "detail", "condition", "numbers", "evidence",
+}
 
 
-@pytest.fixture(scope="module")
-def results():
-    return ledger.run_ledger(progress=False)
+@pytest.fixture
+def results(ledger_results):
+    return ledger_results
 
 
 def _claim(claim_id: str, check, expected: str = "verified") -> Claim:
     return Claim(id=claim_id, location="test", statement="s", method="m", expected=expected, check=check)
+
+
+def _verified(detail: str = "fine") -> Outcome:
+    return Outcome(detail, [Derivation("trivial", {"1 = 1": True})])
+
+
+def _refuted(detail: str = "wrong status") -> Outcome:
+    return Outcome(detail, [Counterexample("1 ≤ 0", 1, "<=", 0)])
 
 
 def test_ids_are_unique():
@@ -62,7 +73,7 @@ def test_write_json_round_trips_atomically(results, tmp_path):
 
 
 def test_write_json_leaves_no_temp_file_on_error(tmp_path):
-    unserialisable = Outcome("verified", "d", numbers={"n": object()})
+    unserialisable = Outcome("d", numbers={"n": object()})
     bad = ledger.ClaimResult(_claim("x", lambda: None), unserialisable, 0.0)
     with pytest.raises(TypeError):
         ledger.write_json([bad], tmp_path / "ledger.json")
@@ -85,7 +96,7 @@ def test_non_outcome_becomes_failed():
 
 
 def test_progress_goes_to_stderr(capsys):
-    ledger.run_ledger(progress=True, claims=[_claim("ok", lambda: Outcome("verified", "fine"))])
+    ledger.run_ledger(progress=True, claims=[_claim("ok", _verified)])
     out, err = capsys.readouterr()
     assert out == "" and "ok" in err and "verified" in err
 
@@ -100,11 +111,11 @@ def test_cli_prove_succeeds_and_writes_json(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "check",
-    [lambda: Outcome("refuted", "wrong status"), lambda: 1 / 0],
+    [_refuted, lambda: 1 / 0],
     ids=["wrong-status", "raises"],
 )
 def test_cli_prove_fails_on_unexpected_outcome(monkeypatch, tmp_path, capsys, check):
-    claims = [_claim("good", lambda: Outcome("verified", "fine")), _claim("bad", check)]
+    claims = [_claim("good", _verified), _claim("bad", check)]
     monkeypatch.setattr(ledger, "CLAIMS", claims)
     assert main(["prove", "--json", str(tmp_path / "out.json"), "-q"]) == 1
     captured = capsys.readouterr()
@@ -113,9 +124,11 @@ def test_cli_prove_fails_on_unexpected_outcome(monkeypatch, tmp_path, capsys, ch
 
 
 def test_claim_and_outcome_validate_status():
+    with pytest.raises(TypeError, match="cannot be given"):
+        Outcome("verified", "x")  # a status cannot be typed in: the second argument is the evidence
+    with pytest.raises(TypeError):
+        Outcome("x", ["verified"])
     with pytest.raises(ValueError):
-        Outcome("proved", "x")
-    with pytest.raises(ValueError):
-        Outcome("conditional", "x")  # a condition is required
+        Conditional("", [Derivation("d", {"s": True})], [Counterexample("c", 1, "<=", 0)])  # states no condition
     with pytest.raises(ValueError):
         _claim("x", lambda: None, expected="failed")

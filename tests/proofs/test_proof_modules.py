@@ -10,6 +10,7 @@ import sympy as sp
 
 from osdn_diag.proofs import arithmetic, corollary_a2, counterexample, theorem_d7, wy_chunk
 from osdn_diag.proofs._claims import conclude
+from osdn_diag.proofs._evidence import Derivation
 from osdn_diag.proofs._sym import all_vanish, holds_on, is_positive, vanishes
 
 RNG = np.random.default_rng(0)
@@ -46,14 +47,18 @@ def test_sign_needs_strict_assumptions():
 
 
 def test_conclude_reports_failed_unless_every_step_is_true():
-    assert conclude("verified", "d", {"a": True, "b": True}).status == "verified"
-    out = conclude("verified", "d", {"a": True, "b": None, "c": False})
-    assert out.status == "failed" and "b" in out.detail and "c" in out.detail
+    assert conclude("d", [Derivation("p", {"a": True, "b": sp.true})]).status == "verified"
+    out = conclude("d", [Derivation("p", {"a": True, "b": None, "c": False})])
+    assert out.status == "failed" and "p: b" in out.detail and "p: c" in out.detail
 
 
-def test_a_broken_step_fails_the_claim(monkeypatch):
-    monkeypatch.setattr(corollary_a2, "is_positive", lambda expr: False)
-    assert corollary_a2.check_descent().status == "failed"
+@pytest.mark.parametrize("unknown", [False, None], ids=["false", "sympy-unknown"])
+def test_a_broken_step_fails_the_claim(monkeypatch, unknown):
+    # None is what sympy's ``is_positive`` answers when the assumptions do not decide the sign
+    monkeypatch.setattr(corollary_a2, "is_positive", lambda expr: unknown)
+    outcome = corollary_a2.check_descent()
+    assert outcome.status == "failed"
+    assert "K=1: a > 0" in outcome.detail
 
 
 def test_wy_check_detects_the_symmetric_gram():

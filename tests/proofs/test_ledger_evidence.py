@@ -1,0 +1,210 @@
+"""What each claim's proof covered, as the ledger's JSON records it.
+
+The sizes below are written out by hand from the proof modules: a proof that is weakened (a smaller
+grid of K, V, T or C, fewer tokens replayed, fewer steps, a counterexample dropped) fails here even
+when its prose is unchanged. The prose itself must name the sizes that were recorded.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from osdn_diag.proofs import ledger
+
+K14 = {"K": [1, 2, 3, 4]}
+KV = {"K": [1, 2, 3, 4], "V": [1, 2]}
+SHAPE_340M = {"L": [24], "H": [8], "d_k": [128], "d_v": [128]}
+SHAPE_1_3B = {"L": [24], "H": [16], "d_k": [128], "d_v": [128]}
+
+#: per claim, in order: (kind, sizes, number of steps) of every piece of evidence; pieces nested in a
+#: conditional are marked "under …" / "without …"; steps is None for an instance
+COVERED = {
+    "lemma-4.1-closed-form": [("derivation", KV, 32), ("derivation", {}, 1)],
+    "lemma-4.1-gradient": [("derivation", KV, 8)],
+    "lemma-4.1-decoupling": [("derivation", KV, 8)],
+    "lemma-4.1-ratio-vs-surrogate": [("derivation", KV, 8), ("derivation", {}, 3), ("witness", {"K": [2]}, None)],
+    "corollary-a2-monotone-descent": [("derivation", K14, 24)],
+    "corollary-a2-hypotheses-needed": [("witness", {"K": [1]}, None), ("witness", {"K": [1]}, None)],
+    "lemma-d6-hessian": [("derivation", K14, 24)],
+    "prop-a1-smoothness": [("derivation", K14, 12), ("derivation", {}, 2)],
+    "prop-a3-apf-affine": [("derivation", K14, 40)],
+    "thm-d7-proof-steps": [("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 16), ("derivation", {"T": [2]}, 2)],
+    "thm-d7-realised-regret-identity": [("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 8)],
+    "thm-d7-zero-residual-convention": [
+        *[("counterexample", {"K": [1], "V": [1], "T": [T]}, None) for T in (1, 2, 3, 4) for _ in range(2)],
+        ("derivation", {}, 1),
+    ],
+    "thm-5.2-super-geometric": [
+        ("conditional", {}, None),
+        ("under derivation", {"T": [1, 2, 3, 4]}, 4),
+        ("under derivation", {}, 2),
+        ("without counterexample", {"K": [1]}, None),
+    ],
+    "app-d4-alternating-counterexample": [
+        ("derivation", {"K": [1], "V": [1]}, 7),
+        ("derivation", {"K": [1], "V": [1], "t": [1, 2, 3, 4, 5, 6, 7, 8]}, 8),
+    ],
+    "wy-chunk-asymmetric": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [2]}, 9)],
+    "wy-chunk-gated": [("derivation", {"C": [2, 3], "K": [2], "V": [1]}, 2)],
+    "wy-chunk-kda": [("derivation", {"C": [2, 3], "K": [2], "V": [1]}, 2)],
+    "app-l-state-overhead": [
+        ("derivation", {}, 1),
+        ("counterexample", SHAPE_340M, None),
+        ("counterexample", SHAPE_1_3B, None),
+        *[("counterexample", {}, None)] * 4,  # the four rows of Tables 19–20
+    ],
+    "reader-newton-infeasible": [("derivation", K14, 16)],
+}
+
+_ZERO_STREAM = {"k_t": "1", "v_t": "0", "S_0": "0", "beta_t": "1/2", "d_t": "2", "d*": "2"}
+
+#: every counterexample (and the conditional's) as (relation, instance): the exact numbers
+COUNTEREXAMPLES = {
+    "thm-d7-zero-residual-convention": [
+        ("1 <= 0", {**_ZERO_STREAM, "reading": reading})
+        for _ in range(4)
+        for reading in ("h_t ≡ 0 where u_t = 0", "h_t from Eq. (18)")
+    ],
+    "thm-5.2-super-geometric": [
+        (
+            "1 <= 0",
+            {"k_t": "1", "beta_t": "1/4", "d_min": "1/2", "d_max": "2", "q_min": "1/4", "rho": "1/4"},
+        ),
+    ],
+    "app-l-state-overhead": [
+        ("1/128 <= 1/2000", {"state_MiB": "6", "d_MiB": "3/64"}),
+        ("1/128 <= 1/2000", {"state_MiB": "12", "d_MiB": "3/32"}),
+        ("47/6000 <= 1/2000", {"before_MiB": "6", "after_MiB": "6047/1000"}),
+        ("31/7875 <= 1/2000", {"before_MiB": "63/8", "after_MiB": "3953/500"}),
+        ("9/1150 <= 1/2000", {"before_MiB": "23/4", "after_MiB": "1159/200"}),
+        ("47/6000 <= 1/2000", {"before_MiB": "12", "after_MiB": "6047/500"}),
+    ],
+}
+
+
+def _flat(records: list[dict], where: str = ""):
+    """Every piece of evidence, conditionals' parts included (their kind prefixed "under"/"without")."""
+    for record in records:
+        yield where + record["kind"], record
+        if record["kind"] == "conditional":
+            yield from _flat(record["under"], "under ")
+            yield from _flat(record["without"], "without ")
+
+
+@pytest.fixture
+def claims(ledger_json) -> dict[str, dict]:
+    return {record["id"]: record for record in ledger_json["claims"]}
+
+
+def test_every_claim_is_pinned():
+    assert set(COVERED) == {c.id for c in ledger.CLAIMS}
+
+
+@pytest.mark.parametrize("claim_id", list(COVERED))
+def test_sizes_each_proof_covered(claims, claim_id):
+    covered = [
+        (kind, record.get("sizes", {}), record.get("steps"))
+        for kind, record in _flat(claims[claim_id]["evidence"])
+    ]
+    assert covered == COVERED[claim_id]
+    assert all(record["established"] for _, record in _flat(claims[claim_id]["evidence"]))
+
+
+@pytest.mark.parametrize("claim_id", list(COUNTEREXAMPLES))
+def test_counterexamples_record_their_numbers(claims, claim_id):
+    found = [
+        (record["relation"], record["instance"])
+        for kind, record in _flat(claims[claim_id]["evidence"])
+        if kind.endswith("counterexample")
+    ]
+    assert found == COUNTEREXAMPLES[claim_id]
+    for kind, record in _flat(claims[claim_id]["evidence"]):
+        if kind.endswith("counterexample"):
+            assert record["holds"] is False and record["established"] is True
+
+
+def _status_from_records(records: list[dict]) -> tuple[str, str | None]:
+    """The derivation rule, re-implemented on the JSON alone."""
+    if not records or not all(r["established"] for r in records):
+        return "failed", None
+    kinds = [r["kind"] for r in records]
+    if "counterexample" in kinds:
+        return "refuted", None
+    conditions = [r["condition"] for r in records if r["kind"] == "conditional"]
+    if conditions:
+        return "conditional", "; ".join(conditions)
+    return "verified", None
+
+
+def test_recorded_status_follows_from_recorded_evidence(ledger_json):
+    for record in ledger_json["claims"]:
+        assert (record["status"], record["condition"]) == _status_from_records(record["evidence"]), record["id"]
+        if any(e["kind"] == "counterexample" for e in record["evidence"]):
+            assert record["status"] == "refuted", record["id"]
+
+
+# --- the prose names the recorded sizes ---------------------------------------------------------------
+
+_VALUE = r"\{(?P<set>\d+(?:,\s*\d+)*)\}|(?P<lo>\d+)\.\.(?P<hi>\d+)|(?P<one>\d+)(?![\d/]|\.\d)"
+
+
+def size_mentions(text: str, names: set[str]) -> list[tuple[str, frozenset[int]]]:
+    """``(name, values)`` for every "NAME = 3", "NAME = 1..4", "NAME ∈ {2, 3}" or "K = V = 1" in text."""
+    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    if not alternatives:
+        return []
+    chain = rf"(?:(?<![\w/^])(?:{alternatives})\s*=\s*)*"
+    pattern = re.compile(rf"(?<![\w/^])(?P<name>{alternatives})\s*(?:=|∈)\s*{chain}(?:{_VALUE})")
+    found = []
+    for match in pattern.finditer(text):
+        if match["set"]:
+            values = frozenset(int(v) for v in match["set"].split(","))
+        elif match["lo"]:
+            values = frozenset(range(int(match["lo"]), int(match["hi"]) + 1))
+        else:
+            values = frozenset({int(match["one"])})
+        # every name of a chain such as "K = V = 1" gets the value
+        for name in re.findall(rf"(?<![\w/^])({alternatives})\s*(?:=|∈)", match.group(0)):
+            found.append((name, values))
+    return found
+
+
+def test_size_mentions_parser():
+    names = {"K", "V", "T", "C", "t", "d_k"}
+    text = (
+        "for K = 1..4, V ∈ {1, 2}; K = V = 1 and T = 2 (d_k = 128, β = 1/2, k_t = 3, K = d_k, 0^T = 0, "
+        "K = 0.5, C = 2..4, V = 1."
+    )
+    assert size_mentions(text, names) == [
+        ("K", frozenset({1, 2, 3, 4})),
+        ("V", frozenset({1, 2})),
+        ("K", frozenset({1})),
+        ("V", frozenset({1})),
+        ("T", frozenset({2})),
+        ("d_k", frozenset({128})),
+        ("C", frozenset({2, 3, 4})),
+        ("V", frozenset({1})),
+    ]
+
+
+@pytest.mark.parametrize("claim", ledger.CLAIMS, ids=lambda c: c.id)
+def test_text_names_the_recorded_sizes(claims, claim):
+    record = claims[claim.id]
+    pieces = [r for _, r in _flat(record["evidence"]) if r.get("sizes")]
+    options: dict[str, set[frozenset[int]]] = {}
+    for piece in pieces:
+        for name, values in piece["sizes"].items():
+            options.setdefault(name, set()).add(frozenset(values))
+    for name in options:  # the union over the pieces, as in "T = 1..4" over four counterexamples
+        options[name].add(frozenset().union(*options[name]))
+    texts = [record["statement"], record["method"], record["detail"], record["condition"] or ""]
+    mentions = [m for text in texts for m in size_mentions(text, set(options))]
+    for name, values in mentions:
+        assert values in options[name], f"text says {name} = {sorted(values)}; recorded {options[name]}"
+    mentioned = {name for name, _ in mentions}
+    for kind, piece in _flat(record["evidence"]):
+        if kind.endswith("derivation"):
+            missing = set(piece["sizes"]) - mentioned
+            assert not missing, f"{piece['label']}: the text never names {sorted(missing)}"

@@ -26,7 +26,7 @@ fla's layers take their fused recurrent kernel for inputs of at most 64 tokens a
 chunk kernel above (chunk size 64), as do the OSDN layers, so prompts of 70 and 45 tokens in one batch
 run the chunk path on packed sequences whose ends are not chunk boundaries, and prompts of 40 and 27
 tokens the fused recurrent path. DeltaNet runs only the fused recurrent path here: fla's public
-``chunk_delta_rule`` refuses fp32 inputs. About 35 s of CPU time in all, most of it the interpreter.
+``chunk_delta_rule`` refuses fp32 inputs. About 40 s of CPU time in all, most of it the interpreter.
 On a CUDA machine these tests skip unless ``TRITON_INTERPRET=1`` was exported (``fla_interpreter``).
 """
 

@@ -1,4 +1,8 @@
-"""``benchmarks/bench_e2e.py --stages``: the stage timers see every call and leave the pipeline as it was."""
+"""``benchmarks/bench_e2e.py --stages``: the stage timers see every call and leave the pipeline as it was.
+
+Kernels: the default ``kernels="auto"``, so on a CPU the reference recurrence stands in for fla's kernel;
+test_fla_kernels_e2e.py runs fla's own kernels end to end.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Two processes (torchrun, gloo on the CPU) give the summary and table of one process."""
+"""Two processes (torchrun, gloo on the CPU) give the summary and table of one process.
+
+Kernels: the default ``kernels="auto"``, so on a CPU the reference recurrence stands in for fla's kernel;
+test_fla_kernels_e2e.py runs fla's own kernels end to end.
+"""
 
 from __future__ import annotations
 

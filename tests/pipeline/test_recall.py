@@ -1,4 +1,8 @@
-"""Recall accuracy of recall prompts, measured on the captured forward pass (Table 7's column)."""
+"""Recall accuracy of recall prompts, measured on the captured forward pass (Table 7's column).
+
+Kernels: the default ``kernels="auto"``, so on a CPU the reference recurrence stands in for fla's kernel;
+test_fla_kernels_e2e.py runs fla's own kernels end to end.
+"""
 
 from __future__ import annotations
 

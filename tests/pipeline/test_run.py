@@ -1,4 +1,8 @@
-"""`osdn-diag run/capture/replay` end to end on a tiny random fla model (CPU)."""
+"""`osdn-diag run/capture/replay` end to end on a tiny random fla model (CPU).
+
+Kernels: the default ``kernels="auto"``, so on a CPU the reference recurrence stands in for fla's kernel
+(the NaN test also runs ``kernels="fla"``); test_fla_kernels_e2e.py runs fla's own kernels end to end.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ every stage a command set out to do has finished; an existing run is replaced on
 ``--overwrite``, and only once the new command's inputs have loaded.
 
 Each test is one scenario of the reported failures (issue 18), on a tiny random model.
+
+Kernels: the default ``kernels="auto"``, so on a CPU the reference recurrence stands in for fla's kernel;
+test_fla_kernels_e2e.py runs fla's own kernels end to end.
 """
 
 from __future__ import annotations

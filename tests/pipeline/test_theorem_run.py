@@ -1,4 +1,7 @@
-"""Theorem D.7 end to end: it holds on OSDN captures, and visibly fails when a hypothesis is broken."""
+"""Theorem D.7 end to end: it holds on OSDN captures, and visibly fails when a hypothesis is broken.
+
+Kernels: none run here; the captures are written by hand (from the package's fp64 OSDN reference).
+"""
 
 from __future__ import annotations
 

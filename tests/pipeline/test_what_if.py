@@ -1,4 +1,7 @@
-"""what-if: OSDN's phase 1 over a capture's keys, replayed (counterfactual, clearly labelled)."""
+"""what-if: OSDN's phase 1 over a capture's keys, replayed (counterfactual, clearly labelled).
+
+Kernels: none run here; the captures are written by hand.
+"""
 
 from __future__ import annotations
 

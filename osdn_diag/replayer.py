@@ -2,10 +2,11 @@
 
 :class:`Replayer` takes stored calls one at a time: it replays each (:func:`osdn_diag.replay.replay_call`),
 returns the call's rows of the per-token table — one row per (prompt, layer, head, position) with the
-columns of the interface contract (DESIGN.md): ``prompt, task, layer, head, pos, rel_pos,
-repeat_start, beta, key_sqnorm, write_gain, loss_before, loss_after, residual_ratio``, plus
-``loss_before_decayed`` and ``residual_ratio_post`` (null for ungated layers) and ``finite`` — and
-keeps every accumulator of the summary (ratios, audit, comparator, retention). Run directories use it
+columns a run directory promises (:data:`CONTRACT_COLUMNS`; docs/run-directory.md defines each):
+``prompt, task, layer, head, pos, rel_pos, repeat_start, beta, key_sqnorm, write_gain, loss_before,
+loss_after, residual_ratio``, plus ``loss_before_decayed`` and ``residual_ratio_post`` (null for
+ungated layers) and ``finite`` — and keeps every accumulator of the summary (ratios, audit,
+comparator, retention). Run directories use it
 through :func:`osdn_diag.pipeline.replay_run`, in-memory captures through :func:`osdn_diag.replay`.
 """
 

@@ -88,7 +88,7 @@ def test_batched_padded_prompts_match_one_by_one(tmp_path):
     # Replay computes every sequence alone (bit for bit, tests/math/test_math_packing.py); what differs
     # is the capture: torch's CPU matmul rounds a token's row of the model's projections by where it
     # sits in the packed batch (layer 0's q, k, v: ≤ 3e-7 relative), and later layers carry that on.
-    # Measured here: 4.7e-7 relative at most; README states the bound this pins.
+    # Measured here: 4.7e-7 relative at most; docs/reproducibility.md states the bound this pins.
     for col in ("loss_before", "loss_after", "residual_ratio", "residual_ratio_post"):
         a, b = torch.tensor(one[col], dtype=torch.float64), torch.tensor(batched[col], dtype=torch.float64)
         assert torch.allclose(a, b, rtol=2e-6, atol=0), col

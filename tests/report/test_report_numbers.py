@@ -2,7 +2,7 @@
 residuals.parquet alone (pyarrow + numpy, no accumulator of the package), on two real runs: the built-in
 DeltaNet on ``mqar-pair`` (two tasks, a repeated context) and a random Gated DeltaNet (``post_decay``).
 
-Definitions (README, conventions): ``q_geo = exp(mean log max(q, 1e-30))``, ``q_arith = mean q``, rows
+Definitions (docs/metrics.md): ``q_geo = exp(mean log max(q, 1e-30))``, ``q_arith = mean q``, rows
 with ``finite = false`` are left out, and a token's position bin is ``floor(10 · pos / length)`` of its
 own sequence (computed here in integers). The package sums fp32 ratios in fp64 and so does this file
 (``math.fsum``, exact), so the two agree to rounding of fp64 sums: 1e-9 relative.

@@ -128,13 +128,19 @@ def _awkward_input(T, zero_at, seed):
     ids=["chunk_T100", "fused_gate_elu_sum_not_beta_aware", "fused_noconv_relu_box"],
 )
 @pytest.mark.filterwarnings("ignore:ShortConvolution is crucial")
-def test_awkward_inputs_equal_fp64_oracle(T, kw, zero_key):
-    """β pushed to the edges of (0, 1) (|logit| up to ~20), a zero key row, T = 100 (one chunk and a
-    partial one) on the chunked path and T = 37 on the fused recurrent path; APF's retention near 1
+def test_awkward_inputs_equal_fp64_oracle(T, kw, zero_key, monkeypatch):
+    """β pushed to both edges of (0, 1), a zero key row, T = 100 (one chunk and a partial one) on the
+    chunked path and T = 37 on the fused recurrent path (inference, T ≤ 64); APF's retention near 1
     with d mostly inside the box. The layer equals the fp64 oracle within fp32 accuracy."""
+    import osdn_diag.layers._common as common
+
+    fused_calls = []
+    original = common.fused_recurrent_osdn
+    monkeypatch.setattr(common, "fused_recurrent_osdn", lambda *a, **o: fused_calls.append(1) or original(*a, **o))
+
     torch.manual_seed(11)
     kw = dict(eta=0.5, **kw)
-    layer = _layer(**kw)
+    layer = _layer(**kw).eval()
     _perturb_osdn_params(layer, seed=11)
     with torch.no_grad():
         layer.b_proj.weight.mul_(15.0)
@@ -142,6 +148,7 @@ def test_awkward_inputs_equal_fp64_oracle(T, kw, zero_key):
     with torch.no_grad():
         got = layer(x)[0]
         want, d, parts = osdn_oracle(layer, x, num_heads=HEADS, **kw)
+    assert bool(fused_calls) is (T <= 64)
     beta = parts["beta"]
     assert beta.min() < 1e-4 and beta.max() > 1 - 1e-4  # both edges reached
     assert bool((parts["k"][:, 20] == 0).all()) is zero_key

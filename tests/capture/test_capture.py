@@ -208,15 +208,17 @@ def test_unknown_model_and_version_are_refused(monkeypatch):
 def test_fp32_chunk_kernels_on_gpu_get_the_tf32_tolerance():
     from dataclasses import replace
 
-    from osdn_diag.replay import DEFAULT_TOLERANCE, TF32_TOLERANCE, default_tolerance
+    from osdn_diag.replay import default_tolerance
 
     torch.manual_seed(9)
     layer = _layers()["gated_deltanet"]().eval()
     with capture(layer, kernels="fla") as cap:
         _forward(layer, torch.randn(1, 70, HIDDEN))
     call = cap.calls[0]
-    assert call.flags["device"] == "cpu" and default_tolerance(call) == DEFAULT_TOLERANCE["float32"]
+    # the documented tolerances (README "Fidelity"; docs/design-notes.md, note 3): fp32 1e-5, and 1e-2
+    # for fp32 inputs to fla's chunk kernels on a GPU
+    assert call.flags["device"] == "cpu" and default_tolerance(call) == 1e-5
     on_gpu = replace(call, flags={**call.flags, "device": "cuda"})
-    assert default_tolerance(on_gpu) == TF32_TOLERANCE
+    assert default_tolerance(on_gpu) == 1e-2
     recurrent = replace(on_gpu, kernel="fused_recurrent_gated_delta_rule")
-    assert default_tolerance(recurrent) == DEFAULT_TOLERANCE["float32"]
+    assert default_tolerance(recurrent) == 1e-5

@@ -1,13 +1,16 @@
 """The OSDN layer on a GPU with compiled kernels, bf16, at real head sizes (K = V = 128) and a length
-that is not a multiple of the chunk: against fla's DeltaNet (η = 0), against the fp64 reference
-(η > 0, forward and gradients), and under capture. Runs only where CUDA is available (the GPU
-machine); the same properties are tested on CPU under the interpreter in fp32.
+that is not a multiple of the chunk: against fla's DeltaNet (η = 0), against the fp64 oracle of
+``_layer_oracle`` (η > 0, forward and gradients; it shares no code with the layer), and under capture.
+Runs only where CUDA is available (the GPU machine); the same properties are tested on CPU under the
+interpreter in fp32.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from _layer_oracle import osdn_oracle
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled-kernel tests need a CUDA GPU"),
@@ -48,26 +51,18 @@ def test_eta0_equals_fla_deltanet_bf16():
 
 
 @pytest.mark.parametrize("apf", [False, True])
-def test_forward_and_gradients_match_fp64_reference(apf):
-    from osdn_diag.math import osdn, osdn_phase1
-
+def test_forward_and_gradients_match_fp64_oracle(apf):
     layer = _osdn(eta=0.5, apf=apf)
     x = _x(requires_grad=True)
     o = layer(x)[0]
     w = torch.randn_like(o)
     (gx,) = torch.autograd.grad((o.float() * w.float()).sum(), x)
 
-    # The reference: the layer's own projections (fp32 master copy), both phases in fp64.
-    ref_layer = _osdn(eta=0.5, apf=apf).float()
-    ref_layer.load_state_dict({n: p.float() for n, p in layer.state_dict().items()})
-    xr = x.detach().float().requires_grad_(True)
-    q, k, v, beta, r, _ = ref_layer.project(xr)
-    dd = lambda t: None if t is None else t.double()  # noqa: E731
-    p1 = osdn_phase1(k.double(), beta.double(), retention=dd(r), eta=0.5, d_min=layer.d_min,
-                     d_max=layer.d_max, eps=layer.phase1_eps)
-    o_ref = osdn(q.double(), k.double(), v.double(), beta.double(), p1.d).o
-    o_ref = ref_layer.o_proj(ref_layer.o_norm(o_ref.float()).flatten(-2))
-    (gx_ref,) = torch.autograd.grad((o_ref * w.float()).sum(), xr)
+    # The oracle: the layer's (bf16) parameters and input in fp64 through its own input side, both
+    # phases and output side (tests/layers/_layer_oracle.py); no code shared with the layer.
+    xr = x.detach().double().requires_grad_(True)
+    o_ref, _, _ = osdn_oracle(layer, xr, num_heads=HEADS, eta=0.5, apf=apf)
+    (gx_ref,) = torch.autograd.grad((o_ref * w.double()).sum(), xr)
     assert torch.isfinite(o).all() and torch.isfinite(gx).all()
     assert _rel(o, o_ref) <= BF16_TOL
     assert _rel(gx, gx_ref) <= 2 * BF16_TOL  # bf16 forward and backward, two roundings deep

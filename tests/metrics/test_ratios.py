@@ -9,7 +9,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from osdn_diag.metrics.ratios import Q_FLOOR, RatioAccumulator
+from osdn_diag.metrics.ratios import RatioAccumulator
+
+# The documented floor on exact-zero ratios in q_geo (README, "The reference mathematics";
+# docs/design-notes.md, note 4).
+Q_FLOOR = 1e-30
 
 
 def _call(seed: int, lengths: list[int], heads: int, zero_frac: float = 0.1):

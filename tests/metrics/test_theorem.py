@@ -44,7 +44,15 @@ from torch.testing import assert_close  # noqa: E402
 
 from osdn_diag.math import comparator_gap, osdn, osdn_phase1, regret, residual_ratio, write_gain  # noqa: E402
 from osdn_diag.metrics.comparator import comparator_gap_diag  # noqa: E402
-from osdn_diag.metrics.theorem import COLUMNS, theorem_d7  # noqa: E402
+from osdn_diag.metrics.theorem import theorem_d7  # noqa: E402
+
+# The documented columns of comparator.parquet (README, the run directory's table), in theorem_d7's
+# order; the hypothesis checks between n_valid and hypotheses_hold are the five named here.
+COLUMNS = (
+    "eps_diag", "kkt_residual", "gap", "eps_at_ones", "eps_at_final_d", "regret", "log_prod_q", "log_bound",
+    "slack", "n_valid", "max_unit_dev", "beta_min", "beta_max", "d_in_box", "share_newton_infeasible",
+    "hypotheses_hold",
+)
 
 F64 = torch.float64
 D_MIN, D_MAX = 0.5, 2.0

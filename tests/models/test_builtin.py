@@ -6,12 +6,17 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from osdn_diag.models import load_model
-from osdn_diag.models.builtin import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))  # the layers' fp64 oracle
+from _layer_oracle import osdn_oracle, relative_error  # noqa: E402
+
+from osdn_diag.models import load_model  # noqa: E402
+from osdn_diag.models.builtin import (  # noqa: E402
     BUILTIN_ROOT,
     builtin_names,
     builtin_path,
@@ -150,3 +155,27 @@ def test_builtin_recalls_its_own_task(name):
         t = "mqar-twice" if twice else "mqar"
         assert recall[t]["queries"] == 2 * task["num_queries"]
         assert recall[t]["accuracy"] >= 0.9, (name, t, recall)
+
+
+# The OSDN layer's constructor arguments that a model's config.json carries.
+_LAYER_ARGS = ("num_heads", "eta", "d_min", "d_max", "beta_aware", "apf", "learn_d0", "phase1_eps", "use_beta",
+               "use_gate", "use_short_conv", "allow_neg_eigval", "qk_activation", "qk_norm", "norm_eps")
+
+
+@pytest.mark.usefixtures("fla_interpreter")
+@pytest.mark.parametrize("name", ["mqar-osdn", "mqar-osdn-apf"])
+def test_builtin_osdn_layers_equal_fp64_oracle(name):
+    """Each attention layer of a shipped OSDN model, with its trained weights (APF's retention gate
+    included) and the settings read from config.json by plain JSON, equals the fp64 oracle of
+    tests/layers on random hidden states (T = 70: the chunked path, one chunk of 64 and a partial one)."""
+    config = json.loads((BUILTIN_ROOT / name / "config.json").read_text())
+    assert config["expand_k"] == config["expand_v"] == 1.0 and config["conv_size"] == 4  # the oracle's shape
+    kw = {key: config[key] for key in _LAYER_ARGS}
+    model = load_model(f"builtin:{name}").model
+    x = torch.randn(1, 70, config["hidden_size"], generator=torch.Generator().manual_seed(5))
+    for i, block in enumerate(model.model.layers):
+        with torch.no_grad():
+            got = block.attn(x)[0]
+            want, _, parts = osdn_oracle(block.attn, x, **kw)
+        assert (parts["retention"] is not None) is (name == "mqar-osdn-apf")
+        assert relative_error(got, want) <= 1e-5, (name, i)

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from osdn_diag.math.recurrence import delta_rule_recurrence
-from osdn_diag.replay import TF32_TOLERANCE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64
 ON_GPU = DEVICE == "cuda"
-FWD_TOL = TF32_TOLERANCE if ON_GPU else 1e-5
-BWD_TOL = TF32_TOLERANCE if ON_GPU else 1e-4
+# fla's chunk kernels on a GPU use tf32 dots: the documented 1e-2 (docs/design-notes.md, note 3).
+FWD_TOL = 1e-2 if ON_GPU else 1e-5
+BWD_TOL = 1e-2 if ON_GPU else 1e-4
 
 
 def _inputs(seed, B, T, H, K, V, *, gated, h0, N=None):

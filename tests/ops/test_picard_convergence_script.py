@@ -24,5 +24,6 @@ def test_rounds_converge_to_the_exact_sweep_at_small_eta(script, capsys):
 
 def test_large_eta_is_reported_unsettled(script, capsys):
     rows = script.main(["--T", "300", "--K", "16", "--sequences", "2", "--eta", "3.0", "--rounds", "2"])
-    assert len(rows) == 2 and all(2 * r["estimate_max"] > script.TOL_D for r in rows)
+    # 1e-5: the documented settling tolerance TOL_D (README, "OSDN layers and models")
+    assert len(rows) == 2 and all(2 * r["estimate_max"] > 1e-5 for r in rows)
     assert "not settled in 2 rounds" in capsys.readouterr().out

@@ -21,7 +21,12 @@ from osdn_diag.prompts import (
     recall_accuracy,
     recall_by_task,
 )
-from osdn_diag.prompts.mqar import IGNORE_INDEX, MIN_VOCAB_SIZE
+
+# Documented values (osdn_diag/prompts/mqar.py): labels are -100 (torch's and Hugging Face's ignore
+# index, mqar_batch's docstring) off the answer tokens; the smallest vocabulary is 8 (keys {1, 2, 3},
+# values {4, ..., 7}).
+IGNORE_INDEX = -100
+MIN_VOCAB_SIZE = 8
 
 
 @st.composite

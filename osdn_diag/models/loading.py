@@ -144,6 +144,12 @@ def load_model(
         model = _dispatch(model.to(dtype=dtype), device_map, spec)
     model = model.eval()
     cfg = model.config.to_dict() if source == "random" else config
+    if isinstance(cfg.get("text_config"), dict):
+        # A multimodal checkpoint (e.g. Qwen3.5's) keeps the language model's sizes in text_config,
+        # which is what is loaded (as a causal LM).
+        cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if v is not None}}
+    if cfg.get("vocab_size") is None:
+        cfg = {**cfg, "vocab_size": model.get_input_embeddings().num_embeddings}
     return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory)
 
 

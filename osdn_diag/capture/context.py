@@ -10,6 +10,11 @@ the same arguments, returns its result untouched, and records the call, tagged w
 that made it (forward pre-/post-hooks on every supported layer). Everything is restored on exit, also
 after an exception.
 
+transformers' own delta-rule models (Qwen3-Next, Qwen3.5, Kimi Linear, OLMo-Hybrid) are captured the
+same way at the kernel names of their modeling files, whichever implementation those are bound to
+(fla's kernel or the file's torch fallback); their layers keep the model's decoder-layer index, and
+the full-attention layers are listed in ``Capture.skipped`` (:mod:`.transformers_sites`).
+
 ``kernels`` chooses what runs inside the wrapper: ``"fla"`` — fla's Triton kernel; ``"reference"`` —
 the package's fp32 reference recurrence, returning the kernel's output format (so an fla model runs
 on a machine without a GPU; the other Triton ops on the layer path then need
@@ -91,7 +96,10 @@ class Capture:
 
     Attributes:
         calls: the recorded :class:`KernelCall` objects (empty when a ``sink`` consumes them).
-        layers: ``[(index, name, module)]`` of the supported layers found in the model.
+        layers: ``[(index, name, module)]`` of the supported layers found in the model (the index:
+            the layer's rank among them for an fla model, its decoder-layer index for a
+            transformers model).
+        skipped: a transformers model's decoder layers that are not captured (full attention).
     """
 
     def __init__(
@@ -361,7 +369,8 @@ def capture(
     """Capture the delta-rule kernel calls of ``model`` (use as a context manager).
 
     Args:
-        model: an fla model or layer (fla 0.6.0; see :data:`SUPPORTED_LAYERS`).
+        model: an fla model or layer (fla 0.6.0; see :data:`SUPPORTED_LAYERS`), or a transformers
+            model of :data:`osdn_diag.capture.transformers_sites.MODELS`.
         kernels: ``"auto"`` | ``"fla"`` | ``"reference"`` — see the module docstring.
         sink: called with each :class:`KernelCall` instead of keeping it in ``Capture.calls``
             (e.g. to stream it to disk).

@@ -102,32 +102,42 @@ FLA_NAMES = {
 }
 
 
+#: How a fallback brings q and k to fp32 before its l2 norm (the norm's fp32 sums depend on the
+#: memory layout they run over, so the record repeats the fallback's own steps):
+#: ``"transpose-to"`` — ``x.transpose(1, 2).to(float32, memory_format=contiguous_format)`` (the Qwen /
+#: OLMo functions), ``"transpose-contiguous"`` — ``x.transpose(1, 2).contiguous().to(float32)`` (Kimi's
+#: chunked one), ``"as-is"`` — ``x.to(float32)`` in ``[B, T, H, K]`` (Kimi's token-by-token one).
+FALLBACK_LAYOUTS = ("transpose-to", "transpose-contiguous", "as-is")
+
+
 class TorchFallbackAdapter(Adapter):
     """A modeling file's torch implementation (``torch_chunk_gated_delta_rule``, ...), from its
     arguments renamed to fla's (:func:`to_fla_names`).
 
     It reproduces what the fallback does before its recurrence: grouped value heads expanded
     (``repeat_interleave``: value head ``i`` reads key head ``i // (HV / H)``), q, k, v, β and g cast to
-    fp32, then — with ``use_qk_l2norm_in_kernel`` — its own l2 norm on the fp32 tensors, in its own
-    layout (``[B, H, T, K]`` for the chunked functions and the Qwen recurrent one, ``[B, T, H, K]`` for
-    Kimi's recurrent one); ``scale = K^{-1/2}``. Everything the recurrence reads is fp32, so
-    ``qk_read_as`` is ``"float32"``; the state is ``[B, HV, K, V]`` like fla's default. The fallbacks
-    take no ``cu_seqlens`` (transformers refuses packed sequences without fla).
+    fp32 and — with ``use_qk_l2norm_in_kernel`` — q and k normalised by the fallback's own l2 norm,
+    in its own layout and arithmetic, so that the record holds the fallback's q̂ and k̂ bit for bit;
+    ``scale = K^{-1/2}``. Everything the recurrence reads is fp32 (``qk_read_as = "float32"``); the
+    state is ``[B, HV, K, V]`` like fla's default. The fallbacks take no ``cu_seqlens`` (transformers
+    refuses packed sequences without fla).
 
     Args:
         family: ``"gated_delta_rule"`` or ``"kda"``.
         path: ``"chunk"`` or ``"fused_recurrent"`` (the chunked or the token-by-token function).
         l2norm: ``"rsqrt"`` or ``"sqrt"`` (see :class:`HFModel`).
-        head_first: whether the function normalises in the ``[B, H, T, K]`` layout.
+        layout: one of :data:`FALLBACK_LAYOUTS`.
     """
 
-    def __init__(self, family: str, path: str, l2norm: str, head_first: bool):
+    def __init__(self, family: str, path: str, l2norm: str, layout: str):
         super().__init__(path, stores_qk=False)
         if l2norm not in ("rsqrt", "sqrt"):
             raise ValueError(f"argument 'l2norm': expected 'rsqrt' or 'sqrt', got {l2norm!r}")
+        if layout not in FALLBACK_LAYOUTS:
+            raise ValueError(f"argument 'layout': expected one of {FALLBACK_LAYOUTS}, got {layout!r}")
         self.family = family
         self.l2norm_form = l2norm
-        self.head_first = head_first
+        self.layout = layout
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         """The fallback's l2 norm of an fp32 tensor, in its own arithmetic."""
@@ -136,11 +146,14 @@ class TorchFallbackAdapter(Adapter):
 
     def _read(self, x: torch.Tensor, hv: int, normalise: bool) -> torch.Tensor:
         x = _expand_heads(x, hv)
-        if self.head_first:  # the fallback transposes to [B, H, T, K] and casts, then normalises
+        if self.layout == "as-is":
+            x = x.to(torch.float32)
+            return self._normalise(x) if normalise else x
+        if self.layout == "transpose-to":
             x = x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-            return (self._normalise(x) if normalise else x).transpose(1, 2)
-        x = x.to(torch.float32)
-        return self._normalise(x) if normalise else x
+        else:
+            x = x.transpose(1, 2).contiguous().to(torch.float32)
+        return (self._normalise(x) if normalise else x).transpose(1, 2)
 
     def canonical(self, kw, *, fla=False):
         v = kw["v"]
@@ -177,10 +190,12 @@ def _sites(model: HFModel) -> tuple[HFKernelSite, ...]:
     fla_cls = KDAAdapter if model.family == "kda" else GatedDeltaRuleAdapter
     out = []
     for name, path in ((model.chunk, "chunk"), (model.recurrent, "fused_recurrent")):
-        # Kimi's token-by-token fallback normalises in [B, T, H, K]; every other fallback transposes first.
-        head_first = not (model.family == "kda" and path == "fused_recurrent")
+        if model.family != "kda":
+            layout = "transpose-to"
+        else:
+            layout = "transpose-contiguous" if path == "chunk" else "as-is"
         out.append(HFKernelSite(model, name, FLA_NAMES[name], fla_cls(path),
-                                TorchFallbackAdapter(model.family, path, model.l2norm, head_first)))
+                                TorchFallbackAdapter(model.family, path, model.l2norm, layout)))
     return tuple(out)
 
 

@@ -1,4 +1,5 @@
-"""``random:`` presets of transformers' delta-rule models (Qwen3-Next, Qwen3.5, Kimi Linear, OLMo-Hybrid).
+"""``random:`` presets of transformers' delta-rule models (Qwen3-Next, Qwen3.5 dense and MoE, Kimi Linear,
+OLMo-Hybrid).
 
 Each preset is ``(config class name in transformers, config kwargs)``, built with
 ``AutoModelForCausalLM.from_config`` like the fla presets (:data:`osdn_diag.models.loading.PRESETS`).
@@ -19,6 +20,9 @@ Each preset is ``(config class name in transformers, config kwargs)``, built wit
     heads (2 KV) of 256, 16 key and 16 value heads of 128;
   - ``qwen3.5-shape``: ``Qwen3_5TextConfig``'s defaults: hidden 4096, MLP 12288, 16 attention heads
     (4 KV) of 256, 16 key and 32 value heads of 128;
+  - ``qwen3.5-35b-a3b-shape``: ``Qwen3_5MoeTextConfig``'s defaults (its docstring's checkpoint is
+    Qwen/Qwen3.5-35B-A3B): hidden 2048, 16 attention heads (2 KV) of 256, 16 key and 32 value heads
+    of 128, experts of width 512;
   - ``kimi-linear-48b-a3b-shape``: ``KimiLinearConfig``'s defaults (Kimi-Linear-48B-A3B-Instruct):
     hidden 2304, 32 KDA heads of 128, MLA attention (32 heads, KV rank 512), experts of width 1024;
   - ``olmo-hybrid-7b-shape``: ``OlmoHybridConfig``'s defaults (allenai/Olmo-Hybrid-7B): hidden 3840,
@@ -46,6 +50,10 @@ TRANSFORMERS_PRESETS: dict[str, tuple[str, dict]] = {
         shared_expert_intermediate_size=32,
     )),
     "qwen3.5-tiny": ("Qwen3_5TextConfig", dict(**_TINY, **_QWEN_TINY_LINEAR)),
+    "qwen3.5-moe-tiny": ("Qwen3_5MoeTextConfig", dict(
+        **_TINY, **_QWEN_TINY_LINEAR, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    )),
     "kimi-linear-tiny": ("KimiLinearConfig", dict(
         **_TINY, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, linear_num_heads=2, linear_head_dim=16,
@@ -63,6 +71,7 @@ TRANSFORMERS_PRESETS: dict[str, tuple[str, dict]] = {
         linear_value_head_dim=128, tie_word_embeddings=True,
     )),
     "qwen3.5-shape": ("Qwen3_5TextConfig", dict(**_SHAPE)),
+    "qwen3.5-35b-a3b-shape": ("Qwen3_5MoeTextConfig", dict(**_SHAPE, num_experts=4, num_experts_per_tok=2)),
     "kimi-linear-48b-a3b-shape": ("KimiLinearConfig", dict(
         **_SHAPE, num_experts=4, num_experts_per_token=2, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
         **_TOKENS,

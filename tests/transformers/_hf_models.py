@@ -16,6 +16,8 @@ MODELS = {
                    ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")),
     "qwen3_5": ("qwen3.5-tiny", "transformers.models.qwen3_5.modeling_qwen3_5",
                 ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")),
+    "qwen3_5_moe": ("qwen3.5-moe-tiny", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+                    ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")),
     "kimi_linear": ("kimi-linear-tiny", "transformers.models.kimi_linear.modeling_kimi_linear",
                     ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")),
     "olmo_hybrid": ("olmo-hybrid-tiny", "transformers.models.olmo_hybrid.modeling_olmo_hybrid",

@@ -55,6 +55,8 @@ SHAPE = {
                        linear_value_head_dim=128, head_dim=128, num_attention_heads=8, num_key_value_heads=2),
     "qwen3_5": dict(hidden_size=1024, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
                     linear_value_head_dim=128, head_dim=128, num_attention_heads=8, num_key_value_heads=2),
+    "qwen3_5_moe": dict(hidden_size=1024, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
+                        linear_value_head_dim=128, head_dim=128, num_attention_heads=8, num_key_value_heads=2),
     "kimi_linear": dict(hidden_size=1024, linear_num_heads=8, linear_head_dim=128, num_attention_heads=8,
                         num_key_value_heads=8, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
                         v_head_dim=128),

@@ -56,6 +56,7 @@ def test_run_on_qwen3_next_batched_equals_one_by_one(tmp_path):
 @pytest.mark.parametrize("preset, linear, family", [
     ("qwen3-next-tiny", "Qwen3NextGatedDeltaNet", "gated_delta_rule"),
     ("qwen3.5-tiny", "Qwen3_5GatedDeltaNet", "gated_delta_rule"),
+    ("qwen3.5-moe-tiny", "Qwen3_5MoeGatedDeltaNet", "gated_delta_rule"),
     ("kimi-linear-tiny", "KimiLinearDeltaAttention", "kda"),
     ("olmo-hybrid-tiny", "OlmoHybridGatedDeltaNet", "gated_delta_rule"),
 ])
@@ -80,6 +81,9 @@ SHAPES = {
     "qwen3.5-shape": dict(
         hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
+    "qwen3.5-35b-a3b-shape": dict(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, moe_intermediate_size=512),
     "kimi-linear-48b-a3b-shape": dict(
         hidden_size=2304, linear_num_heads=32, linear_head_dim=128, num_attention_heads=32, kv_lora_rank=512,
         moe_intermediate_size=1024),

@@ -20,7 +20,7 @@ def test_run_on_qwen3_next_batched_equals_one_by_one(tmp_path):
     """Three prompts of different lengths, one by one and as one right-padded batch: the manifest
     numbers the three Gated DeltaNet layers 0–2 and lists decoder layer 3 (full attention) as
     skipped; the table has one row per real token (none for padding), and the batched run measures
-    what the one-by-one run does."""
+    what the one-by-one run does. The report says how many layers were not captured."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"input_ids": list(range(3, n + 3)), "task": f"t{n}"})
                                  for n in LENGTHS))
@@ -42,6 +42,7 @@ def test_run_on_qwen3_next_batched_equals_one_by_one(tmp_path):
         assert table.num_rows == sum(LENGTHS) * 3 * 4  # real tokens × layers × value heads
         summary = json.loads((out / "summary.json").read_text())
         assert set(summary["by_layer"]) == {"000", "001", "002"}
+        assert "| 3 (gated_delta_rule); 1 not captured (full_attention) |" in (out / "report.md").read_text()
         tables.append(table.to_pydict())
     one, batched = tables
     for col in ("prompt", "layer", "head", "pos"):

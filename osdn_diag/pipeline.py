@@ -223,6 +223,7 @@ class _CaptureSession:
             twice=twice, num_prompts=num_prompts, length=length, seed=seed,
         )
         self.hits: dict[int, tuple[int, int]] = {}  # prompt id -> (answers right, queries), recall prompts
+        self.skipped: list[dict] = []  # decoder layers capture does not record (see Capture.skipped)
         # Only now, with the model and the prompts loaded, is an existing run in out_dir replaced: a
         # command that fails on its inputs leaves it as it was. Rank 0 decides; every rank raises.
         self.writer = CaptureWriter(self.out_dir, self.ranks.gather(new_run_id())[0])  # rank 0's id
@@ -258,6 +259,7 @@ class _CaptureSession:
                     on_call(StoredCall(batch=batch_idx, prompts=prompt_ids, call=call))
                 cap.calls.clear()
                 self.hits.update(_recall_hits(batch, getattr(out, "logits", None)))
+            self.skipped = cap.skipped  # a transformers model's full-attention layers
         for layers in self.ranks.gather(self.writer.layers):  # a rank may have had no batch
             for index, entry in layers.items():
                 self.writer.layers.setdefault(index, entry)
@@ -296,6 +298,8 @@ class _CaptureSession:
                         "vocab_size": cfg.get("vocab_size"),
                     },
                     "prompts": self.manifest_prompts(),
+                    # decoder layers not captured (a hybrid model's full attention), by index
+                    "layers_skipped": self.skipped,
                     "twice": self.twice,
                     "seed": self.seed,
                     "device": str(self.device),

@@ -10,6 +10,11 @@ the same arguments, returns its result untouched, and records the call, tagged w
 that made it (forward pre-/post-hooks on every supported layer). Everything is restored on exit, also
 after an exception.
 
+transformers' own delta-rule models (Qwen3-Next, Qwen3.5, Kimi Linear, OLMo-Hybrid) are captured the
+same way at the kernel names of their modeling files, whichever implementation those are bound to
+(fla's kernel or the file's torch fallback); their layers keep the model's decoder-layer index, and
+the full-attention layers are listed in ``Capture.skipped`` (:mod:`.transformers_sites`).
+
 ``kernels`` chooses what runs inside the wrapper: ``"fla"`` — fla's Triton kernel; ``"reference"`` —
 the package's fp32 reference recurrence, returning the kernel's output format (so an fla model runs
 on a machine without a GPU; the other Triton ops on the layer path then need
@@ -21,11 +26,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from dataclasses import replace
 from collections.abc import Callable
 
 import torch
 
+from . import transformers_sites as hf
 from .adapters import ADAPTERS, PHASE1_D, KernelSite, Phase1Site
 from .record import TENSOR_FIELDS, KernelCall
 
@@ -46,7 +53,8 @@ SUPPORTED_LAYERS = (
 
 def _supported_text() -> str:
     layers = ", ".join(f"{m}.{c}" for m, c in SUPPORTED_LAYERS)
-    return f"fla {' / '.join(SUPPORTED_FLA)}; layers: {layers}"
+    hf_layers = ", ".join(m.layer_class for m in hf.MODELS)
+    return f"fla {' / '.join(SUPPORTED_FLA)}; layers: {layers}; transformers layers: {hf_layers}"
 
 
 def _check_fla_version() -> None:
@@ -66,7 +74,7 @@ def _layer_classes() -> tuple[type, ...]:
         cls = getattr(importlib.import_module(module), name, None)
         if cls is not None:
             classes.append(cls)
-    return tuple(classes)
+    return tuple(classes) + hf.layer_classes()
 
 
 def _bind(fn: Callable, args: tuple, kwargs: dict, *, defaults: bool = True) -> dict:
@@ -88,7 +96,10 @@ class Capture:
 
     Attributes:
         calls: the recorded :class:`KernelCall` objects (empty when a ``sink`` consumes them).
-        layers: ``[(index, name, module)]`` of the supported layers found in the model.
+        layers: ``[(index, name, module)]`` of the supported layers found in the model (the index:
+            the layer's rank among them for an fla model, its decoder-layer index for a
+            transformers model).
+        skipped: a transformers model's decoder layers that are not captured (full attention).
     """
 
     def __init__(
@@ -103,8 +114,10 @@ class Capture:
             raise ValueError(f"argument 'kernels': expected 'auto', 'fla' or 'reference', got {kernels!r}")
         _check_fla_version()
         classes = _layer_classes()
+        # fla layers are numbered in model order; a transformers model's linear-attention layers
+        # keep the model's own decoder-layer index (its full-attention layers are not captured).
         self.layers = [
-            (i, name, mod)
+            (mod.layer_idx if hf.is_transformers_layer(mod) else i, name, mod)
             for i, (name, mod) in enumerate(
                 (n, m) for n, m in model.named_modules() if isinstance(m, classes)
             )
@@ -115,6 +128,12 @@ class Capture:
                 f"model {type(model).__name__} has no layer capture knows ({_supported_text()})"
                 + (f"; its fla layers are: {', '.join(found)}" if found else "")
             )
+        #: Decoder layers of a transformers model that are not captured (full attention), as
+        #: ``[{"layer": i, "type": ...}]``; empty for an fla model.
+        self.skipped: list[dict] = (
+            hf.skipped_layers(model, [i for i, _, m in self.layers])
+            if any(hf.is_transformers_layer(m) for _, _, m in self.layers) else []
+        )
         self.model = model
         self.kernels = kernels
         self.offload = offload
@@ -126,6 +145,9 @@ class Capture:
         self._patched: list[tuple[object, str, Callable]] = []
         self._phase1_d: tuple[tuple[int, str] | None, torch.Tensor] | None = None
         self._hooks: list = []
+        self._mask: torch.Tensor | None = None  # the 2-D attention mask a transformers layer got
+        self._kernel_calls = 0  # kernel calls intercepted so far (a layer that made none is an error)
+        self._calls_before: dict[int, int] = {}
         self.enabled = True
 
     # -- context management ---------------------------------------------------------------------
@@ -138,8 +160,20 @@ class Capture:
                     continue
                 setattr(module, site.name, self._wrap(site, original))
                 self._patched.append((module, site.name, original))
+            for site in hf.loaded_sites():
+                module = sys.modules[site.module]
+                original = getattr(module, site.name, None)
+                if original is None:
+                    continue
+                setattr(module, site.name, self._wrap_transformers(site, original))
+                self._patched.append((module, site.name, original))
             for index, name, mod in self.layers:
-                self._hooks.append(mod.register_forward_pre_hook(self._enter_layer(index, name)))
+                if hf.is_transformers_layer(mod):
+                    self._hooks.append(mod.register_forward_pre_hook(self._enter_hf_layer(index, name),
+                                                                     with_kwargs=True))
+                    self._hooks.append(mod.register_forward_hook(self._leave_hf_layer(index, name)))
+                else:
+                    self._hooks.append(mod.register_forward_pre_hook(self._enter_layer(index, name)))
                 self._hooks.append(mod.register_forward_hook(self._leave_layer, always_call=True))
         except BaseException:
             self._restore()
@@ -171,6 +205,33 @@ class Capture:
 
     def _leave_layer(self, module, args, output):
         self._current = None
+        self._mask = None
+
+    def _enter_hf_layer(self, index: int, name: str):
+        """A transformers layer: also keep its 2-D attention mask (the kernel sees the batch padded)
+        and the kernel-call count, to check that the layer called a kernel capture intercepts."""
+        enter = self._enter_layer(index, name)
+
+        def hook(module, args, kwargs):
+            enter(module, args)
+            mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+            self._mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            self._calls_before[index] = self._kernel_calls
+
+        return hook
+
+    def _leave_hf_layer(self, index: int, name: str):
+        def hook(module, args, output):
+            before = self._calls_before.pop(index, self._kernel_calls)
+            if self.enabled and self._kernel_calls == before:
+                raise RuntimeError(
+                    f"layer {index} ({name}, {type(module).__name__}) ran without calling a kernel capture "
+                    "intercepts: its forward was replaced (e.g. by a Hub kernel through kernelize or "
+                    "use_kernels=True), so what its recurrence read cannot be recorded; load the model "
+                    "without use_kernels"
+                )
+
+        return hook
 
     def _use_reference(self, x: torch.Tensor) -> bool:
         return self.kernels == "reference" or (self.kernels == "auto" and x.device.type != "cuda")
@@ -205,29 +266,82 @@ class Capture:
             if trajectory:
                 kw[PHASE1_D] = out.d
             if recording:
-                index, name = self._current
-                with torch.no_grad():
-                    call = site.adapter.record(kw, out, layer=index, layer_name=name, kernel=site.name,
-                                               fla=not use_reference)
-                # A record is data, never part of the model's autograd graph: the forward may run
-                # with gradients on (training code, a notebook without no_grad), and a kept graph
-                # would hold activations alive and refuse .numpy() later.
-                for field_name in TENSOR_FIELDS:
-                    x = getattr(call, field_name)
-                    if isinstance(x, torch.Tensor) and x.requires_grad:
-                        setattr(call, field_name, x.detach())
-                call.flags["kernels"] = "reference" if use_reference else "fla"
-                call.flags["device"] = kw["q"].device.type
-                call.forward = self._forward
-                if self.offload:
-                    from .store import to_device
-
-                    call = to_device(call, "cpu")
-                self._sink(call)
+                self._emit(site.adapter, kw, out, kernel=site.name, kernels="reference" if use_reference else "fla")
             if recording and not kw.get("output_final_state", False):
                 out = site.adapter.strip_final_state(out)
             if trajectory and not kw.get("return_trajectory", False):
                 out = replace(out, d=None)
+            return out
+
+        kernel.__wrapped__ = original
+        kernel.__name__ = getattr(original, "__name__", site.name)
+        return kernel
+
+    def _emit(self, adapter, kw: dict, out, *, kernel: str, kernels: str, flags: dict | None = None,
+              transform: Callable[[KernelCall], KernelCall] | None = None) -> None:
+        """Record one kernel call of the current layer and hand it to the sink.
+
+        ``kernels`` is what ran: ``"fla"`` (fla's kernel: the record rebuilds fla's stored tensors with
+        fla's own functions), ``"reference"`` (the stand-in) or ``"torch"`` (a transformers model's
+        torch fallback)."""
+        index, name = self._current
+        with torch.no_grad():
+            call = adapter.record(kw, out, layer=index, layer_name=name, kernel=kernel, fla=kernels == "fla")
+            if transform is not None:
+                call = transform(call)
+        # A record is data, never part of the model's autograd graph: the forward may run with
+        # gradients on (training code, a notebook without no_grad), and a kept graph would hold
+        # activations alive and refuse .numpy() later.
+        for field_name in TENSOR_FIELDS:
+            x = getattr(call, field_name)
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                setattr(call, field_name, x.detach())
+        call.flags["kernels"] = kernels
+        call.flags["device"] = kw["q"].device.type
+        call.flags.update(flags or {})
+        call.forward = self._forward
+        if self.offload:
+            from .store import to_device
+
+            call = to_device(call, "cpu")
+        self._sink(call)
+
+    def _wrap_transformers(self, site: hf.HFKernelSite, original: Callable) -> Callable:
+        """A kernel name of a transformers modeling file (see :mod:`.transformers_sites`): run what it
+        is bound to with the caller's arguments (fla's kernel, the file's torch fallback, or a Hub
+        kernel) — or, for an fla-signature kernel where ``kernels`` asks for it, the reference
+        stand-in — and record the call with the adapter of what ran."""
+
+        def kernel(*args, **kwargs):
+            self._kernel_calls += 1
+            bound = hf.resolve(site, original)
+            recording = self.enabled and self._current is not None
+            ask = {"output_final_state": True} if recording else {}
+            if bound.kind == "torch":
+                kw = hf.to_fla_names(_bind(bound.fn, args, kwargs))
+                adapter, kernels, name = site.fallback, "torch", site.name
+            else:
+                # As transformers' wrapper hands them on: positional as given, keywords the
+                # implementation declares.
+                params = inspect.signature(bound.fn).parameters
+                kw = _bind(bound.fn, args, {n: x for n, x in kwargs.items() if n in params})
+                adapter, name = site.adapter, site.fla_name
+                kernels = "reference" if self._use_reference(kw["q"]) else "fla"
+            if recording and isinstance(kw.get("initial_state"), torch.Tensor):
+                # The layer copies its new state into the cache's buffer in place, which is the
+                # tensor passed as the initial state: the record keeps the state as it was.
+                kw["initial_state"] = kw["initial_state"].detach().clone()
+            if kernels == "reference":
+                out = adapter.reference({**kw, **ask})
+            else:
+                out = original(*args, **{**kwargs, **ask})
+            if recording:
+                mask = self._mask
+                self._emit(adapter, kw, out, kernel=name, kernels=kernels,
+                           flags={"implementation": bound.name, "model_type": site.model.model_type},
+                           transform=lambda call: hf.pack_padded(call, mask))
+                if not kw.get("output_final_state", False):
+                    out = adapter.strip_final_state(out)
             return out
 
         kernel.__wrapped__ = original
@@ -262,7 +376,8 @@ def capture(
     """Capture the delta-rule kernel calls of ``model`` (use as a context manager).
 
     Args:
-        model: an fla model or layer (fla 0.6.0; see :data:`SUPPORTED_LAYERS`).
+        model: an fla model or layer (fla 0.6.0; see :data:`SUPPORTED_LAYERS`), or a transformers
+            model of :data:`osdn_diag.capture.transformers_sites.MODELS`.
         kernels: ``"auto"`` | ``"fla"`` | ``"reference"`` — see the module docstring.
         sink: called with each :class:`KernelCall` instead of keeping it in ``Capture.calls``
             (e.g. to stream it to disk).

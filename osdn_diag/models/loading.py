@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
+from .transformers_presets import TRANSFORMERS_PRESETS
+
 __all__ = ["DEVICE_MAPS", "PRESETS", "LoadedModel", "load_model"]
 
-#: Named random-model shapes: (fla config class name, config kwargs).
+#: Named random-model shapes: (config class name — fla's, else transformers' — config kwargs).
 PRESETS: dict[str, tuple[str, dict]] = {
     # The paper's 340M DeltaNet: 24 layers, hidden 1024, 8 heads of d_k = d_v = 128.
     "deltanet-340m": ("DeltaNetConfig", dict(hidden_size=1024, num_hidden_layers=24, num_heads=8, vocab_size=32000)),
@@ -37,6 +39,8 @@ PRESETS: dict[str, tuple[str, dict]] = {
         "PrecondGatedDeltaNetConfig",
         dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
     ),
+    # transformers' own delta-rule models (config classes of transformers, not fla).
+    **TRANSFORMERS_PRESETS,
 }
 
 
@@ -92,7 +96,12 @@ def load_model(
                 + ", ".join(f"random:{p}" for p in PRESETS)
             )
         cls_name, kwargs = PRESETS[name]
-        config = getattr(models, cls_name)(**kwargs)
+        if hasattr(models, cls_name):
+            config = getattr(models, cls_name)(**kwargs)
+        else:
+            import transformers
+
+            config = getattr(transformers, cls_name)(**kwargs)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config)
@@ -135,6 +144,12 @@ def load_model(
         model = _dispatch(model.to(dtype=dtype), device_map, spec)
     model = model.eval()
     cfg = model.config.to_dict() if source == "random" else config
+    if isinstance(cfg.get("text_config"), dict):
+        # A multimodal checkpoint (e.g. Qwen3.5's) keeps the language model's sizes in text_config,
+        # which is what is loaded (as a causal LM).
+        cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if v is not None}}
+    if cfg.get("vocab_size") is None:
+        cfg = {**cfg, "vocab_size": model.get_input_embeddings().num_embeddings}
     return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory)
 
 

@@ -144,10 +144,13 @@ def _runs_table(runs) -> str:
         rep = s.get("replay", {})
         layers = m.get("layers", [])
         families = sorted({layer["family"] for layer in layers})
+        skipped = m.get("layers_skipped") or []  # a hybrid model's full-attention layers
+        not_captured = (f"; {len(skipped)} not captured ({', '.join(sorted({x['type'] for x in skipped}))})"
+                        if skipped else "")
         rows.append([
             label,
             f"{len(m.get('prompts', []))} × `{m.get('prompts_source', '?')}`" + (" (twice)" if m.get("twice") else ""),
-            f"{len(layers)} ({', '.join(families)})",
+            f"{len(layers)} ({', '.join(families)}){not_captured}",
             ", ".join(m.get("kernels", [])) or "?",
             f"{rep.get('backend', '?')}, {rep.get('dtype', '?')}",
             _fidelity_cell(s),

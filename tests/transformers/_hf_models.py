@@ -1,0 +1,78 @@
+"""Tiny random transformers models for the capture tests, built offline from the package's
+``random:*-tiny`` presets, with the depth a test asks for."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from osdn_diag.models.transformers_presets import TRANSFORMERS_PRESETS
+
+#: preset name, modeling module, the kernel names its linear-attention layer calls (prompt, decode step)
+MODELS = {
+    "qwen3_next": ("qwen3-next-tiny", "transformers.models.qwen3_next.modeling_qwen3_next",
+                   ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")),
+    "qwen3_5": ("qwen3.5-tiny", "transformers.models.qwen3_5.modeling_qwen3_5",
+                ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")),
+    "qwen3_5_moe": ("qwen3.5-moe-tiny", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+                    ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")),
+    "kimi_linear": ("kimi-linear-tiny", "transformers.models.kimi_linear.modeling_kimi_linear",
+                    ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")),
+    "olmo_hybrid": ("olmo-hybrid-tiny", "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+                    ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")),
+}
+FLA_NAMES = {
+    "torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule",
+    "chunk_kimi_delta_attention": "chunk_kda",
+    "recurrent_kimi_delta_attention": "fused_recurrent_kda",
+}
+
+
+def tiny_model(model: str, layer_types: tuple[str, ...], *, seed: int = 0, dtype=torch.float32,
+               device: str = "cpu", **overrides) -> torch.nn.Module:
+    """The ``model`` preset with ``len(layer_types)`` decoder layers of those types, eval mode."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    cls_name, kwargs = TRANSFORMERS_PRESETS[MODELS[model][0]]
+    kwargs = {**kwargs, "num_hidden_layers": len(layer_types), "layer_types": list(layer_types), **overrides}
+    if "mlp_layer_types" in kwargs:  # Kimi: a dense MLP first, experts after
+        kwargs["mlp_layer_types"] = (["dense"] + ["sparse"] * len(layer_types))[: len(layer_types)]
+    config = getattr(transformers, cls_name)(**kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = AutoModelForCausalLM.from_config(config)
+    return net.to(device=device, dtype=dtype).eval()
+
+
+def fallback_bound(model: str) -> dict:
+    """``{kernel name: the object transformers binds to it when fla cannot be imported}``: the
+    modeling file's torch functions run through transformers' own wrapper, built with fla hidden."""
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    module = sys.modules[MODELS[model][1]]
+    out = {}
+    for name in MODELS[model][2]:
+        torch_fn = getattr(module, name).__wrapped__  # functools.wraps keeps the torch function
+        with hidden_module("fla"):
+            out[name] = use_kernel_func_from_hub_with_fallback(FLA_NAMES[name], "fla")(torch_fn)
+    return out
+
+
+@contextlib.contextmanager
+def hidden_module(name: str):
+    """``import name`` fails inside (and its submodules too)."""
+    saved = {k: v for k, v in sys.modules.items() if k == name or k.startswith(name + ".")}
+    for k in saved:
+        sys.modules[k] = None
+    sys.modules[name] = None
+    try:
+        yield
+    finally:
+        for k in list(sys.modules):
+            if (k == name or k.startswith(name + ".")) and sys.modules[k] is None:
+                del sys.modules[k]
+        sys.modules.update(saved)

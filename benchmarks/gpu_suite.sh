@@ -4,8 +4,8 @@
 #   OUT=/path/to/results bash benchmarks/gpu_suite.sh [step ...]
 #
 # Ends with benchmarks/targets.py: the performance targets beside their measured values.
-# Steps (default: all, in this order): tests, layers, phase1, replay, comparator, capture, e2e,
-# e2e_stored, e2e_1b, memory; and, not in the default list, e2e_ddp (every GPU of the machine under
+# Steps (default: all, in this order): tests, hf_tests (transformers models, bf16), layers, phase1, replay, comparator, capture, e2e,
+# e2e_stored, e2e_1b, memory, e2e_hf (realistic transformers-model layer shapes); and, not in the default list, e2e_ddp (every GPU of the machine under
 # torchrun) and device_map (the 1.3B shape spread over every GPU by --device-map, against one GPU).
 # Two lanes on a two-GPU machine: pin each to its own cores (taskset, OMP_NUM_THREADS), or the
 # host-side work of one slows the other tenfold.
@@ -27,7 +27,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/osdn_diag_triton_cache}
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 PY=${PYTHON:-python3}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory)
+[ ${#steps[@]} -eq 0 ] && steps=(tests hf_tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf)
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
@@ -59,6 +59,11 @@ for step in "${steps[@]}"; do
         tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/ops/test_phase1_parallel_kernel.py \
                         tests/ops/test_phase1_kernel.py tests/layers/test_layers_gpu.py tests/ops \
                         tests/capture/test_kernel_exact_gpu.py ;;
+        hf_tests)   run_step hf_tests 420 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/transformers/test_hf_capture_gpu.py \
+                        tests/layers/test_layers_gpu.py ;;
+        e2e_hf)     run_step e2e_hf 400 bash -c '
+                        set -e; for m in qwen3.5-0.8b-shape kimi-linear-48b-a3b-shape; do
+                            "$0" benchmarks/bench_e2e.py --model random:$m --mode stream --json "$1/e2e_$m.json"; done' "$PY" "$OUT" ;;
         layers)     run_step layers 400 "$PY" benchmarks/bench_layers.py --profile --json "$OUT/layers.json" ;;
         phase1)     run_step phase1 200 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;
         replay)     run_step replay 240 bash -c '

@@ -76,3 +76,14 @@ def hidden_module(name: str):
             if (k == name or k.startswith(name + ".")) and sys.modules[k] is None:
                 del sys.modules[k]
         sys.modules.update(saved)
+
+
+def decode_step(net, step: torch.Tensor, cache):
+    """One cached decoding step: the cache goes by the keyword this transformers version's forward
+    takes (``cache`` in recent 5.x, ``past_key_values`` before), so the step really decodes — a
+    keyword the forward does not know would drop the cache and re-run the chunk path."""
+    import inspect
+
+    params = inspect.signature(net.forward).parameters
+    key = "cache" if "cache" in params else "past_key_values"
+    return net(step, **{key: cache}, use_cache=True)

@@ -27,7 +27,7 @@ import dataclasses
 import pytest
 import torch
 
-from _hf_models import MODELS, tiny_model
+from _hf_models import MODELS, decode_step, tiny_model
 from _hf_oracle import consumed, fp64_delta_rule, ratio_error, relative_error, spy_kernel_calls, spy_stored_qk
 from osdn_diag.capture.context import capture
 from osdn_diag.replay import replay_call
@@ -63,7 +63,7 @@ def runs():
 
             def forward():
                 out = net(ids, use_cache=True)
-                nxt = net(step, cache=out.past_key_values, use_cache=True)
+                nxt = decode_step(net, step, out.past_key_values)
                 return [out.logits, nxt.logits]
 
             _, module, names = MODELS[model]

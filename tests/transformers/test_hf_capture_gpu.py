@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 
-from _hf_models import MODELS, fallback_bound, tiny_model
+from _hf_models import MODELS, decode_step, fallback_bound, tiny_model
 from _hf_oracle import (
     consumed,
     fp64_delta_rule,
@@ -99,7 +99,7 @@ def runs():
 
                 def forward():
                     out = net(ids, use_cache=True)
-                    return [out.logits, net(step, cache=out.past_key_values, use_cache=True).logits]
+                    return [out.logits, decode_step(net, step, out.past_key_values).logits]
 
                 spy_qk = spy_stored_qk() if implementation == "fla" else spy_fallback_qk(module)
                 with torch.no_grad():

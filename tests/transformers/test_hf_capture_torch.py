@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf_models import MODELS, fallback_bound, tiny_model
+from _hf_models import MODELS, decode_step, fallback_bound, tiny_model
 from _hf_oracle import (
     consumed,
     fp64_delta_rule,
@@ -47,7 +47,7 @@ def test_torch_fallback_is_captured(monkeypatch, model):
 
     def forward():
         out = net(ids, use_cache=True)
-        return [out.logits, net(step, cache=out.past_key_values, use_cache=True).logits]
+        return [out.logits, decode_step(net, step, out.past_key_values).logits]
 
     _, module, names = MODELS[model]
     with torch.no_grad():

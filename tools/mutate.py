@@ -327,7 +327,9 @@ def _run(cmd: list[str], cwd: Path, env: dict, timeout: float | None) -> tuple[i
 def probe(copy: Path, env: dict, modules: list[str], timeout: float | None) -> tuple[str | None, str | None]:
     """Import ``modules`` in the copy. ``(import error, None)`` when one fails to import;
     ``(None, problem)`` when one came from outside the copy; ``(None, None)`` when all is well."""
-    rc, out = _run([sys.executable, "-c", _PROBE, *modules], copy, env, timeout)
+    # Run from outside the copy: `python -c` puts its working directory first on the path, which would
+    # hide a wrong PYTHONPATH from the probe (and not from a test's subprocess started elsewhere).
+    rc, out = _run([sys.executable, "-c", _PROBE, *modules], copy.parent, env, timeout)
     if rc is None:
         return None, "importing the mutated modules timed out"
     lines = [line for line in out.splitlines() if line.startswith("{")]

@@ -322,6 +322,9 @@ def _run(cmd: list[str], cwd: Path, env: dict, timeout: float | None) -> tuple[i
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         return None, out.decode(errors="replace")
+    except BaseException:  # Ctrl-C: take the tests' processes down too (their own session ignores it)
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
 
 
 def probe(copy: Path, env: dict, modules: list[str], timeout: float | None) -> tuple[str | None, str | None]:
@@ -538,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="run the whole suite for each mutation")
     ap.add_argument("--mutations", type=Path, default=DEFAULT_LIST,
                     help="the mutation list (default tools/mutations.toml)")
-    ap.add_argument("--no-baseline", action="store_true", help="skip the run on the unmutated copy")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the baseline tests (the unmutated copy's import check still runs)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per mutation (default 3600)")
     ap.add_argument("--logs", type=Path, help="write each mutation's pytest output to DIR/ID.log")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copies (for debugging)")

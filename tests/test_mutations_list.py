@@ -113,8 +113,8 @@ def test_the_copy_runs_its_own_proofs(mutate, tmp_path):
 id = "detail-dropped"
 description = "d"
 file = "proofs/ledger.py"
-old = 'outcome = Outcome("failed", f"{type(exc).__name__}: {exc}")'
-new = 'outcome = Outcome("failed", type(exc).__name__)'
+old = 'outcome = Outcome(f"{type(exc).__name__}: {exc}")'
+new = 'outcome = Outcome(type(exc).__name__)'
 tests = ["tests/proofs/test_ledger.py::test_exception_becomes_failed"]
 
 [[mutation]]

@@ -16,7 +16,17 @@ from dataclasses import dataclass
 
 from .._atomic import atomic_path
 from .._json import dumps as strict_json
-from . import arithmetic, corollary_a2, counterexample, lemma_4_1, lemma_d6, theorem_d7, wy_chunk
+from . import (
+    arithmetic,
+    corollary_a2,
+    corollary_d8,
+    counterexample,
+    lemma_4_1,
+    lemma_d6,
+    theorem_d5,
+    theorem_d7,
+    wy_chunk,
+)
 from ._claims import STATUSES, Claim, Outcome
 
 __all__ = [
@@ -30,7 +40,17 @@ __all__ = [
     "write_json",
 ]
 
-MODULES = (lemma_4_1, corollary_a2, lemma_d6, theorem_d7, counterexample, wy_chunk, arithmetic)
+MODULES = (
+    lemma_4_1,
+    corollary_a2,
+    lemma_d6,
+    theorem_d5,
+    theorem_d7,
+    counterexample,
+    corollary_d8,
+    wy_chunk,
+    arithmetic,
+)
 
 #: Every claim, in ledger order. :func:`run_ledger` reads this at call time.
 CLAIMS: list[Claim] = [claim for module in MODULES for claim in module.CLAIMS]

@@ -30,6 +30,26 @@ COVERED = {
     "lemma-d6-hessian": [("derivation", K14, 24)],
     "prop-a1-smoothness": [("derivation", K14, 12), ("derivation", {}, 2)],
     "prop-a3-apf-affine": [("derivation", K14, 40)],
+    "property-1-population-quadratic": [
+        ("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 36),
+        ("derivation", {"K": [1, 2], "V": [1, 2]}, 4),
+        ("derivation", {"K": [2], "V": [1]}, 6),
+    ],
+    "lemma-d1-feedback-convex": [("derivation", {"K": [1, 2], "V": [1, 2]}, 16)],
+    "lemma-d3-newton-feedback": [
+        ("derivation", {}, 4),
+        ("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 24),
+        ("derivation", {"K": [2], "V": [1, 2]}, 12),
+        ("derivation", {}, 2),
+        ("witness", {"K": [2], "V": [1]}, None),
+        ("witness", {"K": [2], "V": [1]}, None),
+    ],
+    "thm-d5-term-by-term": [("derivation", {}, 2), ("derivation", {"T": [1]}, 6)],
+    "thm-5.1-population-bound": [
+        ("derivation", {"T": [1, 2, 3, 4]}, 54),
+        ("derivation", {}, 11),
+        ("witness", {"K": [2], "V": [1], "T": [3]}, None),
+    ],
     "thm-d7-proof-steps": [("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 16), ("derivation", {"T": [2]}, 2)],
     "thm-d7-realised-regret-identity": [("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 8)],
     "thm-d7-zero-residual-convention": [
@@ -45,6 +65,11 @@ COVERED = {
     "app-d4-alternating-counterexample": [
         ("derivation", {"K": [1], "V": [1]}, 7),
         ("derivation", {"K": [1], "V": [1], "t": [1, 2, 3, 4, 5, 6, 7, 8]}, 8),
+    ],
+    "corollary-d8-repeated-key": [
+        ("derivation", {"K": [2, 4], "V": [1, 2]}, 28),
+        ("derivation", {"T": [2, 3, 4]}, 44),
+        ("witness", {"K": [2], "V": [1], "T": [2]}, None),
     ],
     "wy-chunk-asymmetric": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [2]}, 9)],
     "wy-chunk-gated": [("derivation", {"C": [2, 3], "K": [2], "V": [1]}, 2)],

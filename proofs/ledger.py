@@ -18,13 +18,17 @@ from .._atomic import atomic_path
 from .._json import dumps as strict_json
 from . import (
     arithmetic,
+    comparator_gap,
     corollary_a2,
     corollary_d8,
     counterexample,
+    gated,
     lemma_4_1,
     lemma_d6,
+    proximal,
     theorem_d5,
     theorem_d7,
+    write_key,
     wy_chunk,
 )
 from ._claims import STATUSES, Claim, Outcome
@@ -42,13 +46,17 @@ __all__ = [
 
 MODULES = (
     lemma_4_1,
+    write_key,
     corollary_a2,
     lemma_d6,
+    proximal,
     theorem_d5,
+    comparator_gap,
     theorem_d7,
     counterexample,
     corollary_d8,
     wy_chunk,
+    gated,
     arithmetic,
 )
 

@@ -25,11 +25,18 @@ COVERED = {
     "lemma-4.1-gradient": [("derivation", KV, 8)],
     "lemma-4.1-decoupling": [("derivation", KV, 8)],
     "lemma-4.1-ratio-vs-surrogate": [("derivation", KV, 8), ("derivation", {}, 3), ("witness", {"K": [2]}, None)],
+    "eq-2-write-key-equivalence": [("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 24), ("derivation", {}, 2)],
+    "sec-4.5-backward-factorisation": [("derivation", {"K": [1, 2, 3]}, 24)],
     "corollary-a2-monotone-descent": [("derivation", K14, 24)],
     "corollary-a2-hypotheses-needed": [("witness", {"K": [1]}, None), ("witness", {"K": [1]}, None)],
     "lemma-d6-hessian": [("derivation", K14, 24)],
     "prop-a1-smoothness": [("derivation", K14, 12), ("derivation", {}, 2)],
     "prop-a3-apf-affine": [("derivation", K14, 40)],
+    "app-a5-apf-proximal-form": [
+        ("conditional", {}, None),
+        ("under derivation", {"K": [1, 2, 3]}, 15),
+        ("without counterexample", {"K": [1]}, None),
+    ],
     "property-1-population-quadratic": [
         ("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 36),
         ("derivation", {"K": [1, 2], "V": [1, 2]}, 4),
@@ -49,6 +56,11 @@ COVERED = {
         ("derivation", {"T": [1, 2, 3, 4]}, 54),
         ("derivation", {}, 11),
         ("witness", {"K": [2], "V": [1], "T": [3]}, None),
+    ],
+    "d3-regret-decomposition": [
+        ("derivation", {"T": [1, 2, 3, 4]}, 20),
+        ("derivation", {}, 3),
+        ("witness", {"K": [1], "T": [1]}, None),
     ],
     "thm-d7-proof-steps": [("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 16), ("derivation", {"T": [2]}, 2)],
     "thm-d7-realised-regret-identity": [("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 8)],
@@ -74,6 +86,13 @@ COVERED = {
     "wy-chunk-asymmetric": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [2]}, 9)],
     "wy-chunk-gated": [("derivation", {"C": [2, 3], "K": [2], "V": [1]}, 2)],
     "wy-chunk-kda": [("derivation", {"C": [2, 3], "K": [2], "V": [1]}, 2)],
+    "app-b1-post-gate-residual": [("derivation", {"K": [1, 2], "V": [1, 2]}, 20), ("witness", {"K": [1], "V": [1]}, None)],
+    "app-c-osgdn-fixed-point": [
+        ("conditional", {}, None),
+        ("under derivation", {"K": [1, 2, 3]}, 9),
+        ("without counterexample", {"K": [1]}, None),
+        ("without counterexample", {"K": [1]}, None),
+    ],
     "app-l-state-overhead": [
         ("derivation", {}, 1),
         ("counterexample", SHAPE_340M, None),
@@ -97,6 +116,16 @@ COUNTEREXAMPLES = {
             "1 <= 0",
             {"k_t": "1", "beta_t": "1/4", "d_min": "1/2", "d_max": "2", "q_min": "1/4", "rho": "1/4"},
         ),
+    ],
+    "app-a5-apf-proximal-form": [
+        (
+            "64023999997/64000000000 = 16023999997/16000000000",
+            {"k": "1/2000", "epsilon": "1/1000000", "beta": "1/2", "eta": "3/1000", "r": "1", "d": "1"},
+        ),
+    ],
+    "app-c-osgdn-fixed-point": [
+        ("3/7 = 1", {"k": "1", "rho": "999/1000", "eta": "3/1000", "beta": "1/2", "d_fixed": "6/7"}),
+        ("1/2 = 1", {"k": "1", "rho": "1", "eta": "3/1000", "beta": "1/4", "d_fixed": "2", "Newton d": "4"}),
     ],
     "app-l-state-overhead": [
         ("1/128 <= 1/2000", {"state_MiB": "6", "d_MiB": "3/64"}),

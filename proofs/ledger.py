@@ -18,6 +18,7 @@ from .._atomic import atomic_path
 from .._json import dumps as strict_json
 from . import (
     arithmetic,
+    chunk_outputs,
     comparator_gap,
     corollary_a2,
     corollary_d8,
@@ -56,6 +57,7 @@ MODULES = (
     counterexample,
     corollary_d8,
     wy_chunk,
+    chunk_outputs,
     gated,
     arithmetic,
 )

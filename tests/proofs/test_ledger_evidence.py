@@ -21,7 +21,7 @@ SHAPE_1_3B = {"L": [24], "H": [16], "d_k": [128], "d_v": [128]}
 #: per claim, in order: (kind, sizes, number of steps) of every piece of evidence; pieces nested in a
 #: conditional are marked "under …" / "without …"; steps is None for an instance
 COVERED = {
-    "lemma-4.1-closed-form": [("derivation", KV, 32), ("derivation", {}, 1)],
+    "lemma-4.1-closed-form": [("derivation", KV, 32), ("derivation", {}, 1), ("witness", {"K": [2], "V": [1]}, None)],
     "lemma-4.1-gradient": [("derivation", KV, 8)],
     "lemma-4.1-decoupling": [("derivation", KV, 8)],
     "lemma-4.1-ratio-vs-surrogate": [("derivation", KV, 8), ("derivation", {}, 3), ("witness", {"K": [2]}, None)],
@@ -62,7 +62,11 @@ COVERED = {
         ("derivation", {}, 3),
         ("witness", {"K": [1], "T": [1]}, None),
     ],
-    "thm-d7-proof-steps": [("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 16), ("derivation", {"T": [2]}, 2)],
+    "thm-d7-proof-steps": [
+        ("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 16),
+        ("derivation", {"T": [2]}, 2),
+        ("derivation", {}, 8),
+    ],
     "thm-d7-realised-regret-identity": [("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 8)],
     "thm-d7-zero-residual-convention": [
         *[("counterexample", {"K": [1], "V": [1], "T": [T]}, None) for T in (1, 2, 3, 4) for _ in range(2)],

@@ -150,3 +150,29 @@ def test_corollary_d8_per_token_check_detects_overlap(monkeypatch):
     outcome = corollary_d8.check_repeated_key()
     assert outcome.status == "failed"
     assert "S'k_other = S k_other" in outcome.detail
+
+
+# --- hypotheses stated ----------------------------------------------------------------------------------
+
+
+def test_lemma_4_1_zero_residual_instance():
+    from osdn_diag.proofs import lemma_4_1
+
+    w = lemma_4_1.zero_residual_witness()
+    S, k, v = np.array([[1.0, 2.0]]), np.array([1.0, 1.0]), np.array([3.0])
+    assert np.all(v - S @ k == 0) and k @ k > 0  # u = 0 with a nonzero key
+    assert w.established and w.instance["S"] == "(1, 2)"
+
+
+def test_am_gm_for_every_T_is_part_of_the_d7_proof(monkeypatch):
+    from osdn_diag.proofs import theorem_d7
+
+    monkeypatch.setattr(theorem_d7, "am_gm_steps", lambda: {"AM–GM step": None})
+    outcome = theorem_d7.check_proof_steps()
+    assert outcome.status == "failed" and "AM–GM step" in outcome.detail
+
+
+@pytest.mark.parametrize("T", [1, 3, 17, 100])
+def test_am_gm_numerically(T):
+    x = RNG.uniform(0, 2, size=T)
+    assert np.prod(x) <= np.mean(x) ** T * (1 + 1e-12)

@@ -24,13 +24,16 @@ from . import (
     corollary_d8,
     counterexample,
     gated,
+    inconsistencies,
     lemma_4_1,
     lemma_d6,
+    newton_feasibility,
     proximal,
     theorem_d5,
     theorem_d7,
     write_key,
     wy_chunk,
+    zero_residual,
 )
 from ._claims import STATUSES, Claim, Outcome
 
@@ -54,11 +57,14 @@ MODULES = (
     theorem_d5,
     comparator_gap,
     theorem_d7,
+    zero_residual,
+    newton_feasibility,
     counterexample,
     corollary_d8,
     wy_chunk,
     chunk_outputs,
     gated,
+    inconsistencies,
     arithmetic,
 )
 

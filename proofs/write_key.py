@@ -14,7 +14,7 @@ residual ``u = v − S k``, token loss ``f(S) = ½‖S k − v‖²``, write key
     polynomial of degree 2 in ``(k̃, k)`` (every monomial with its own symbolic coefficient) and, for
     the ``d`` part, on an undefined sympy function ``ℒ``. The factorisation treats ``d_t`` as
     independent of ``k_t`` — true for Algorithm 1, which emits ``d_t ⊙ k_t`` before ``d`` sees ``k_t``
-    (see ``paper-fig1-vs-algorithm1``).
+    (see ``fig1-vs-algorithm-1``).
 """
 
 from __future__ import annotations

@@ -72,6 +72,23 @@ COVERED = {
         *[("counterexample", {"K": [1], "V": [1], "T": [T]}, None) for T in (1, 2, 3, 4) for _ in range(2)],
         ("derivation", {}, 1),
     ],
+    "d4-h-zero-extension-continuous": [("derivation", {}, 5), ("counterexample", {"K": [1], "V": [1]}, None)],
+    "thm-d7-zero-residual-drop": [
+        ("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 26),
+        ("derivation", {}, 8),
+        *[("witness", {"K": [1], "V": [1], "T": [4]}, None)] * 2,
+    ],
+    "thm-d7-zero-residual-continuous": [
+        ("derivation", {}, 5),
+        ("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 8),
+        ("derivation", {}, 8),
+        *[("witness", {"K": [1], "V": [1], "T": [4]}, None)] * 2,
+    ],
+    "thm-5.2-newton-overdetermined": [
+        ("derivation", {"K": [1, 2, 3]}, 3),
+        ("witness", {"K": [2], "T": [3]}, None),
+        ("witness", {"K": [2], "T": [2]}, None),
+    ],
     "thm-5.2-super-geometric": [
         ("conditional", {}, None),
         ("under derivation", {"T": [1, 2, 3, 4]}, 4),
@@ -100,10 +117,18 @@ COVERED = {
         ("without counterexample", {"K": [1]}, None),
         ("without counterexample", {"K": [1]}, None),
     ],
+    "app-b-vs-listing-1-normaliser": [
+        ("conditional", {}, None),
+        ("under derivation", {"K": [1, 2, 3]}, 6),
+        ("without counterexample", {"K": [2]}, None),
+    ],
+    "fig1-vs-algorithm-1": [("derivation", {}, 2), ("witness", {"K": [1]}, None)],
     "app-l-state-overhead": [
         ("derivation", {}, 1),
         ("counterexample", SHAPE_340M, None),
         ("counterexample", SHAPE_1_3B, None),
+        ("counterexample", {"L": [21], "H": [6], "d_k": [128], "d_v": [256]}, None),  # Gated DeltaNet 340M
+        ("counterexample", {"L": [23], "H": [8], "d_k": [128], "d_v": [128]}, None),  # KDA 340M
         *[("counterexample", {}, None)] * 4,  # the four rows of Tables 19–20
     ],
     "reader-newton-infeasible": [("derivation", K14, 16)],
@@ -134,9 +159,21 @@ COUNTEREXAMPLES = {
         ("3/7 = 1", {"k": "1", "rho": "999/1000", "eta": "3/1000", "beta": "1/2", "d_fixed": "6/7"}),
         ("1/2 = 1", {"k": "1", "rho": "1", "eta": "3/1000", "beta": "1/4", "d_fixed": "2", "Newton d": "4"}),
     ],
+    "d4-h-zero-extension-continuous": [("-3/8 = 0", {"S": "0", "k": "1", "beta": "1/2", "d": "1", "a": "1/2"})],
+    "app-b-vs-listing-1-normaliser": [
+        (
+            "501/2000 = 201/800",
+            {
+                "k": "(1, 1)", "d": "(1/4, 1/4)", "eta": "3/1000", "rho": "999/1000",
+                "App. B step": "(201/800, 201/800)", "Listing 1 step": "(501/2000, 501/2000)",
+            },
+        ),
+    ],
     "app-l-state-overhead": [
         ("1/128 <= 1/2000", {"state_MiB": "6", "d_MiB": "3/64"}),
         ("1/128 <= 1/2000", {"state_MiB": "12", "d_MiB": "3/32"}),
+        ("1/256 <= 1/2000", {"state_MiB": "63/8", "d_MiB": "63/2048"}),
+        ("1/128 <= 1/2000", {"state_MiB": "23/4", "d_MiB": "23/512"}),
         ("47/6000 <= 1/2000", {"before_MiB": "6", "after_MiB": "6047/1000"}),
         ("31/7875 <= 1/2000", {"before_MiB": "63/8", "after_MiB": "3953/500"}),
         ("9/1150 <= 1/2000", {"before_MiB": "23/4", "after_MiB": "1159/200"}),

@@ -28,6 +28,7 @@ from . import (
     lemma_4_1,
     lemma_d6,
     newton_feasibility,
+    paper_numbers,
     proximal,
     theorem_d5,
     theorem_d7,
@@ -66,6 +67,7 @@ MODULES = (
     gated,
     inconsistencies,
     arithmetic,
+    paper_numbers,
 )
 
 #: Every claim, in ledger order. :func:`run_ledger` reads this at call time.

@@ -132,6 +132,13 @@ COVERED = {
         *[("counterexample", {}, None)] * 4,  # the four rows of Tables 19–20
     ],
     "reader-newton-infeasible": [("derivation", K14, 16)],
+    "apf-parameter-share": [("witness", {}, None)] * 2,
+    "headline-percentages": [("derivation", {}, 8)],
+    "table-1-against-sources": [("derivation", {}, 25)],
+    "throughput-deltas": [("derivation", {}, 19)],
+    "table-7-averages": [("derivation", {}, 42)],
+    "diagnostic-measurement-count": [("witness", {}, None)],
+    "app-l-diagonal-mib-text": [("counterexample", {}, None)],
 }
 
 _ZERO_STREAM = {"k_t": "1", "v_t": "0", "S_0": "0", "beta_t": "1/2", "d_t": "2", "d*": "2"}
@@ -159,6 +166,7 @@ COUNTEREXAMPLES = {
         ("3/7 = 1", {"k": "1", "rho": "999/1000", "eta": "3/1000", "beta": "1/2", "d_fixed": "6/7"}),
         ("1/2 = 1", {"k": "1", "rho": "1", "eta": "3/1000", "beta": "1/4", "d_fixed": "2", "Newton d": "4"}),
     ],
+    "app-l-diagonal-mib-text": [("9/200 = 47/1000", {"layers": "23", "heads": "8", "d_k": "128", "MiB": "23/512"})],
     "d4-h-zero-extension-continuous": [("-3/8 = 0", {"S": "0", "k": "1", "beta": "1/2", "d": "1", "a": "1/2"})],
     "app-b-vs-listing-1-normaliser": [
         (

@@ -177,6 +177,7 @@ CLAIMS = [
     Claim(
         id="chunk-output-listing-1",
         location="Sec. 4.3 Eq. (6) (Q K̃ᵀ score); App. A.2; App. C Listing 1 (lines 76–82)",
+        quote="the intra-chunk output score uses the same write-side substitution",
         statement="The chunk output Q Sᵀ + tril(Q K̃ᵀ)(U − W Sᵀ) — intra-chunk score with the write-side "
         "key — equals the token recurrence's read-outs o_t = S_t q_t.",
         method=f"sympy, {format_sizes(GRID)}: chunk output minus token read-outs expands to 0 entrywise; the "
@@ -187,6 +188,8 @@ CLAIMS = [
     Claim(
         id="chunk-output-listing-2",
         location="App. C, Listing 2 (OSGDN chunk update, output line 39)",
+        quote="the state and output kernels are the usual Gated DeltaNet kernels with K K ~ ⊤ and Q K ~ ⊤"
+        " replacing the symmetric key products.",
         statement="The gated chunk output (γ⊙Q)Sᵀ + tril((γ⊙Q)(K̃/γ)ᵀ)(U − W Sᵀ) equals the gated token "
         "recurrence's read-outs.",
         method=f"sympy, {format_sizes(GRID)}: denominators cleared, difference expands to 0; supporting fp64 "
@@ -197,6 +200,7 @@ CLAIMS = [
     Claim(
         id="chunk-output-app-b2",
         location="App. B.2, OSKDA intra-chunk output O_[t]; App. C Listing 3",
+        quote="The intra-chunk output formula uses the same storage-side replacement",
         statement="The OSKDA chunk output (Γ⊙Q)S + Tril((Γ⊙Q)(K̃/Γ)ᵀ)(U − W S) equals KDA's token read-outs "
         "o_t = S_tᵀ q_t with write key k̃.",
         method=f"sympy, {format_sizes(GRID)}: denominators cleared, difference expands to 0; supporting fp64 "

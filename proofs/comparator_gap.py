@@ -104,6 +104,8 @@ CLAIMS = [
     Claim(
         id="d3-regret-decomposition",
         location="App. D.3, 'Diagonal comparator gap'",
+        quote="The middle term is the price paid for the box constraint and vanishes whenever an "
+        "unrestricted diagonal optimum already lies inside",
         statement="Regret to D⋆ = projected-OGD regret + box/projection gap + diagonal gap; the box gap "
         "vanishes whenever an unrestricted diagonal optimum lies inside [d_min, d_max]^K.",
         method=f"sympy, {format_sizes({'T': TS})}: the identity with every h_t value symbolic; minimality "

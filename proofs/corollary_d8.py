@@ -131,6 +131,7 @@ CLAIMS = [
     Claim(
         id="corollary-d8-repeated-key",
         location="App. D.4, Corollary D.8 (Repeated-key contraction)",
+        quote="Suppose tokens are typed by c ∈ 𝒞 , with key k c and target v c depending only on c",
         statement="With class keys on disjoint coordinate blocks, fixed class values and a block-respecting "
         "D_t, Π_c F_c(S_T)/F_c(S_0) = Π_t q_t for any sequence in which each class appears — for classes "
         "with F_c(S_0) > 0 (the ratio is 0/0 otherwise).",

@@ -164,6 +164,8 @@ CLAIMS = [
     Claim(
         id="app-b1-post-gate-residual",
         location="App. B.1 (post-gate regret form)",
+        quote="Using the pre-gate residual would introduce an additive ( 1 − α t ) 𝐯 t term that is not "
+        "controlled by d t",
         statement="Against the decayed reference S̄ = α_tS_{t−1} the OSGDN write contracts the residual by "
         "(1 − β_t⟨d_t, k_t²⟩), matching Eq. (12); the pre-gate residual would carry an additive (1 − α_t)v_t "
         "term not controlled by d_t.",
@@ -175,6 +177,7 @@ CLAIMS = [
     Claim(
         id="app-c-osgdn-fixed-point",
         location="App. C, OSGDN implementation ('so the fixed point is β_i⟨d_i, k_i²⟩ = 1')",
+        quote="so the fixed point is β i ⟨ d i , k i 2 ⟩ = 1 .",
         statement="The post-gate phase-1 recurrence of OSGDN has its fixed point at β⟨d, k²⟩ = 1, including "
         "the data-dependent-retention kernel.",
         method="sympy, K = 1..3: the unprojected step with ρ = 1 factored as (ηβ/n̄)(1 − a)s; exact K = 1 "

@@ -133,6 +133,7 @@ CLAIMS = [
     Claim(
         id="app-b-vs-listing-1-normaliser",
         location="App. B (1.3B non-beta-aware update) vs App. C, Listing 1 (lines 37–46, beta_aware=False)",
+        quote="The 1.3B OSDN configuration uses a non-beta-aware phase-1 recurrence",
         statement="App. B's 1.3B update d_{t+1} = ρ_t^d d_t + η(1 − ⟨d_t, k_t²⟩)k_t² and Listing 1's "
         "non-beta-aware branch, which divides by key_norm_sq = max(‖k_t‖², ε), are the same recurrence.",
         method=f"sympy, {format_sizes(GRID)}: the difference factored as (1/n̄ − 1)·η(1 − ⟨d, s⟩)s; an exact "
@@ -143,6 +144,7 @@ CLAIMS = [
     Claim(
         id="fig1-vs-algorithm-1",
         location="Fig. 1 (right panel, as drawn) vs Algorithm 1 line 5; App. C Algorithm 2 line 9, Listing 1 line 28",
+        quote="materialise write key for phase 2",
         statement="Fig. 1 draws the phase-1 write key with d_{t+1}; Algorithm 1 emits k̃_t = d_t ⊙ k_t before "
         "updating d. The two orderings are different recurrences, and only Algorithm 1's matches Sec. 4.5's "
         "backward factorisation.",

@@ -157,7 +157,7 @@ def format_table(results: Sequence[ClaimResult]) -> str:
 
 
 def to_records(results: Sequence[ClaimResult]) -> list[dict]:
-    """One JSON-ready dict per claim.
+    """One JSON-ready dict per claim (``quote``: the paper's words at ``location``).
 
     ``evidence`` lists what the check computed, each piece with its ``kind`` (derivation,
     counterexample, witness, conditional), ``sizes`` (the dimensions covered, e.g. ``{"K": [1, 2, 3, 4]}``)
@@ -169,6 +169,7 @@ def to_records(results: Sequence[ClaimResult]) -> list[dict]:
         {
             "id": r.claim.id,
             "location": r.claim.location,
+            "quote": r.claim.quote,
             "statement": r.claim.statement,
             "method": r.claim.method,
             "status": r.outcome.status,

@@ -293,6 +293,7 @@ CLAIMS = [
     Claim(
         id="lemma-4.1-closed-form",
         location="Sec. 4.2, Lemma 4.1; App. A.3",
+        quote="Lemma 4.1 (Closed-form hypergradient). For any d t ∈ ℝ K , β t ∈ ( 0 , 1 ) , and k t ≠ 0",
         statement="One OSDN write scales the residual by (1 − β⟨d, k⊙k⟩), so the token loss ratio is "
         "(1 − a)² and the surrogate is h(d) = ((1 − a)² − 1)/(2‖k‖²) — for u ≠ 0, which the lemma as printed "
         "omits (it assumes only k ≠ 0; at u = 0 the definition of h is 0/0).",
@@ -305,6 +306,7 @@ CLAIMS = [
     Claim(
         id="lemma-4.1-gradient",
         location="Sec. 4.2, Lemma 4.1 Eq. (3); App. A.3",
+        quote="Differentiating once gives ∇ d h t",
         statement="∇_d h(d) = −β(1 − β⟨d, s⟩)/‖k‖² · s (for u ≠ 0, where h is defined).",
         method=f"sympy: differentiate the definition of h (S, v symbolic) in each d_i, {_GRID_TEXT}; "
         "difference to the closed form vanishes.",
@@ -314,6 +316,8 @@ CLAIMS = [
     Claim(
         id="lemma-4.1-decoupling",
         location="Sec. 4.2, consequence (i)",
+        quote="Both h t and ∇ d h t depend only on the key k t and the scalar gate β t ; neither S t , v "
+        "t , nor the residual u t enters.",
         statement="Neither h nor ∇h depends on the state S, the value v or the residual u.",
         method="sympy: the definition of h (all entries symbolic) minus the closed form vanishes, and "
         f"the closed form's free symbols exclude every entry of S and v ({_GRID_TEXT}).",
@@ -323,6 +327,7 @@ CLAIMS = [
     Claim(
         id="lemma-4.1-ratio-vs-surrogate",
         location="Thm 5.2 / App. D.4 Eq. (20); Lemma 4.1",
+        quote="and Equation (18) with n t = 1 gives q t = 1 + 2 h t ( d t ) .",
         statement="Our precise reading of 'q_t = 1 + 2h_t(d_t)': in general (k_t ≠ 0, u_t ≠ 0) "
         "q_t = 1 + 2‖k_t‖² h_t(d_t); the paper's form is exact only for unit keys, as Theorem D.7 assumes.",
         method=f"sympy: ∇f(S) = −u kᵀ and ‖∇f(S)‖² = 2n f(S) ({_GRID_TEXT}), hence q = 1 + 2nh; the "

@@ -119,6 +119,7 @@ CLAIMS = [
     Claim(
         id="thm-5.2-newton-overdetermined",
         location="Sec. 5, Thm 5.2; App. D.4, Thm D.7 (gated diagonal Newton condition); reader's inference",
+        quote="If furthermore there exists d ⋆ ∈ 𝒟 realising the gated diagonal Newton condition",
         statement="Reader's inference: with unit keys and varying gates the gated Newton condition "
         "β_t⟨d⋆, s_t⟩ = 1 (all t) is T equations in K unknowns, infeasible for generic streams once T > K, "
         "so ε_T^diag > 0 and the super-geometric clause does not apply to typical streams.",

@@ -93,6 +93,8 @@ CLAIMS = [
     Claim(
         id="app-a5-apf-proximal-form",
         location="App. A.5, 'Interpretation' after Prop. A.3",
+        quote="The unprojected APF step can be read as a gradient step on the linearisation of h t around"
+        " d t with proximal centre shifted from d t to 𝒓 t ⊙ d t .",
         statement="The unprojected APF step is d̄_{t+1} = argmin_D {⟨∇h_t(d_t), D⟩ + ‖D − r_t ⊙ d_t‖²/(2η)}; "
         "the implicit step on h_t would solve a rank-one Sherman–Morrison system.",
         method=f"sympy, {format_sizes(GRID)}: Φ(D) − Φ(D̂) = ‖D − D̂‖²/(2η); D̂ against Eq. (7) with n̄ = n; the "

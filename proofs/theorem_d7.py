@@ -322,6 +322,7 @@ CLAIMS = [
     Claim(
         id="thm-d7-proof-steps",
         location="Sec. 5, Thm 5.2; App. D.4, Thm D.7 (proof)",
+        quote="Assume ‖ k t ‖ 2 = 1 for all t and the conditional-regret assumption (19).",
         statement="With unit keys and u_t ≠ 0 at every token (a hypothesis the theorem leaves to a "
         "convention), Π_t q_t ≤ (2ε_T(d) + 2R_T(d)/T)^T for any d, given a regret bound R_T(d).",
         method=f"sympy, {format_sizes(GRID)} (term-wise identities, so all T): q_t = 1 + 2h_t(d_t); "
@@ -334,6 +335,7 @@ CLAIMS = [
     Claim(
         id="thm-d7-realised-regret-identity",
         location="App. D.4, Thm D.7 with R_T(d) = Σ h_t(d_t) − h_t(d); Eq. (19)",
+        quote="Combining, 1 + 2 T ∑ t = 1 T h t ( d t ) ≤ 1 + 2 ε T ( d ) − 1 + 2 R T ( d ) T",
         statement="For unit keys and u_t ≠ 0 at every token (so q_t = (1 − a_t)²): with the realised regret, "
         "2ε_T(d) + 2R_T(d)/T equals mean_t q_t for every comparator d, so the bound is exactly AM–GM on the "
         "q_t and holds for all d ∈ R^K with no regret assumption; its content lies entirely in an a-priori "
@@ -346,6 +348,7 @@ CLAIMS = [
     Claim(
         id="thm-d7-zero-residual-convention",
         location="App. D.4, Thm D.7 with its conventions (q_t = 1, h_t ≡ 0 where u_t = 0)",
+        quote="When u t = 0 the ratio is 0 / 0 ; we interpret q t = 1 since",
         statement="Theorem D.7's bound holds on every unit-key stream, including tokens whose residual "
         "is zero, under the paper's conventions for them.",
         method="exact arithmetic on a K = V = 1 stream with v_t = 0, S_0 = 0, β_t = 1/2, d_t = 2, "
@@ -357,6 +360,7 @@ CLAIMS = [
     Claim(
         id="thm-5.2-super-geometric",
         location="Sec. 5, Thm 5.2; App. D.4, Thm D.7 (last part); App. D.5",
+        quote="If a feasible diagonal comparator satisfies the gated Newton condition",
         statement="If a feasible diagonal comparator satisfies the gated Newton condition and the "
         "regret is sublinear, the product of residual ratios decays super-geometrically, "
         "(O(1)/√T)^T under O(√T) regret.",

@@ -130,6 +130,8 @@ CLAIMS = [
     Claim(
         id="eq-2-write-key-equivalence",
         location="Sec. 4.1, Eq. (2); Sec. 4.3, Eq. (5); contribution 'exact write-key scaling equivalence'",
+        quote="where the second equality uses k t ⊤ D t = ( d t ⊙ k t ) ⊤ to turn the diagonal "
+        "preconditioner into a per-feature scaling of the write-side key.",
         statement="Right-preconditioning the token gradient equals scaling the write key: S − β∇f_t(S)D_t = "
         "S + βu_t(d_t ⊙ k_t)ᵀ = S(I − βk_t k̃_tᵀ) + βv_t k̃_tᵀ, with the read and the residual unchanged.",
         method=f"sympy, {format_sizes(GRID)}: ∇f by entrywise differentiation; the three forms subtracted "
@@ -140,6 +142,8 @@ CLAIMS = [
     Claim(
         id="sec-4.5-backward-factorisation",
         location="Sec. 4.5 ('The backward pass factors cleanly')",
+        quote="The backward pass factors cleanly: phase 2 produces ∂ ℒ / ∂ k ~ t , from which ∂ ℒ / ∂ d t"
+        " = k t ⊙ ∂ ℒ / ∂ k ~ t and ∂ ℒ / ∂ k t + = d t ⊙ ∂ ℒ / ∂ k ~ t",
         statement="Phase 2's ∂ℒ/∂k̃_t gives ∂ℒ/∂d_t = k_t ⊙ ∂ℒ/∂k̃_t and ∂ℒ/∂k_t += d_t ⊙ ∂ℒ/∂k̃_t.",
         method=f"sympy, {format_sizes(BACKWARD_GRID)}: Jacobians of k̃ = d ⊙ k; chain rule on a generic "
         "degree-2 polynomial ℒ(k̃, k) with symbolic coefficients and on an undefined function ℒ.",

@@ -215,6 +215,7 @@ CLAIMS = [
     Claim(
         id="wy-chunk-asymmetric",
         location="Sec. 4.3 Eq. (5)–(6); App. A.2 Eq. (8)–(11)",
+        quote="The chunk-internal cumulative transition admits the asymmetric WY form",
         statement="The asymmetric WY chunk form (Gram B K K̃ᵀ, T by forward substitution, "
         "W = TBK, U = TBV, S_next = S + (U − WSᵀ)ᵀK̃) reproduces the token recurrence.",
         method="sympy: chunk state minus token-by-token state expands to 0 entrywise, "
@@ -225,6 +226,7 @@ CLAIMS = [
     Claim(
         id="wy-chunk-gated",
         location="App. B.1, Eq. (13)–(15)",
+        quote="We use the standard Gated DeltaNet decay-ratio gauge",
         statement="The gated (OSGDN) chunk form with decay ratios γ_i/γ_j reproduces the gated token "
         "recurrence with write key k̃.",
         method=f"sympy: chunk minus token state, denominators cleared, expands to 0; {format_sizes(GATED)}; "
@@ -235,6 +237,8 @@ CLAIMS = [
     Claim(
         id="wy-chunk-kda",
         location="App. B.2 (OSKDA chunkwise UT transform)",
+        quote="For hardware-efficient training, the storage-side substitution is reflected in KDA’s "
+        "chunkwise UT-transform.",
         statement="The OSKDA chunk form with channel-wise cumulative decays Γ reproduces KDA's token "
         "recurrence with write key k̃ (native K×V state).",
         method=f"sympy: chunk minus token state, denominators cleared, expands to 0; {format_sizes(KDA)}; "

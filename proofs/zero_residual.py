@@ -206,6 +206,7 @@ CLAIMS = [
     Claim(
         id="d4-h-zero-extension-continuous",
         location="App. D.4, after Eq. (18) ('continuously extended by h_t ≡ 0 on the residual-zero set')",
+        quote="and continuously extended by h t ≡ 0 on the residual-zero set { u t = 0 } .",
         statement="Extending h_t by 0 on {u_t = 0} is a continuous extension of Eq. (18).",
         method="sympy, K = V = 1 with every symbol free: the definition of h and the ratio for u ≠ 0 and "
         "their limits as u → 0; an exact gain a = 1/2.",
@@ -215,6 +216,7 @@ CLAIMS = [
     Claim(
         id="thm-d7-zero-residual-drop",
         location="App. D.4, Thm D.7 (repair of the zero-residual convention)",
+        quote="Defining q t := f t ( S t ) / f t ( S t − 1 ) on the non-degenerate set { u t ≠ 0 }",
         statement="Repair 1: dropping the tokens with u_t = 0 (T → their complement's count T'), Theorem D.7's "
         "bound holds for the rest: Π_{u_t ≠ 0} q_t ≤ (2ε_{T'}(d) + 2R_{T'}(d)/T')^{T'}.",
         method=f"sympy, {format_sizes({'T': TS, 'K': (_K,)})}: the realised-regret identity over every nonempty "
@@ -225,6 +227,7 @@ CLAIMS = [
     Claim(
         id="thm-d7-zero-residual-continuous",
         location="App. D.4, Thm D.7 and Eq. (20) (repair of the zero-residual convention)",
+        quote="Defining q t := f t ( S t ) / f t ( S t − 1 ) on the non-degenerate set { u t ≠ 0 }",
         statement="Repair 2: with q_t := (1 − a_t)² at every token (the continuous extension of the ratio) and "
         "h_t from Eq. (18) everywhere, Theorem D.7 holds with the original T.",
         method=f"sympy: limits at u = 0 (K = V = 1); the realised-regret identity over all tokens "

@@ -47,7 +47,12 @@ SHAPES = {
 }
 
 #: the baseline state MiB of Tables 19–20 for each shape, by the shape's label
-SHAPE_TABLE_MIB = {"340M DeltaNet": "6.000", "1.3B DeltaNet": "12.000", "340M Gated DeltaNet": "7.875", "340M KDA": "5.750"}
+SHAPE_TABLE_MIB = {
+    "340M DeltaNet": "6.000",
+    "1.3B DeltaNet": "12.000",
+    "340M Gated DeltaNet": "7.875",
+    "340M KDA": "5.750",
+}
 
 #: Tables 19–20: persistent state in MiB (bf16), baseline → online-scaled variant
 PAPER_TABLE_MIB = {
@@ -132,7 +137,9 @@ def check_state_overhead() -> Outcome:
         numbers[f"{case.label}: state_MiB"] = float(base)
         numbers[f"{case.label}: d_MiB"] = float(extra)
         numbers[f"{case.label}: overhead_percent"] = _percent(case.lhs)
-        parts.append(f"{case.label}: d adds {float(extra):.4g} MiB to {float(base):.3f} MiB, {_percent(case.lhs):.5g} %")
+        parts.append(
+            f"{case.label}: d adds {float(extra):.4g} MiB to {float(base):.3f} MiB, {_percent(case.lhs):.5g} %"
+        )
     by_row = {case.label.removeprefix("paper table "): case.lhs for case in table}
     for row, ratio in by_row.items():
         numbers[f"paper table {row}: percent"] = round(_percent(ratio), 3)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
-from ._evidence import Conditional, Counterexample, Derivation, Witness, derive, format_sizes
+from ._evidence import Conditional, Counterexample, Witness, derive, format_sizes
 from ._sym import all_vanish, dot, is_positive, matrix, vanishes, vector
 
 __all__ = ["CLAIMS", "GRID", "fixed_point_retention", "phase1_step", "post_gate_steps"]

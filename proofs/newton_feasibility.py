@@ -21,7 +21,7 @@ import numpy as np
 import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
-from ._evidence import Derivation, Witness, derive, format_sizes
+from ._evidence import Witness, derive, format_sizes
 
 __all__ = ["CLAIMS", "GRID", "least_squares_gap", "overdetermined_steps", "supporting_sweep"]
 

@@ -5,7 +5,8 @@ Notation: key ``k``, ``s = k ⊙ k``, ``n = ‖k‖²``, ``n̄ = max(n, ε)``, g
 ``h(D) = ((1 − β⟨D, s⟩)² − 1)/(2n)`` with gradient ``∇h(d) = −β(1 − β⟨d, s⟩)/n · s`` (Lemma 4.1).
 
 Proved for K = 1..3 with every entry symbolic (``s`` a free nonnegative vector and ``n`` a free positive
-scalar, so the identities hold in particular for ``s = k ⊙ k``, ``n = ‖k‖²``): ``Φ(D) = ⟨∇h(d), D⟩ + ‖D − r ⊙ d‖²/(2η)`` satisfies
+scalar, so the identities hold in particular for ``s = k ⊙ k``, ``n = ‖k‖²``):
+``Φ(D) = ⟨∇h(d), D⟩ + ‖D − r ⊙ d‖²/(2η)`` satisfies
 ``Φ(D) − Φ(D̂) = ‖D − D̂‖²/(2η) ≥ 0`` at ``D̂ = r ⊙ d − η∇h(d)`` — so ``D̂`` is the unique minimiser — and
 ``D̂`` is Eq. (7)'s unprojected step with ``n̄ = n``. The implicit step ``argmin h(D) + ‖D − r ⊙ d‖²/(2η)``
 solves ``(I + ηβ²/n · s sᵀ)D = r ⊙ d + ηβ/n · s``, and the Sherman–Morrison formula

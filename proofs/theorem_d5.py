@@ -46,7 +46,7 @@ import sympy as sp
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Derivation, Witness, derive, format_sizes, format_values
 from ._inequalities import am_gm_steps, power_monotone_steps
-from ._sym import all_vanish, holds_on, is_nonnegative, is_positive, matrix, vanishes, vector
+from ._sym import all_vanish, holds_on, is_nonnegative, matrix, vanishes, vector
 
 __all__ = [
     "CLAIMS",

@@ -89,7 +89,9 @@ def backward_steps(K: int) -> dict[str, bool]:
     for i in range(K):
         dL_dkt = sp.diff(loss, x[i]).subs(at, simultaneous=True)
         direct = sp.diff(loss, k[i]).subs(at, simultaneous=True)
-        steps[f"polynomial ℒ: ∂ℒ/∂d_{i + 1} = k_{i + 1} ∂ℒ/∂k̃_{i + 1}"] = vanishes(sp.diff(total, d[i]) - k[i] * dL_dkt)
+        steps[f"polynomial ℒ: ∂ℒ/∂d_{i + 1} = k_{i + 1} ∂ℒ/∂k̃_{i + 1}"] = vanishes(
+            sp.diff(total, d[i]) - k[i] * dL_dkt
+        )
         steps[f"polynomial ℒ: ∂ℒ/∂k_{i + 1} = direct + d_{i + 1} ∂ℒ/∂k̃_{i + 1}"] = vanishes(
             sp.diff(total, k[i]) - direct - d[i] * dL_dkt
         )

@@ -110,7 +110,10 @@ COVERED = {
     "chunk-output-listing-1": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 6)],
     "chunk-output-listing-2": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 3)],
     "chunk-output-app-b2": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 3)],
-    "app-b1-post-gate-residual": [("derivation", {"K": [1, 2], "V": [1, 2]}, 20), ("witness", {"K": [1], "V": [1]}, None)],
+    "app-b1-post-gate-residual": [
+        ("derivation", {"K": [1, 2], "V": [1, 2]}, 20),
+        ("witness", {"K": [1], "V": [1]}, None),
+    ],
     "app-c-osgdn-fixed-point": [
         ("conditional", {}, None),
         ("under derivation", {"K": [1, 2, 3]}, 9),

@@ -39,7 +39,8 @@ def _quantities(keys, values, betas, traj, comparator):
         u = v - S @ k
         s = k * k
         a, a_star = beta * float(d @ s), beta * float(comparator @ s)
-        rows.append((float(u @ u), (1 - a) ** 2, ((1 - a) ** 2 - 1) / 2, ((1 - a_star) ** 2 - 1) / 2, (1 - a_star) ** 2))
+        h, h_star = ((1 - a) ** 2 - 1) / 2, ((1 - a_star) ** 2 - 1) / 2
+        rows.append((float(u @ u), (1 - a) ** 2, h, h_star, (1 - a_star) ** 2))
         S = S + beta * np.outer(u, d * k)
     return rows
 

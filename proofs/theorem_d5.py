@@ -547,7 +547,8 @@ CLAIMS = [
         location="Sec. 5, Thm 5.1; App. D.3, Thm D.5",
         quote="Theorem 5.1 (Population-limit right-Newton comparator).",
         statement="If the online preconditioner has regret R_T against D⋆ = Σ_k†, then f(S_{T+1}) − f* ≤ "
-        "[f(S_1) − f*](2L R_T/T)^T with L = λ_max(Σ_k) (the paper also assumes monotone updates).",
+        "[f(S_1) − f*](2L R_T/T)^T with L = λ_max(Σ_k). The paper also assumes monotone updates, "
+        "f(S_{t+1}) ≤ f(S_t); the bound holds without them.",
         method=f"sympy: the proof's ratio identities and telescoping ({format_sizes({'T': TS})}); AM–GM and "
         "monotone powers by induction on a symbolic n (every T); an exact K = 2 instance.",
         expected="verified",

@@ -1,7 +1,11 @@
 """Symbolic (sympy) checks of the OSDN paper's mathematics, and the claims ledger that runs them.
 
 Installed as ``osdn_diag.proofs``. Each module proves one group of claims and exports them as
-``CLAIMS``; :mod:`.ledger` collects them and is what ``osdn-diag prove`` runs.
+``CLAIMS``; :mod:`.ledger` collects them and is what ``osdn-diag prove`` runs; :mod:`.ledger_doc`
+writes ``docs/ledger.md`` from it. Every claim carries the paper's location and its words there
+(``Claim.quote``). Modules whose name starts with an underscore hold shared machinery: evidence and
+claims, sympy helpers, inequalities proved by induction (:mod:`._inequalities`) and the supporting fp64
+sweeps (:mod:`._sweep`), which are reported as numbers and never count as evidence.
 
 Notation shared by every module: state ``S ∈ R^{V×K}``, key ``k``, value ``v``, gate ``β``,
 preconditioner ``d``, ``s = k ⊙ k``, ``n = ‖k‖²``, residual ``u = v − S k``, OSDN write

@@ -81,6 +81,8 @@ class Claim:
     """One statement of the paper (or of a reader), where it is, and how we check it.
 
     ``expected`` is the status we have established; the ledger flags any run whose outcome differs.
+    ``quote``: the paper's words at ``location``, verbatim from its text rendering (mathematical letters
+    as that rendering spells them, e.g. ``k t`` for k_t); ``statement`` says what exactly is checked.
     """
 
     id: str
@@ -89,10 +91,13 @@ class Claim:
     method: str
     expected: str
     check: Callable[[], Outcome]
+    quote: str = ""
 
     def __post_init__(self) -> None:
         if self.expected not in ESTABLISHED:
             raise ValueError(f"Claim.expected must be one of {ESTABLISHED}, got {self.expected!r}")
+        if self.quote != self.quote.strip():
+            raise ValueError(f"Claim.quote of {self.id!r} has leading or trailing whitespace")
 
 
 def conclude(detail: str, evidence: Iterable, *, numbers: dict | None = None) -> Outcome:

@@ -49,7 +49,9 @@ def dot(a: sp.Matrix, b: sp.Matrix) -> sp.Expr:
 
 def vanishes(expr: sp.Expr) -> bool:
     """True iff ``expr`` is identically zero (see the module docstring for what is tried)."""
-    num, _ = sp.fraction(sp.together(sp.sympify(expr)))
+    # one fraction over a common denominator (no gcd cancellation needed: a rational function is 0
+    # exactly when the numerator of any such representation is the zero polynomial)
+    num, _ = sp.sympify(expr).as_numer_denom()
     num = sp.expand(num)
     if num == 0:
         return True

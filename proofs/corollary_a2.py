@@ -140,6 +140,7 @@ CLAIMS = [
     Claim(
         id="corollary-a2-monotone-descent",
         location="App. A.4, Cor. A.2; Sec. 4.2",
+        quote="Corollary A.2 (Monotone descent under bounded box).",
         statement="Unit keys, β ∈ (0,1) and d ∈ [d_min, d_max]^K with 0 < d_min ≤ d_max ≤ 2 give "
         "0 < β⟨d, s⟩ < 2, hence a token loss ratio (1 − β⟨d, s⟩)² < 1.",
         method=f"sympy, {format_sizes(GRID)}: hypotheses as sign assumptions on free symbols; a, 2 − a and "
@@ -151,6 +152,7 @@ CLAIMS = [
     Claim(
         id="corollary-a2-hypotheses-needed",
         location="App. A.4, Cor. A.2 (hypotheses d_max ≤ 2, β < 1)",
+        quote="with 0 < d min ≤ d max ≤ 2 . Then 0 < β t ⟨ d t , k t 2 ⟩ < 2",
         statement="Without d_max ≤ 2, or with gates β > 1 as fla's allow_neg_eigval permits, one "
         "write can increase the token loss.",
         method="exact rational arithmetic on two unit-key writes "

@@ -99,6 +99,8 @@ CLAIMS = [
     Claim(
         id="app-d4-alternating-counterexample",
         location="App. D.4, 'What the theorem controls'",
+        quote="each token-local residual is driven to zero, so ∏ t q t = 0 trivially, yet S t alternates "
+        "between ± 1 and never approaches the population minimiser S ⋆ = 0 .",
         statement="With K = V = 1, k_t = 1, v_t = (−1)^t and exact local writes, every token-local "
         "residual is driven to 0 (Π q_t = 0) yet S_t = ±1 never approaches the population "
         "minimiser S* = 0.",

@@ -16,7 +16,26 @@ from dataclasses import dataclass
 
 from .._atomic import atomic_path
 from .._json import dumps as strict_json
-from . import arithmetic, corollary_a2, counterexample, lemma_4_1, lemma_d6, theorem_d7, wy_chunk
+from . import (
+    arithmetic,
+    chunk_outputs,
+    comparator_gap,
+    corollary_a2,
+    corollary_d8,
+    counterexample,
+    gated,
+    inconsistencies,
+    lemma_4_1,
+    lemma_d6,
+    newton_feasibility,
+    paper_numbers,
+    proximal,
+    theorem_d5,
+    theorem_d7,
+    write_key,
+    wy_chunk,
+    zero_residual,
+)
 from ._claims import STATUSES, Claim, Outcome
 
 __all__ = [
@@ -30,7 +49,26 @@ __all__ = [
     "write_json",
 ]
 
-MODULES = (lemma_4_1, corollary_a2, lemma_d6, theorem_d7, counterexample, wy_chunk, arithmetic)
+MODULES = (
+    lemma_4_1,
+    write_key,
+    corollary_a2,
+    lemma_d6,
+    proximal,
+    theorem_d5,
+    comparator_gap,
+    theorem_d7,
+    zero_residual,
+    newton_feasibility,
+    counterexample,
+    corollary_d8,
+    wy_chunk,
+    chunk_outputs,
+    gated,
+    inconsistencies,
+    arithmetic,
+    paper_numbers,
+)
 
 #: Every claim, in ledger order. :func:`run_ledger` reads this at call time.
 CLAIMS: list[Claim] = [claim for module in MODULES for claim in module.CLAIMS]
@@ -119,7 +157,7 @@ def format_table(results: Sequence[ClaimResult]) -> str:
 
 
 def to_records(results: Sequence[ClaimResult]) -> list[dict]:
-    """One JSON-ready dict per claim.
+    """One JSON-ready dict per claim (``quote``: the paper's words at ``location``).
 
     ``evidence`` lists what the check computed, each piece with its ``kind`` (derivation,
     counterexample, witness, conditional), ``sizes`` (the dimensions covered, e.g. ``{"K": [1, 2, 3, 4]}``)
@@ -131,6 +169,7 @@ def to_records(results: Sequence[ClaimResult]) -> list[dict]:
         {
             "id": r.claim.id,
             "location": r.claim.location,
+            "quote": r.claim.quote,
             "statement": r.claim.statement,
             "method": r.claim.method,
             "status": r.outcome.status,

@@ -45,6 +45,7 @@ __all__ = [
     "surrogate_closed_form",
     "surrogate_gradient_closed_form",
     "write",
+    "zero_residual_witness",
 ]
 
 @dataclass(frozen=True)
@@ -192,18 +193,39 @@ GRID = {"K": tuple(range(1, 5)), "V": (1, 2)}
 _GRID_TEXT = format_sizes(GRID)
 
 
+def zero_residual_witness() -> Witness:
+    """A write meeting the lemma's printed hypotheses (d ∈ R^K, β ∈ (0, 1), k ≠ 0) with u = 0: the
+    denominator ‖∇f(S)‖² of h's definition is 0 (and so is its numerator)."""
+    S, k, v, d, beta = sp.Matrix([[1, 2]]), sp.Matrix([1, 1]), sp.Matrix([3]), sp.Matrix([1, 1]), sp.Rational(1, 2)
+    w = Write(S=S, v=v, k=k, d=d, beta=beta)
+    return Witness(
+        "u = 0 under the printed hypotheses: h is 0/0",
+        dot(w.u, w.u) * w.n,
+        "=",
+        0,
+        instance={"S": S, "k": k, "v": v, "d": d, "beta": beta},
+        sizes={"K": 2, "V": 1},
+        steps={"k ≠ 0": w.n > 0, "β ∈ (0, 1)": 0 < beta < 1, "numerator f(S') − f(S) = 0": vanishes(
+            w.loss(w.S_new) - w.loss(w.S)
+        )},
+    )
+
+
 def check_closed_form() -> Outcome:
     explicit = derive("identities with explicit symbols", explicit_steps, **GRID)
     free = Derivation(
         "free noncommutative algebra (any K, V)",
         {"residual and loss identities": dimension_free_identities()},
     )
+    zero = zero_residual_witness()
     sizes = format_sizes(explicit.sizes)
     return conclude(
         "S'k − v = −(1 − a)u and f(S') = ½‖u‖²(1 − a)² hold as polynomial identities for "
         f"{sizes} and in the free noncommutative algebra; hence f(S')/f(S) = (1 − a)² for any "
-        "key and any u ≠ 0 (no unit-key or β ∈ (0,1) assumption is needed), and h = ((1 − a)² − 1)/(2n).",
-        [explicit, free],
+        "key and any u ≠ 0 (no unit-key or β ∈ (0,1) assumption is needed), and h = ((1 − a)² − 1)/(2n). "
+        "The lemma as printed assumes only k ≠ 0: S = (1, 2), k = (1, 1), v = 3 has u = 0, so h's "
+        "definition is 0/0 there; u ≠ 0 must be stated.",
+        [explicit, free, zero],
         numbers={"dims_checked": sizes},
     )
 
@@ -271,17 +293,21 @@ CLAIMS = [
     Claim(
         id="lemma-4.1-closed-form",
         location="Sec. 4.2, Lemma 4.1; App. A.3",
+        quote="Lemma 4.1 (Closed-form hypergradient). For any d t ∈ ℝ K , β t ∈ ( 0 , 1 ) , and k t ≠ 0",
         statement="One OSDN write scales the residual by (1 − β⟨d, k⊙k⟩), so the token loss ratio is "
-        "(1 − a)² and the surrogate is h(d) = ((1 − a)² − 1)/(2‖k‖²).",
+        "(1 − a)² and the surrogate is h(d) = ((1 − a)² − 1)/(2‖k‖²) — for u ≠ 0, which the lemma as printed "
+        "omits (it assumes only k ≠ 0; at u = 0 the definition of h is 0/0).",
         method="sympy: residual, loss and surrogate identities expand to 0 with all entries symbolic "
-        f"({_GRID_TEXT}); residual and loss also in the free noncommutative algebra (any K, V).",
+        f"({_GRID_TEXT}); residual and loss also in the free noncommutative algebra (any K, V); an exact "
+        "write with u = 0 under the printed hypotheses.",
         expected="verified",
         check=check_closed_form,
     ),
     Claim(
         id="lemma-4.1-gradient",
         location="Sec. 4.2, Lemma 4.1 Eq. (3); App. A.3",
-        statement="∇_d h(d) = −β(1 − β⟨d, s⟩)/‖k‖² · s.",
+        quote="Differentiating once gives ∇ d h t",
+        statement="∇_d h(d) = −β(1 − β⟨d, s⟩)/‖k‖² · s (for u ≠ 0, where h is defined).",
         method=f"sympy: differentiate the definition of h (S, v symbolic) in each d_i, {_GRID_TEXT}; "
         "difference to the closed form vanishes.",
         expected="verified",
@@ -290,6 +316,8 @@ CLAIMS = [
     Claim(
         id="lemma-4.1-decoupling",
         location="Sec. 4.2, consequence (i)",
+        quote="Both h t and ∇ d h t depend only on the key k t and the scalar gate β t ; neither S t , v "
+        "t , nor the residual u t enters.",
         statement="Neither h nor ∇h depends on the state S, the value v or the residual u.",
         method="sympy: the definition of h (all entries symbolic) minus the closed form vanishes, and "
         f"the closed form's free symbols exclude every entry of S and v ({_GRID_TEXT}).",
@@ -299,8 +327,9 @@ CLAIMS = [
     Claim(
         id="lemma-4.1-ratio-vs-surrogate",
         location="Thm 5.2 / App. D.4 Eq. (20); Lemma 4.1",
-        statement="Our precise reading of 'q_t = 1 + 2h_t(d_t)': in general q_t = 1 + 2‖k_t‖² h_t(d_t); "
-        "the paper's form is exact only for unit keys, as Theorem D.7 assumes.",
+        quote="and Equation (18) with n t = 1 gives q t = 1 + 2 h t ( d t ) .",
+        statement="Our precise reading of 'q_t = 1 + 2h_t(d_t)': in general (k_t ≠ 0, u_t ≠ 0) "
+        "q_t = 1 + 2‖k_t‖² h_t(d_t); the paper's form is exact only for unit keys, as Theorem D.7 assumes.",
         method=f"sympy: ∇f(S) = −u kᵀ and ‖∇f(S)‖² = 2n f(S) ({_GRID_TEXT}), hence q = 1 + 2nh; the "
         "gap to 1 + 2h factored; a concrete non-unit key.",
         expected="verified",

@@ -161,6 +161,7 @@ CLAIMS = [
     Claim(
         id="lemma-d6-hessian",
         location="App. D.4, Lemma D.6; App. A.3",
+        quote="the function h t ( d ) in Equation (18) is convex quadratic in d",
         statement="h is a convex quadratic in d: its Hessian β²/‖k‖² · s sᵀ is constant, rank one, "
         "PSD, with operator norm β²‖s‖²/‖k‖².",
         method=f"sympy, {format_sizes(GRID)}: hessian of the closed form minus β²/n s sᵀ vanishes; third "
@@ -171,6 +172,7 @@ CLAIMS = [
     Claim(
         id="prop-a1-smoothness",
         location="App. A.4, Prop. A.1; Lemma D.6; Sec. 4.2",
+        quote="Proposition A.1 (Smoothness of the hypergradient surrogate).",
         statement="With unit keys and β ≤ 1 the surrogate is at most 1-smooth: ‖∇²h‖ = β²Σk_i⁴ ≤ β² ≤ 1.",
         method=f"sympy, {format_sizes(GRID)}: "
         "‖k‖⁴ − Σk_i⁴ equals 2Σ_{i<j}k_i²k_j², nonnegative from real k; "
@@ -181,6 +183,7 @@ CLAIMS = [
     Claim(
         id="prop-a3-apf-affine",
         location="App. A.5, Prop. A.3; Sec. 4.4 Eq. (7); App. B Eq. (12)",
+        quote="For fixed k t , β t , and r t , h , the unconstrained APF step is affine in d t",
         statement="For fixed k, β and retention r, the unprojected APF step is affine in d with "
         "Jacobian rI − ηβ²/n̄ s sᵀ and offset ηβ/n̄ s (likewise diag(r)); it involves no state, "
         "value or residual.",

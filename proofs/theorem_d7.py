@@ -11,8 +11,8 @@ per-token identities, so it holds for every T and K):
 
 (a) ``q_t = 1 + 2 h_t(d_t)``;
 (b) ``Σ_t h_t(x) = T ε_T(x) − T/2``;
-(c) AM–GM for T = 2: ``((x + y)/2)² − x y = ((x − y)/2)² ≥ 0`` (general T: the classical AM–GM
-    inequality for the nonnegative ``q_t``);
+(c) AM–GM for T = 2: ``((x + y)/2)² − x y = ((x − y)/2)² ≥ 0``, and for every T by induction on a
+    symbolic n (:mod:`._inequalities`), for the nonnegative ``q_t``;
 (d) ``mean_t q_t = 1 + (2/T) Σ h_t(d_t) = 2 ε_T(d) + 2 R_T(d)/T`` — an *identity*, for every comparator
     ``d`` (its symbols cancel). So ``Π q_t ≤ (2ε_T(d) + 2R̂/T)^T`` for any ``R̂ ≥ R_T(d)``, and with the
     realised regret it is exactly AM–GM on the ``q_t``: true for every ``d ∈ R^K``, any learner and any
@@ -30,6 +30,7 @@ import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Conditional, Counterexample, Derivation, derive, format_sizes, format_values
+from ._inequalities import am_gm_steps
 from ._sym import dot, is_nonnegative, vanishes, vector
 from .lemma_4_1 import surrogate_closed_form
 
@@ -122,12 +123,15 @@ def realised_regret_identity(T: int, K: int = _K) -> dict[str, bool]:
 def check_proof_steps() -> Outcome:
     proof = derive("proof steps on symbolic streams", proof_steps, **GRID)
     am_gm = Derivation("AM–GM", am_gm_two(), sizes={"T": 2})
+    every_T = Derivation("AM–GM for every T (induction on n)", am_gm_steps())
     return conclude(
-        "For unit keys and nonzero residuals: q_t = 1 + 2h_t(d_t), Σh_t(d) = Tε_T(d) − T/2, and "
+        "For unit keys and nonzero residuals (u_t ≠ 0, so that q_t = f_t(S_t)/f_t(S_{t−1}) = (1 − a_t)² is "
+        "defined): q_t = 1 + 2h_t(d_t), Σh_t(d) = Tε_T(d) − T/2, and "
         "mean q = 2ε_T(d) + 2R̂/T − (2/T)(R̂ − R_T(d)), so with q_t ≥ 0 and AM–GM, Π q_t ≤ "
-        f"(2ε_T(d) + 2R̂/T)^T for any R̂ ≥ R_T(d) ({format_sizes(proof.sizes)} symbolic; AM–GM proved for "
-        f"{format_sizes(am_gm.sizes)}).",
-        [proof, am_gm],
+        f"(2ε_T(d) + 2R̂/T)^T for any R̂ ≥ R_T(d) ({format_sizes(proof.sizes)} symbolic; AM–GM expanded for "
+        f"{format_sizes(am_gm.sizes)} and proved for every T by induction). Without u_t ≠ 0 the statement "
+        "fails under the paper's conventions (thm-d7-zero-residual-convention).",
+        [proof, am_gm, every_T],
         numbers={"T_checked": format_values(proof.sizes["T"]), "K": proof.sizes["K"][0]},
     )
 
@@ -135,6 +139,7 @@ def check_proof_steps() -> Outcome:
 def check_realised_regret_identity() -> Outcome:
     proof = derive("realised-regret identity on symbolic streams", realised_regret_identity, **GRID)
     return conclude(
+        "With unit keys and u_t ≠ 0 (q_t = (1 − a_t)²): "
         "2ε_T(d) + 2R_T(d)/T = (1/T)Σ_t q_t identically, and the comparator d cancels "
         f"({format_sizes(proof.sizes)}, all symbols free). With the realised regret the bound is therefore "
         "Π q_t ≤ (mean q_t)^T, i.e. AM–GM alone: it holds for every d ∈ R^K (inside the box or not), every "
@@ -317,19 +322,24 @@ CLAIMS = [
     Claim(
         id="thm-d7-proof-steps",
         location="Sec. 5, Thm 5.2; App. D.4, Thm D.7 (proof)",
-        statement="With unit keys, Π_t q_t ≤ (2ε_T(d) + 2R_T(d)/T)^T for any d, given a regret bound R_T(d).",
+        quote="Assume ‖ k t ‖ 2 = 1 for all t and the conditional-regret assumption (19).",
+        statement="With unit keys and u_t ≠ 0 at every token (a hypothesis the theorem leaves to a "
+        "convention), Π_t q_t ≤ (2ε_T(d) + 2R_T(d)/T)^T for any d, given a regret bound R_T(d).",
         method=f"sympy, {format_sizes(GRID)} (term-wise identities, so all T): q_t = 1 + 2h_t(d_t); "
-        "Σh_t(d) = Tε_T(d) − T/2; combination with a regret bound R̂; AM–GM proved for T = 2 "
-        "(((x+y)/2)² − xy = ((x−y)/2)²), classical AM–GM cited for general T.",
+        "Σh_t(d) = Tε_T(d) − T/2; combination with a regret bound R̂; AM–GM expanded for T = 2 "
+        "(((x+y)/2)² − xy = ((x−y)/2)²) and proved for every T by induction (Bernoulli's inequality, "
+        "symbolic n).",
         expected="verified",
         check=check_proof_steps,
     ),
     Claim(
         id="thm-d7-realised-regret-identity",
         location="App. D.4, Thm D.7 with R_T(d) = Σ h_t(d_t) − h_t(d); Eq. (19)",
-        statement="With the realised regret, 2ε_T(d) + 2R_T(d)/T equals mean_t q_t for every comparator "
-        "d, so the bound is exactly AM–GM on the q_t and holds for all d ∈ R^K with no regret "
-        "assumption; its content lies entirely in an a-priori regret bound (19).",
+        quote="Combining, 1 + 2 T ∑ t = 1 T h t ( d t ) ≤ 1 + 2 ε T ( d ) − 1 + 2 R T ( d ) T",
+        statement="For unit keys and u_t ≠ 0 at every token (so q_t = (1 − a_t)²): with the realised regret, "
+        "2ε_T(d) + 2R_T(d)/T equals mean_t q_t for every comparator d, so the bound is exactly AM–GM on the "
+        "q_t and holds for all d ∈ R^K with no regret assumption; its content lies entirely in an a-priori "
+        "regret bound (19).",
         method=f"sympy, {format_sizes(GRID)}: the difference expands to 0 and the comparator's symbols "
         "cancel from 2ε_T(d) + 2R_T(d)/T.",
         expected="verified",
@@ -338,6 +348,7 @@ CLAIMS = [
     Claim(
         id="thm-d7-zero-residual-convention",
         location="App. D.4, Thm D.7 with its conventions (q_t = 1, h_t ≡ 0 where u_t = 0)",
+        quote="When u t = 0 the ratio is 0 / 0 ; we interpret q t = 1 since",
         statement="Theorem D.7's bound holds on every unit-key stream, including tokens whose residual "
         "is zero, under the paper's conventions for them.",
         method="exact arithmetic on a K = V = 1 stream with v_t = 0, S_0 = 0, β_t = 1/2, d_t = 2, "
@@ -349,6 +360,7 @@ CLAIMS = [
     Claim(
         id="thm-5.2-super-geometric",
         location="Sec. 5, Thm 5.2; App. D.4, Thm D.7 (last part); App. D.5",
+        quote="If a feasible diagonal comparator satisfies the gated Newton condition",
         statement="If a feasible diagonal comparator satisfies the gated Newton condition and the "
         "regret is sublinear, the product of residual ratios decays super-geometrically, "
         "(O(1)/√T)^T under O(√T) regret.",

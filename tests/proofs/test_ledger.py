@@ -39,6 +39,11 @@ def test_ids_are_unique():
     assert len(ids) == len(set(ids))
 
 
+def test_ids_fit_the_table_column():
+    width = dict(ledger._COLUMNS)["id"]
+    assert all(len(c.id) <= width for c in ledger.CLAIMS), [c.id for c in ledger.CLAIMS if len(c.id) > width]
+
+
 @pytest.mark.parametrize("claim", ledger.CLAIMS, ids=lambda c: c.id)
 def test_claim_outcome_matches_expected(results, claim):
     (result,) = [r for r in results if r.claim.id == claim.id]

@@ -21,20 +21,73 @@ SHAPE_1_3B = {"L": [24], "H": [16], "d_k": [128], "d_v": [128]}
 #: per claim, in order: (kind, sizes, number of steps) of every piece of evidence; pieces nested in a
 #: conditional are marked "under …" / "without …"; steps is None for an instance
 COVERED = {
-    "lemma-4.1-closed-form": [("derivation", KV, 32), ("derivation", {}, 1)],
+    "lemma-4.1-closed-form": [("derivation", KV, 32), ("derivation", {}, 1), ("witness", {"K": [2], "V": [1]}, None)],
     "lemma-4.1-gradient": [("derivation", KV, 8)],
     "lemma-4.1-decoupling": [("derivation", KV, 8)],
     "lemma-4.1-ratio-vs-surrogate": [("derivation", KV, 8), ("derivation", {}, 3), ("witness", {"K": [2]}, None)],
+    "eq-2-write-key-equivalence": [("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 24), ("derivation", {}, 2)],
+    "sec-4.5-backward-factorisation": [("derivation", {"K": [1, 2, 3]}, 24)],
     "corollary-a2-monotone-descent": [("derivation", K14, 24)],
     "corollary-a2-hypotheses-needed": [("witness", {"K": [1]}, None), ("witness", {"K": [1]}, None)],
     "lemma-d6-hessian": [("derivation", K14, 24)],
     "prop-a1-smoothness": [("derivation", K14, 12), ("derivation", {}, 2)],
     "prop-a3-apf-affine": [("derivation", K14, 40)],
-    "thm-d7-proof-steps": [("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 16), ("derivation", {"T": [2]}, 2)],
+    "app-a5-apf-proximal-form": [
+        ("conditional", {}, None),
+        ("under derivation", {"K": [1, 2, 3]}, 15),
+        ("without counterexample", {"K": [1]}, None),
+    ],
+    "property-1-population-quadratic": [
+        ("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 36),
+        ("derivation", {"K": [1, 2], "V": [1, 2]}, 4),
+        ("derivation", {"K": [2], "V": [1]}, 6),
+    ],
+    "lemma-d1-feedback-convex": [("derivation", {"K": [1, 2], "V": [1, 2]}, 16)],
+    "lemma-d3-newton-feedback": [
+        ("derivation", {}, 4),
+        ("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 24),
+        ("derivation", {"K": [2], "V": [1, 2]}, 12),
+        ("derivation", {}, 2),
+        ("witness", {"K": [2], "V": [1]}, None),
+        ("witness", {"K": [2], "V": [1]}, None),
+    ],
+    "thm-d5-term-by-term": [("derivation", {}, 2), ("derivation", {"T": [1]}, 6)],
+    "thm-5.1-population-bound": [
+        ("derivation", {"T": [1, 2, 3, 4]}, 54),
+        ("derivation", {}, 11),
+        ("witness", {"K": [2], "V": [1], "T": [3]}, None),
+    ],
+    "d3-regret-decomposition": [
+        ("derivation", {"T": [1, 2, 3, 4]}, 20),
+        ("derivation", {}, 3),
+        ("witness", {"K": [1], "T": [1]}, None),
+    ],
+    "thm-d7-proof-steps": [
+        ("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 16),
+        ("derivation", {"T": [2]}, 2),
+        ("derivation", {}, 8),
+    ],
     "thm-d7-realised-regret-identity": [("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 8)],
     "thm-d7-zero-residual-convention": [
         *[("counterexample", {"K": [1], "V": [1], "T": [T]}, None) for T in (1, 2, 3, 4) for _ in range(2)],
         ("derivation", {}, 1),
+    ],
+    "d4-h-zero-extension-continuous": [("derivation", {}, 5), ("counterexample", {"K": [1], "V": [1]}, None)],
+    "thm-d7-zero-residual-drop": [
+        ("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 26),
+        ("derivation", {}, 8),
+        *[("witness", {"K": [1], "V": [1], "T": [4]}, None)] * 2,
+    ],
+    "thm-d7-zero-residual-continuous": [
+        ("derivation", {}, 5),
+        ("derivation", {"T": [1, 2, 3, 4], "K": [2]}, 8),
+        ("derivation", {}, 8),
+        *[("witness", {"K": [1], "V": [1], "T": [4]}, None)] * 2,
+    ],
+    "thm-5.2-newton-overdetermined": [
+        ("derivation", {"K": [1, 2, 3]}, 3),
+        ("witness", {"K": [2], "T": [3]}, None),
+        ("witness", {"K": [2], "T": [2]}, None),
     ],
     "thm-5.2-super-geometric": [
         ("conditional", {}, None),
@@ -46,16 +99,49 @@ COVERED = {
         ("derivation", {"K": [1], "V": [1]}, 7),
         ("derivation", {"K": [1], "V": [1], "t": [1, 2, 3, 4, 5, 6, 7, 8]}, 8),
     ],
+    "corollary-d8-repeated-key": [
+        ("derivation", {"K": [2, 4], "V": [1, 2]}, 28),
+        ("derivation", {"T": [2, 3, 4]}, 44),
+        ("witness", {"K": [2], "V": [1], "T": [2]}, None),
+    ],
     "wy-chunk-asymmetric": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [2]}, 9)],
     "wy-chunk-gated": [("derivation", {"C": [2, 3], "K": [2], "V": [1]}, 2)],
     "wy-chunk-kda": [("derivation", {"C": [2, 3], "K": [2], "V": [1]}, 2)],
+    "chunk-output-listing-1": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 6)],
+    "chunk-output-listing-2": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 3)],
+    "chunk-output-app-b2": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 3)],
+    "app-b1-post-gate-residual": [
+        ("derivation", {"K": [1, 2], "V": [1, 2]}, 20),
+        ("witness", {"K": [1], "V": [1]}, None),
+    ],
+    "app-c-osgdn-fixed-point": [
+        ("conditional", {}, None),
+        ("under derivation", {"K": [1, 2, 3]}, 9),
+        ("without counterexample", {"K": [1]}, None),
+        ("without counterexample", {"K": [1]}, None),
+    ],
+    "app-b-vs-listing-1-normaliser": [
+        ("conditional", {}, None),
+        ("under derivation", {"K": [1, 2, 3]}, 6),
+        ("without counterexample", {"K": [2]}, None),
+    ],
+    "fig1-vs-algorithm-1": [("derivation", {}, 2), ("witness", {"K": [1]}, None)],
     "app-l-state-overhead": [
         ("derivation", {}, 1),
         ("counterexample", SHAPE_340M, None),
         ("counterexample", SHAPE_1_3B, None),
+        ("counterexample", {"L": [21], "H": [6], "d_k": [128], "d_v": [256]}, None),  # Gated DeltaNet 340M
+        ("counterexample", {"L": [23], "H": [8], "d_k": [128], "d_v": [128]}, None),  # KDA 340M
         *[("counterexample", {}, None)] * 4,  # the four rows of Tables 19–20
     ],
     "reader-newton-infeasible": [("derivation", K14, 16)],
+    "apf-parameter-share": [("witness", {}, None)] * 2,
+    "headline-percentages": [("derivation", {}, 8)],
+    "table-1-against-sources": [("derivation", {}, 25)],
+    "throughput-deltas": [("derivation", {}, 19)],
+    "table-7-averages": [("derivation", {}, 42)],
+    "diagnostic-measurement-count": [("witness", {}, None)],
+    "app-l-diagonal-mib-text": [("counterexample", {}, None)],
 }
 
 _ZERO_STREAM = {"k_t": "1", "v_t": "0", "S_0": "0", "beta_t": "1/2", "d_t": "2", "d*": "2"}
@@ -73,9 +159,32 @@ COUNTEREXAMPLES = {
             {"k_t": "1", "beta_t": "1/4", "d_min": "1/2", "d_max": "2", "q_min": "1/4", "rho": "1/4"},
         ),
     ],
+    "app-a5-apf-proximal-form": [
+        (
+            "64023999997/64000000000 = 16023999997/16000000000",
+            {"k": "1/2000", "epsilon": "1/1000000", "beta": "1/2", "eta": "3/1000", "r": "1", "d": "1"},
+        ),
+    ],
+    "app-c-osgdn-fixed-point": [
+        ("3/7 = 1", {"k": "1", "rho": "999/1000", "eta": "3/1000", "beta": "1/2", "d_fixed": "6/7"}),
+        ("1/2 = 1", {"k": "1", "rho": "1", "eta": "3/1000", "beta": "1/4", "d_fixed": "2", "Newton d": "4"}),
+    ],
+    "app-l-diagonal-mib-text": [("9/200 = 47/1000", {"layers": "23", "heads": "8", "d_k": "128", "MiB": "23/512"})],
+    "d4-h-zero-extension-continuous": [("-3/8 = 0", {"S": "0", "k": "1", "beta": "1/2", "d": "1", "a": "1/2"})],
+    "app-b-vs-listing-1-normaliser": [
+        (
+            "501/2000 = 201/800",
+            {
+                "k": "(1, 1)", "d": "(1/4, 1/4)", "eta": "3/1000", "rho": "999/1000",
+                "App. B step": "(201/800, 201/800)", "Listing 1 step": "(501/2000, 501/2000)",
+            },
+        ),
+    ],
     "app-l-state-overhead": [
         ("1/128 <= 1/2000", {"state_MiB": "6", "d_MiB": "3/64"}),
         ("1/128 <= 1/2000", {"state_MiB": "12", "d_MiB": "3/32"}),
+        ("1/256 <= 1/2000", {"state_MiB": "63/8", "d_MiB": "63/2048"}),
+        ("1/128 <= 1/2000", {"state_MiB": "23/4", "d_MiB": "23/512"}),
         ("47/6000 <= 1/2000", {"before_MiB": "6", "after_MiB": "6047/1000"}),
         ("31/7875 <= 1/2000", {"before_MiB": "63/8", "after_MiB": "3953/500"}),
         ("9/1150 <= 1/2000", {"before_MiB": "23/4", "after_MiB": "1159/200"}),

@@ -106,10 +106,14 @@ def _check_model(spec: str) -> None:
 
         directory = builtin_path(spec.removeprefix("builtin:"))
     else:
+        from .models.hub import is_hub_id
+
+        if is_hub_id(spec):
+            return  # resolved when the model loads (the cache, or the Hub)
         directory = Path(spec)
         if not directory.is_dir():
             raise UsageError(f"MODEL {spec!r}: no such directory; give a Hugging Face model directory, "
-                             "builtin:NAME or random:PRESET")
+                             "a Hub id ORG/NAME[@REVISION], builtin:NAME or random:PRESET")
     config = directory / "config.json"
     if config.is_file():
         if not isinstance(_read_json(config, f"MODEL {spec!r}"), dict):

@@ -296,6 +296,7 @@ class _CaptureSession:
                         "num_hidden_layers": cfg.get("num_hidden_layers"),
                         "num_heads": cfg.get("num_heads"),
                         "vocab_size": cfg.get("vocab_size"),
+                        **({"hub": self.loaded.hub} if self.loaded.hub else {}),
                     },
                     "prompts": self.manifest_prompts(),
                     # decoder layers not captured (a hybrid model's full attention), by index

@@ -6,6 +6,10 @@
   ``model_type`` that neither transformers, fla nor this package provides, is refused. The weights
   must match the model exactly: a tensor missing from the file, one the model does not have, or one
   of another shape is an error, not a silently random parameter.
+* ``ORG/NAME`` or ``ORG/NAME@REVISION`` — a Hugging Face Hub id that names no local path: resolved
+  to a snapshot in the user's cache (``HF_HUB_OFFLINE=1`` honoured), fetching only JSON,
+  safetensors and tokenizer vocabularies (:mod:`osdn_diag.models.hub`), then loaded as a directory;
+  the commit it resolved to is recorded (:attr:`LoadedModel.hub`).
 * ``random:PRESET`` — a randomly initialised model of a named shape (:data:`PRESETS`), seeded, for
   benchmarks and tests.
 * ``builtin:NAME`` — a small trained model shipped with the package (:mod:`osdn_diag.models.builtin`).
@@ -48,9 +52,10 @@ PRESETS: dict[str, tuple[str, dict]] = {
 class LoadedModel:
     model: torch.nn.Module
     spec: str
-    source: str  # "directory" | "random" | "builtin"
+    source: str  # "directory" | "random" | "builtin" | "hub"
     config: dict
     directory: Path | None = None
+    hub: dict | None = None  # a Hub model's repo_id, revision asked for, commit resolved, snapshot
 
 
 def _fla():
@@ -72,7 +77,7 @@ def load_model(
     seed: int = 0,
     device_map: str | dict | None = None,
 ) -> LoadedModel:
-    """Load ``spec`` (a directory, ``random:PRESET`` or ``builtin:NAME``) onto ``device`` in ``dtype``,
+    """Load ``spec`` (a directory, a Hub id, ``random:PRESET`` or ``builtin:NAME``) onto ``device`` in ``dtype``,
     in eval mode.
 
     ``device_map`` spreads a model too large for one GPU over the GPUs of the machine instead
@@ -105,13 +110,19 @@ def load_model(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config)
-        source, directory = "random", None
+        source, directory, hub = "random", None, None
     else:
+        from . import hub as _hub
+
         builtin = spec.startswith("builtin:")
+        hub = None
         if builtin:
             from .builtin import builtin_path
 
             directory = builtin_path(spec.removeprefix("builtin:"))
+        elif _hub.is_hub_id(spec):
+            directory, source_info = _hub.resolve(spec)
+            hub = source_info.as_dict()
         else:
             directory = Path(spec)
         if not (directory / "config.json").is_file():
@@ -137,7 +148,7 @@ def load_model(
             raise ValueError(f"MODEL {spec!r}: the *.safetensors weights in {directory} are not readable "
                              f"({err}): truncated or damaged; replace them with a complete copy") from err
         _check_loading_info(spec, directory, info)
-        source = "builtin" if builtin else "directory"
+        source = "builtin" if builtin else "hub" if hub is not None else "directory"
     if device_map is None:
         model = model.to(device=device, dtype=dtype)
     else:
@@ -150,7 +161,7 @@ def load_model(
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if v is not None}}
     if cfg.get("vocab_size") is None:
         cfg = {**cfg, "vocab_size": model.get_input_embeddings().num_embeddings}
-    return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory)
+    return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory, hub=hub)
 
 
 def _refuse_remote_code(spec: str, directory: Path) -> dict:

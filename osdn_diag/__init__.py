@@ -14,7 +14,21 @@ claims ledger in :mod:`osdn_diag.proofs` (the repository's ``proofs/`` folder); 
 
 __version__ = "0.1.0"
 
-from . import capture, replay  # noqa: E402  (callable modules, see osdn_diag._callable)
-from .results import Results  # noqa: E402
-
 __all__ = ["Results", "capture", "replay"]
+
+
+def __getattr__(name: str):
+    # Loaded on first use, so that `import osdn_diag` (and `osdn-diag --help`, or an argument error)
+    # does not pay for importing torch. `capture` and `replay` are callable modules
+    # (osdn_diag._callable); importing a submodule also sets it on this package.
+    import importlib
+
+    if name in ("capture", "replay"):
+        return importlib.import_module(f".{name}", __name__)
+    if name == "Results":
+        return importlib.import_module(".results", __name__).Results
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

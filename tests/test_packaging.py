@@ -51,3 +51,21 @@ def test_public_ops_are_the_modules_functions(fla_interpreter):
         fn = getattr(ops, name)
         assert fn is getattr(importlib.import_module(f"osdn_diag.ops.{module}"), name)
         assert "[B, T, H" in (fn.__doc__ or "") or "[N, " in (fn.__doc__ or ""), name
+
+
+def test_help_and_version_do_not_import_torch():
+    """`osdn-diag --help` and `--version` answer without importing torch (seconds on a cold start);
+    the package's callables still load on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io; import osdn_diag.cli as cli\n"
+            "for argv in (['--help'], ['--version'], ['run', '--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        assert cli.entry(argv) == 0, argv\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "import osdn_diag\n"
+            "assert callable(osdn_diag.capture) and callable(osdn_diag.replay) and osdn_diag.Results\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

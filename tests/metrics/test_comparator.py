@@ -385,8 +385,9 @@ def test_warm_start_next_to_the_solution_is_certified():
     for i in range(P):
         drop = eps_written_out(d0[i], k[i], beta[i]) - eps_written_out(x[i], k[i], beta[i])
         assert drop < 1e-15  # below the solver's rounding floor, 32 ulp of the value's terms (~1)
-        grad = -(A[i] * (1 - A[i] @ d0[i].numpy())[:, None]).mean(0)
-        gap0 = (np.clip(grad, 0, None) * (d0[i].numpy() - lo) + np.clip(-grad, 0, None) * (hi - d0[i].numpy())).sum()
+        di = d0[i].numpy()
+        grad = -(A[i] * (1 - A[i] @ di)[:, None]).mean(0)
+        gap0 = (np.clip(grad, 0, None) * (di - lo) + np.clip(-grad, 0, None) * (hi - di)).sum()
         assert gap0 > 10 * REL  # the tolerance the solver must reach: gap ≤ REL (1 + value)
 
     G, c, c0, _ = normal_equations(k, beta)

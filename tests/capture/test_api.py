@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -45,3 +47,65 @@ def _has_pandas() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_in_memory_positions_and_position_bins_follow_the_prompt_lengths():
+    """Prompts of three lengths (two packed in one padded batch, one in a second forward pass), each
+    with a task and a repeated context: every row's pos runs over its prompt, rel_pos = pos / length,
+    the summary's position bins count and average the rows whose rel_pos falls in each tenth, and the
+    repeat boundary per task is the mean of repeat_start / length — all computed here from the lengths
+    the test chose (coprime with 10, so that no pos / length sits on a bin edge)."""
+    from fla.layers import GatedDeltaNet
+
+    from osdn_diag.prompts import Prompt
+
+    lengths, tasks, repeats = [19, 13, 17], ["a", "b", "a"], [9, 6, 8]
+    hidden, heads, bins = 64, 2, 10
+    torch.manual_seed(1)
+    layer = GatedDeltaNet(hidden_size=hidden, num_heads=heads, head_dim=32, expand_v=1, layer_idx=0).eval()
+    x = torch.zeros(2, lengths[0], hidden)
+    mask = torch.zeros(2, lengths[0], dtype=torch.long)
+    for row in (0, 1):
+        x[row, :lengths[row]] = torch.randn(lengths[row], hidden)
+        mask[row, :lengths[row]] = 1
+    with torch.no_grad(), osdn_diag.capture(layer, kernels="fla") as cap:
+        layer(x, attention_mask=mask)  # prompts 0 and 1, packed (the kernel gets cu_seqlens)
+        layer(torch.randn(1, lengths[2], hidden))  # prompt 2
+    prompts = [Prompt(id=i, task=t, input_ids=list(range(n)), repeat_start=r)
+               for i, (n, t, r) in enumerate(zip(lengths, tasks, repeats))]
+    res = osdn_diag.replay(cap, prompts=prompts, comparator=False)
+    t = res.table.to_pydict()
+
+    rows = {}
+    for p, head, pos, rel in zip(t["prompt"], t["head"], t["pos"], t["rel_pos"]):
+        rows.setdefault((p, head), []).append((pos, rel))
+    assert sorted(rows) == [(p, h) for p in range(3) for h in range(heads)]
+    for (p, head), got in rows.items():
+        n = lengths[p]
+        assert sorted(pos for pos, _ in got) == list(range(n)), (p, head)
+        for pos, rel in got:
+            assert math.isclose(rel, pos / n, rel_tol=1e-6, abs_tol=0), (p, pos, rel)
+    assert t["task"] == [tasks[p] for p in t["prompt"]]
+    assert t["repeat_start"] == [repeats[p] for p in t["prompt"]]
+
+    def binned(select):
+        count, logs = [0] * bins, [[] for _ in range(bins)]
+        for p, pos, q, finite in zip(t["prompt"], t["pos"], t["residual_ratio"], t["finite"]):
+            if finite and select(p):
+                b = (bins * pos) // lengths[p]  # exact: the bin of pos / length
+                count[b] += 1
+                logs[b].append(math.log(max(q, 1e-30)))
+        return count, [math.exp(math.fsum(v) / len(v)) if v else None for v in logs]
+
+    summary_bins = res.summary["position_bins"]
+    for got, select in [(summary_bins, lambda p: True),
+                        *((summary_bins["by_task"][task], lambda p, task=task: tasks[p] == task) for task in "ab")]:
+        count, q_geo = binned(select)
+        assert got["n"] == count
+        for g, want in zip(got["q_geo"], q_geo):
+            assert (want is None and math.isnan(g)) or math.isclose(g, want, rel_tol=1e-6), (got["q_geo"], q_geo)
+    assert sum(summary_bins["n"]) == res.summary["n"] == sum(lengths) * heads
+    boundary = summary_bins["repeat_boundary"]
+    assert boundary.keys() == {"a", "b"}
+    assert math.isclose(boundary["a"], (9 / 19 + 8 / 17) / 2, rel_tol=1e-12)
+    assert math.isclose(boundary["b"], 6 / 13, rel_tol=1e-12)

@@ -222,3 +222,54 @@ def test_fp32_chunk_kernels_on_gpu_get_the_tf32_tolerance():
     assert default_tolerance(on_gpu) == 1e-2
     recurrent = replace(on_gpu, kernel="fused_recurrent_gated_delta_rule")
     assert default_tolerance(recurrent) == 1e-5
+
+
+def test_second_forward_with_a_cache_replays_from_the_kernels_initial_state():
+    """A layer called with fla's cache hands its kernel the state of the previous forward as
+    ``initial_state`` (fla's layout ``[N, H, K, V]``; K = V here, so a layout slip changes numbers, not
+    shapes). An fp64 delta-rule loop written here, started from that state, reproduces the kernel's
+    output and final state; the record holds the state as ``V×K``; and its replay agrees with the loop
+    per token, the first tokens included (where the initial state matters most)."""
+    from fla.models.utils import Cache
+
+    torch.manual_seed(10)
+    layer = _layers()["delta_net"]().eval()
+    cache = Cache()
+    with torch.no_grad():
+        layer(torch.randn(2, 12, HIDDEN), past_key_values=cache, use_cache=True)
+        h0 = cache[0]["recurrent_state"].clone()  # [B, H, K, V], the state the next call starts from
+        with capture(layer, kernels="fla") as cap:
+            layer(torch.randn(2, 20, HIDDEN), past_key_values=cache, use_cache=True)
+    h_kernel = cache[0]["recurrent_state"]  # the kernel's final state, fla's layout
+    assert len(cap.calls) == 1
+    call = cap.calls[0]
+    assert call.kernel == "fused_recurrent_delta_rule" and h0.abs().max() > 0.1
+
+    # fp64 loop, state S [B, H, K, V]: e = v − Sᵀk, S += β k eᵀ, o = Sᵀ (q / √K).
+    q, k, v, beta = (x.double() for x in (call.q, call.k, call.v, call.beta))
+    B, T, H, K = k.shape
+    S = h0.double()
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=torch.float64)
+    before, after = torch.zeros(B, T, H, dtype=torch.float64), torch.zeros(B, T, H, dtype=torch.float64)
+    for t in range(T):
+        e = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t])
+        before[:, t] = 0.5 * e.square().sum(-1)
+        S = S + beta[:, t, :, None, None] * k[:, t, :, :, None] * e[:, :, None, :]
+        after[:, t] = 0.5 * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t])).square().sum(-1)
+        o[:, t] = torch.einsum("bhkv,bhk->bhv", S, q[:, t] * K**-0.5)
+
+    # The loop is the recurrence the kernel ran (fp32 kernel against fp64).
+    assert (o - call.o.double()).norm() <= 1e-5 * o.norm()
+    assert (S - h_kernel.double()).norm() <= 1e-5 * S.norm()
+    # The record's initial state is the kernel's, as V×K.
+    assert torch.equal(call.initial_state, h0.transpose(-1, -2))
+    # Replay from the record: the kernel's output and final state, and the loop's losses per token.
+    res = replay_call(call)
+    assert res.fidelity <= 1e-5 and res.state_fidelity <= 1e-5
+    rows = lambda x: x.permute(0, 2, 1).reshape(-1)  # noqa: E731 - rows: sequence, head, position
+    for name, want in (("loss_before", before), ("loss_after", after)):
+        got = res.columns[name].double()
+        assert (got - rows(want)).abs().max() <= 1e-5 * rows(want).abs().max(), name
+    ok = rows(before) > 1e-6
+    err = (res.columns["residual_ratio"].double() - rows(after / before))[ok].abs()
+    assert ok.sum() > 0.9 * ok.numel() and err.max() <= 1e-5

@@ -361,3 +361,39 @@ def test_nearly_singular_face_with_a_bound_in_its_flat():
     res = comparator_gap_diag(k, beta)
     assert res.iterations <= 5
     check_against_scipy(res, k, beta, None, 0.5, 2.0)
+
+
+def test_warm_start_next_to_the_solution_is_certified():
+    """A warm start 1e-8 away from an interior solution: the value there is the minimum to within
+    fp64 rounding (½δᵀGδ ≈ 1e-17), but the Frank–Wolfe gap is ~1e-9, far above the tolerance. Only
+    the gap can tell the solver's candidates apart (the module's selection rule: least gap among
+    values within the rounding floor); the solver must still step to the solution and certify it.
+
+    Reference: the unconstrained least-squares solution (numpy), checked to lie inside the box, scipy
+    (:func:`check_against_scipy`), and ε_T and its gradient written out here."""
+    g = torch.Generator().manual_seed(11)
+    P, T, K, lo, hi = 8, 200, 5, 0.5, 2.0
+    k = unit(torch.randn(P, T, K, generator=g, dtype=F64))
+    d_true = 0.8 + 0.4 * torch.rand(P, K, generator=g, dtype=F64)
+    beta = (1 + 0.05 * torch.randn(P, T, generator=g, dtype=F64)) / ((k * k) @ d_true[..., None])[..., 0]
+    A = (beta[..., None] * k**2).numpy()  # [P, T, K]
+    x = np.stack([np.linalg.lstsq(A[i], np.ones(T), rcond=None)[0] for i in range(P)])
+    assert ((x > lo) & (x < hi)).all()
+    d0 = torch.from_numpy(x) + 1e-8 * torch.randn(P, K, generator=g, dtype=F64)
+
+    # Why this case: the value cannot show progress, the gap can.
+    for i in range(P):
+        drop = eps_written_out(d0[i], k[i], beta[i]) - eps_written_out(x[i], k[i], beta[i])
+        assert drop < 1e-15  # below the solver's rounding floor, 32 ulp of the value's terms (~1)
+        di = d0[i].numpy()
+        grad = -(A[i] * (1 - A[i] @ di)[:, None]).mean(0)
+        gap0 = (np.clip(grad, 0, None) * (di - lo) + np.clip(-grad, 0, None) * (hi - di)).sum()
+        assert gap0 > 10 * REL  # the tolerance the solver must reach: gap ≤ REL (1 + value)
+
+    G, c, c0, _ = normal_equations(k, beta)
+    res = solve_box_lsq(G, c, c0, d_min=lo, d_max=hi, d_init=d0)
+    assert res.converged.all(), res.gap
+    assert (res.gap <= REL * (1 + res.value.abs())).all(), res.gap
+    assert res.iterations <= 2, res.iterations
+    torch.testing.assert_close(res.d, torch.from_numpy(x), rtol=0, atol=1e-10)
+    check_against_scipy(res, k, beta, None, lo, hi)

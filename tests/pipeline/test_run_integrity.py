@@ -11,6 +11,7 @@ test_fla_kernels_e2e.py runs fla's own kernels end to end.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -192,6 +193,42 @@ def test_what_if_refuses_to_write_over_its_input(runs, tmp_path, capsys, where):
     err = _one_line_error(["what-if", str(run), "--out", str(run / where), "-q"], capsys)
     assert "--out" in err and str(run) in err
     assert _files(run) == before
+
+
+def _sha256s(run):
+    """sha256 of every file of a run directory, by relative path (written here with hashlib)."""
+    return {name: hashlib.sha256(data).hexdigest() for name, data in _files(run).items()}
+
+
+@pytest.mark.parametrize("spelling", ["itself", "dot", "dotdot", "symlink", "relative"])
+def test_what_if_with_overwrite_still_refuses_its_own_input(runs, tmp_path, capsys, monkeypatch, spelling):
+    """--overwrite replaces an existing run; it must never make the run what-if reads its output. Every
+    way of naming the input directory as --out is refused before anything is written, and the input
+    keeps every file, byte for byte."""
+    from osdn_diag.rundir import RunDirectoryError
+    from osdn_diag.whatif import WhatIf, what_if_run
+
+    run = _copy(runs, "two", tmp_path)
+    out = {
+        "itself": run,
+        "dot": run / ".",
+        "dotdot": run / "capture" / "..",
+        "symlink": tmp_path / "link",
+        "relative": "two",
+    }[spelling]
+    if spelling == "symlink":
+        out.symlink_to(run, target_is_directory=True)
+    if spelling == "relative":
+        monkeypatch.chdir(tmp_path)
+    before = _sha256s(run)
+    assert "manifest.json" in before and any(name.startswith("capture/") for name in before)
+    err = _one_line_error(["what-if", str(run), "--out", str(out), "--eta", "0.5", "--overwrite", "-q"], capsys)
+    assert _sha256s(run) == before, err
+    assert "would write over the run" in err and f"--out {out}" in err, err
+    # The Python API refuses it the same way.
+    with pytest.raises(RunDirectoryError, match="would write over the run"):
+        what_if_run(run, WhatIf(eta=0.5), out_dir=out, overwrite=True, progress=False)
+    assert _sha256s(run) == before
 
 
 # 6. replay of a directory without capture/.

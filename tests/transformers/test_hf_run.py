@@ -126,3 +126,27 @@ def test_a_qwen3_5_checkpoint_in_its_published_layout_loads_as_a_causal_lm(tmp_p
     with torch.no_grad(), capture(loaded.model, kernels="reference") as cap:
         loaded.model(torch.randint(3, 256, (1, 5)), use_cache=False)
     assert [c.layer for c in cap.calls] == [0, 1, 2]
+
+
+def test_device_map_dispatch_records_the_same_writes(fla_interpreter):
+    """``--device-map`` (accelerate's dispatch, hooks on every block) on a hybrid transformers model:
+    capture still finds every linear-attention layer under the hooks, numbered as the model numbers
+    them, and the replay is the undispatched model's, row for row. Every block goes to the CPU here
+    (one machine, no GPU); on a GPU machine the same map spreads them over the GPUs."""
+    import osdn_diag
+    from osdn_diag.models import load_model
+
+    plain = load_model("random:qwen3-next-tiny").model
+    blocks = ["model.embed_tokens", *[f"model.layers.{i}" for i in range(plain.config.num_hidden_layers)],
+              "model.norm", "model.rotary_emb", "lm_head"]
+    modules = dict(plain.named_modules())
+    spread = load_model("random:qwen3-next-tiny", device_map={b: "cpu" for b in blocks if b in modules}).model
+    assert getattr(spread, "hf_device_map", None)  # dispatched, with accelerate's hooks
+    ids = torch.randint(3, plain.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    results = []
+    for model in (plain, spread):
+        with torch.no_grad(), osdn_diag.capture(model) as cap:
+            model(ids)
+        results.append(osdn_diag.replay(cap))
+    assert sorted(set(results[1].table["layer"].to_pylist())) == [0, 1, 2]  # layer 3: full attention
+    assert results[0].table.equals(results[1].table)

@@ -26,7 +26,7 @@ def __getattr__(name: str):
     if name in ("capture", "replay"):
         return importlib.import_module(f".{name}", __name__)
     if name == "Results":
-        return importlib.import_module(".results", __name__).Results
+        return importlib.import_module(".replay", __name__).Results
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

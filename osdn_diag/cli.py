@@ -158,7 +158,7 @@ def _cmd_what_if(args: argparse.Namespace) -> int:
     import torch
 
     from .report import write_report
-    from .report.markdown import load_run
+    from .replay import load_run
     from .rundir import output_lock
     from .whatif import WhatIf, what_if_out, what_if_run
 

@@ -141,7 +141,7 @@ def _run(out_dir: Path, names, tasks, *, num_prompts, device, seed, progress, ro
 
 
 def _row(label: str, run_dir: Path) -> DemoRow:
-    from .report.markdown import load_run
+    from .replay import load_run
 
     _, s = load_run(run_dir)
     return DemoRow(

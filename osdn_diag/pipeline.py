@@ -3,7 +3,7 @@
 pass without storing the capture, :func:`stream_run`.
 
 The replay itself — the per-token table and the summary's accumulators — is
-:class:`osdn_diag.replayer.Replayer`; this module handles files, ranks and the manifest.
+:class:`osdn_diag.replay.Replayer`; this module handles files, ranks and the manifest.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ._atomic import atomic_path, remove_stale_temporaries
 from ._json import dumps as strict_json
 from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
 from .rundir import RUN_ID_KEY, finish_stage, new_run_id, output_lock, prepare_output, start_stage
-from .replayer import CONTRACT_COLUMNS, Replayer
+from .replay import CONTRACT_COLUMNS, Replayer
 
 __all__ = [
     "COMPARATOR",

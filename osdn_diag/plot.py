@@ -5,7 +5,7 @@
     odp.contraction(res)                                     # osdn_diag.replay(cap)'s Results
     odp.by_layer({"DeltaNet": "runs/deltanet", "OSDN": res}, ax=my_ax)
 
-A *run* is a run directory (``str`` or ``Path``), a :class:`~osdn_diag.results.Results`, or a
+A *run* is a run directory (``str`` or ``Path``), a :class:`~osdn_diag.replay.Results`, or a
 ``summary.json`` dictionary; ``runs`` is one run, a list of them (labelled by their model spec or
 ``run 0, 1, ...``), or a ``{label: run}`` mapping. Functions draw on ``ax`` when given (a new figure
 otherwise) and return the figure, which Jupyter shows; ``osdn_diag.report.plots.save(fig, path)``
@@ -28,8 +28,9 @@ __all__ = ["by_layer", "contraction", "d_trajectory", "eps_vs_q", "layer_head", 
 
 def _one(run, default_label: str) -> tuple[str, dict, Path | None]:
     """``(label, summary, run directory or None)`` of one run."""
-    from .report.markdown import _label, load_run
-    from .results import Results
+    from .replay import load_run
+    from .report.markdown import _label
+    from .replay import Results
 
     if isinstance(run, (str, os.PathLike)):
         manifest, summary = load_run(run)

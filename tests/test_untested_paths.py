@@ -18,7 +18,7 @@ from osdn_diag.capture.store import StoredCall
 from osdn_diag.math.closed_forms import log_bound
 from osdn_diag.metrics.audit import AuditAccumulator
 from osdn_diag.replay import replay_call
-from osdn_diag.replayer import Replayer
+from osdn_diag.replay.replayer import Replayer
 
 F64 = torch.float64
 

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ..capture.store import atomic_write_text, read_manifest, require_stage
+from ..replay.results import load_run
 from ..rundir import (
     MANIFEST,
     RunDirectoryError,
@@ -33,40 +34,6 @@ from .plots import (
 )
 
 __all__ = ["d_trajectory_of", "eps_q_series", "load_run", "write_report"]
-
-
-def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
-    """``(manifest, summary)`` of a run whose replay finished; errors name the file that is missing or
-    wrong, or that another run wrote (its run id differs from the manifest's)."""
-    import pyarrow.parquet as pq
-
-    from ..replayer import CONTRACT_COLUMNS
-
-    run_dir = Path(run_dir)
-    manifest = read_manifest(run_dir)
-    require_stage(run_dir, manifest, "replay")
-    path = run_dir / "summary.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
-    try:
-        summary = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); run `osdn-diag replay {run_dir}` again") from None
-    table = run_dir / "residuals.parquet"
-    if not table.exists():
-        raise FileNotFoundError(f"{table}: no per-token table — run `osdn-diag replay {run_dir}` first")
-    names = pq.ParquetDataset(table).schema.names  # a file, or a directory of parts
-    missing = [c for c in CONTRACT_COLUMNS if c not in names]
-    if missing:
-        raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
-    check_table_run_ids(run_dir, manifest, summary)
-    if manifest.get("shards") and (run_dir / "capture").is_dir():
-        # The capture the tables came from is still the one the manifest lists (names and sizes here;
-        # the d plot hashes the shards it reads). A deleted capture/ is a run without one, not damage.
-        from ..capture.store import CaptureReader
-
-        CaptureReader(run_dir)
-    return manifest, summary
 
 
 def _prompt_shape(manifest: dict) -> list[tuple[str, int, int]]:

@@ -14,7 +14,7 @@ import torch
 
 from osdn_diag.capture import KernelCall
 from osdn_diag.replay import FidelityError, default_state_tolerance, replay_call, working_precision
-from osdn_diag.replayer import Replayer
+from osdn_diag.replay.replayer import Replayer
 from osdn_diag.whatif import WhatIf
 
 B, T, H, K, V = 2, 24, 2, 8, 4

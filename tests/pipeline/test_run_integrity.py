@@ -156,7 +156,7 @@ def test_report_refuses_tables_of_another_run(runs, tmp_path, capsys):
 
 @pytest.fixture
 def replay_crashes(monkeypatch):
-    from osdn_diag.replayer import Replayer
+    from osdn_diag.replay.replayer import Replayer
 
     def crash(self, stored):
         raise RuntimeError("simulated crash during replay")

@@ -1,4 +1,5 @@
-"""The in-memory Python API: replay what :func:`osdn_diag.capture` recorded.
+"""Results of a replay: in memory (:func:`replay` of what :func:`osdn_diag.capture` recorded) or read
+back from a finished run directory (:meth:`Results.load`, :func:`load_run`).
 
     with osdn_diag.capture(model) as cap:
         model(input_ids)
@@ -11,17 +12,20 @@ tasks and repeat positions).
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 
-from .capture.record import KernelCall
-from .capture.store import StoredCall
+from ..capture.record import KernelCall
+from ..capture.store import StoredCall
+from ..prompts import Prompt
 from .replayer import Replayer
-from .prompts import Prompt
 
-__all__ = ["Results", "replay"]
+__all__ = ["Results", "load_run", "replay"]
 
 
 @dataclass(repr=False)
@@ -42,11 +46,7 @@ class Results:
         missing, or a file another run wrote)."""
         import pyarrow.parquet as pq
 
-        from .report.markdown import load_run
-
         _, summary = load_run(run_dir)
-        from pathlib import Path
-
         return cls(pq.read_table(Path(run_dir) / "residuals.parquet"), summary)
 
     def __repr__(self) -> str:
@@ -82,7 +82,7 @@ def replay(
     **replay_kw,
 ) -> Results:
     """Replay captured calls (a :class:`~osdn_diag.capture.context.Capture` or a list of
-    :class:`KernelCall`) in fp32; options as :class:`osdn_diag.replayer.Replayer`."""
+    :class:`KernelCall`) in fp32; options as :class:`osdn_diag.replay.Replayer`."""
     calls = list(getattr(capture, "calls", capture))
     if not calls:
         raise ValueError("argument 'capture': no calls were captured (did the model run inside it?)")
@@ -109,3 +109,39 @@ def replay(
         ids = list(range(offsets[call.forward], offsets[call.forward] + n))
         tables.append(replayer.add(StoredCall(batch=call.forward, prompts=ids, call=call)))
     return Results(table=pa.concat_tables(tables), summary=replayer.summary())
+
+
+def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
+    """``(manifest, summary)`` of a run whose replay finished; errors name the file that is missing or
+    wrong, or that another run wrote (its run id differs from the manifest's)."""
+    import pyarrow.parquet as pq
+
+    from ..capture.store import read_manifest, require_stage
+    from ..rundir import check_table_run_ids
+    from .replayer import CONTRACT_COLUMNS
+
+    run_dir = Path(run_dir)
+    manifest = read_manifest(run_dir)
+    require_stage(run_dir, manifest, "replay")
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
+    try:
+        summary = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); run `osdn-diag replay {run_dir}` again") from None
+    table = run_dir / "residuals.parquet"
+    if not table.exists():
+        raise FileNotFoundError(f"{table}: no per-token table — run `osdn-diag replay {run_dir}` first")
+    names = pq.ParquetDataset(table).schema.names  # a file, or a directory of parts
+    missing = [c for c in CONTRACT_COLUMNS if c not in names]
+    if missing:
+        raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
+    check_table_run_ids(run_dir, manifest, summary)
+    if manifest.get("shards") and (run_dir / "capture").is_dir():
+        # The capture the tables came from is still the one the manifest lists (names and sizes here;
+        # the d plot hashes the shards it reads). A deleted capture/ is a run without one, not damage.
+        from ..capture.store import CaptureReader
+
+        CaptureReader(run_dir)
+    return manifest, summary

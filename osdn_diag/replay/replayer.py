@@ -1,6 +1,6 @@
 """Replay of captured calls into the per-token table and the run's statistics.
 
-:class:`Replayer` takes stored calls one at a time: it replays each (:func:`osdn_diag.replay.replay_call`),
+:class:`Replayer` takes stored calls one at a time: it replays each (:func:`osdn_diag.replay.call.replay_call`),
 returns the call's rows of the per-token table — one row per (prompt, layer, head, position) with the
 columns a run directory promises (:data:`CONTRACT_COLUMNS`; docs/run-directory.md defines each):
 ``prompt, task, layer, head, pos, rel_pos, repeat_start, beta, key_sqnorm, write_gain, loss_before,
@@ -19,12 +19,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .capture.record import KernelCall
-from .capture.store import StoredCall, to_device
-from .metrics.audit import AuditAccumulator
-from .metrics.ratios import RatioAccumulator
-from .metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
-from .replay import replay_call, working_precision
+from ..capture.record import KernelCall
+from ..capture.store import StoredCall, to_device
+from ..metrics.audit import AuditAccumulator
+from ..metrics.ratios import RatioAccumulator
+from ..metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
+from .call import replay_call, working_precision
 
 __all__ = ["CONTRACT_COLUMNS", "Replayer", "comparator_summary", "repeat_boundaries"]
 
@@ -276,7 +276,7 @@ class _Problems:
     @classmethod
     def of(cls, stored: StoredCall, call: KernelCall, res, prompts: dict) -> _Problems:
         """The call's problems: problem ``i·H + h`` is head ``h`` of the call's ``i``-th sequence."""
-        from .math.closed_forms import residual_ratio
+        from ..math.closed_forms import residual_ratio
 
         H = call.num_heads
         segs = call.segments()
@@ -326,7 +326,7 @@ class _Problems:
 
     def solve(self, box: tuple[float, float]) -> pa.Table:
         """One row of ``comparator.parquet`` per problem."""
-        from .metrics.theorem import theorem_d7
+        from ..metrics.theorem import theorem_d7
 
         cols = theorem_d7(self.k, self.beta, self.d, self.q, self.valid,
                           d_min=box[0], d_max=box[1], gated=self.gated)

@@ -1,4 +1,4 @@
-"""Replay: recompute every captured write in fp32 (or fp64) and measure its residual ratio.
+"""One captured kernel call replayed: every write recomputed in fp32 (or fp64), its residual ratio measured.
 
 For each captured call and each (sequence, head, position) the replay recomputes the state from the
 captured inputs — it never trusts Lemma 4.1's identity, which the tests check *against* it — and
@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .capture.kernel_inputs import unit_roundoff
-from .capture.record import KernelCall
-from .math.closed_forms import residual_ratio
-from .math.recurrence import delta_rule_recurrence
+from ..capture.kernel_inputs import unit_roundoff
+from ..capture.record import KernelCall
+from ..math.closed_forms import residual_ratio
+from ..math.recurrence import delta_rule_recurrence
 
 __all__ = [
     "CallReplay",
@@ -209,7 +209,7 @@ def replay_call(
     if backend == "torch":
         res = delta_rule_recurrence(**_recurrence_inputs(call, dtype, bad))
     elif backend == "triton":
-        from .ops.replay import fused_replay
+        from ..ops.replay import fused_replay
 
         res = fused_replay(**_recurrence_inputs(call, dtype, bad))
     else:
@@ -306,15 +306,3 @@ def replay_call(
         nonfinite_streams=streams_bad,
     )
 
-
-def replay(capture, **kwargs):
-    """Replay what a capture recorded, in memory: see :func:`osdn_diag.results.replay`. (The module
-    is callable: ``osdn_diag.replay(cap)`` is this function.)"""
-    from .results import replay as _replay
-
-    return _replay(capture, **kwargs)
-
-
-from ._callable import make_callable  # noqa: E402
-
-make_callable(__name__, "replay")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 
 def test_stages_time_every_call_and_restore_the_pipeline(tmp_path, capsys, benchmark_script):
-    from osdn_diag import pipeline, replayer
+    from osdn_diag import pipeline
+    from osdn_diag.replay import replayer
 
     original_add, original_write = replayer.Replayer.add, pipeline._ParquetEncoder.write
     bench = benchmark_script("bench_e2e")

@@ -95,18 +95,18 @@ def _read_json(path: Path, what: str):
 
 def _check_model(spec: str) -> None:
     if spec.startswith("random:"):
-        from .models.loading import PRESETS
+        from .catalog import PRESETS
 
         if spec.removeprefix("random:") not in PRESETS:
             raise UsageError(f"MODEL {spec!r}: unknown preset {spec.removeprefix('random:')!r}; available: "
                              + ", ".join(f"random:{p}" for p in PRESETS))
         return
     if spec.startswith("builtin:"):
-        from .models.builtin import builtin_path
+        from .catalog import builtin_path
 
         directory = builtin_path(spec.removeprefix("builtin:"))
     else:
-        from .models.hub import is_hub_id
+        from .catalog import is_hub_id
 
         if is_hub_id(spec):
             return  # resolved when the model loads (the cache, or the Hub)

@@ -1,6 +1,6 @@
 """``osdn-diag demo``: the whole diagnostic on the built-in trained models, offline.
 
-For every built-in model (DeltaNet, OSDN, OSDN-APF trained on MQAR, :mod:`osdn_diag.models.builtin`)
+For every built-in model (DeltaNet, OSDN, OSDN-APF trained on MQAR, :mod:`osdn_diag.catalog.builtin`)
 the demo captures the paired MQAR / MQAR-twice suite at the shape the model was trained on, replays
 every write, and then writes one report comparing the models: the residual-contraction table
 (Table 8 layout), recall accuracy single vs twice (Table 7 layout) and the contraction curve over
@@ -58,7 +58,7 @@ def run_demo(
 
     Returns ``(report.md path, one row per model)``.
     """
-    from .models.builtin import builtin_names, builtin_task
+    from .catalog import builtin_names, builtin_task
     from .rundir import RunDirectoryError, check_output, existing_run_files, is_report_dir, output_lock
 
     if num_prompts < 1:

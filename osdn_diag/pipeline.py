@@ -192,7 +192,6 @@ class _CaptureSession:
                  num_prompts, length, seed, stored: bool = True, device_map=None, overwrite: bool = False,
                  stages: tuple[str, ...] = ("capture",)):
         from . import distributed, runtime
-        from .models import LoadedModel, load_model
         from .prompts import load_prompts
 
         if batch_size < 1:
@@ -201,11 +200,14 @@ class _CaptureSession:
         if device_map is not None and self.ranks.world > 1:
             raise ValueError("argument 'device_map': spreads one model over every GPU of the machine, "
                              "so it runs in one process, not under torchrun with several")
-        preloaded = model_spec if isinstance(model_spec, LoadedModel) else None
+        preloaded = None if isinstance(model_spec, (str, os.PathLike)) else model_spec  # a LoadedModel
         if preloaded is not None:  # already on its device, in its dtype
             param = next(preloaded.model.parameters())
             device, dtype, model_spec = device or param.device, dtype or param.dtype, preloaded.spec
+        # Before osdn_diag.models (which imports fla): on the CPU, fla must be imported interpreted.
         self.device = runtime.prepare(device or self.ranks.device())
+        from .models import load_model
+
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.out_dir = Path(out_dir)
         self.model_spec, self.kernels, self.batch_size = model_spec, kernels, batch_size

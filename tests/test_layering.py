@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "osdn_diag"
 #: hashes) is infrastructure below every room that writes files, and imports none of them.
 ALLOWED = {
     "rundir": set(),
+    "catalog": set(),  # names only: no torch, no fla, no other room
     "math": set(),
     "ops": {"math"},
     "capture": {"math", "ops", "rundir"},

@@ -69,3 +69,27 @@ def test_help_and_version_do_not_import_torch():
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_importing_models_registers_the_auto_classes():
+    """``import osdn_diag.models`` registers "osdn" and "osgdn" with transformers' Auto classes, as
+    ``import fla`` registers fla's (a fresh interpreter: nothing else has imported them); a bad
+    MODEL argument is refused before fla is imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\n"
+            "from osdn_diag.cli import entry\n"
+            "err = io.StringIO()\n"
+            "with contextlib.redirect_stderr(err):\n"
+            "    assert entry(['run', 'random:nope', '--prompts', 'random', '--out', '/nonexistent/o']) == 2\n"
+            "assert 'unknown preset' in err.getvalue() and 'fla' not in sys.modules, err.getvalue()\n"
+            "import osdn_diag.models\n"
+            "from transformers import AutoConfig, AutoModelForCausalLM\n"
+            "for kind in ('osdn', 'osgdn'):\n"
+            "    cfg = AutoConfig.for_model(kind, hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=16)\n"
+            "    model = AutoModelForCausalLM.from_config(cfg)\n"
+            "    assert type(model).__name__ == kind.upper() + 'ForCausalLM', type(model)\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

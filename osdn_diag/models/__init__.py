@@ -1,48 +1,40 @@
-"""Model loading (local Hugging Face directories of fla models, random presets) and the OSDN / OSGDN
+"""Models: loading what a MODEL argument names (local directories, Hub ids, ``random:`` presets,
+``builtin:`` models; the names themselves live in :mod:`osdn_diag.catalog`), and the OSDN / OSGDN
 language models.
 
-``import osdn_diag.models`` does not import fla: on a machine without a GPU, fla may only be imported
-after ``TRITON_INTERPRET=1`` is set (:func:`osdn_diag.runtime.prepare`), and the command line imports
-this package before that. The model classes are therefore loaded on first use — touching any of
-``OSDNConfig``, ``OSDNModel``, ``OSDNForCausalLM``, ``OSGDNConfig``, ``OSGDNModel``,
-``OSGDNForCausalLM`` (``from osdn_diag.models import OSDNForCausalLM``) or calling :func:`register`
-imports :mod:`osdn_diag.models.modeling`, which registers model types ``"osdn"`` and ``"osgdn"``
-with transformers' ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM``. Call :func:`register`
-before ``AutoModelForCausalLM.from_pretrained`` on a saved OSDN / OSGDN directory.
+``import osdn_diag.models`` imports fla and registers model types ``"osdn"`` and ``"osgdn"`` with
+transformers' ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM``, as ``import fla`` registers
+fla's: a saved OSDN model then loads with ``AutoModelForCausalLM.from_pretrained(dir)``. On a machine
+without a GPU, fla must run under Triton's interpreter, which has to be switched on before triton or
+fla is first imported: this import does that (:func:`osdn_diag.runtime.prepare`) unless triton was
+imported already — then set ``TRITON_INTERPRET=1`` in the environment before starting Python.
 """
 
 from __future__ import annotations
 
-import importlib
+from .. import runtime
+from ..catalog import PRESETS
 
-from .loading import PRESETS, LoadedModel, load_model
+runtime.prepare()  # the interpreter on a machine without CUDA, before fla is imported below
 
-_LAZY = {
-    "OSDNConfig": "configuration",
-    "OSGDNConfig": "configuration",
-    "OSDNModel": "modeling",
-    "OSDNForCausalLM": "modeling",
-    "OSGDNModel": "modeling",
-    "OSGDNForCausalLM": "modeling",
-}
+from .configuration import OSDNConfig, OSGDNConfig  # noqa: E402
+from .loading import LoadedModel, load_model  # noqa: E402
+from .modeling import OSDNForCausalLM, OSDNModel, OSGDNForCausalLM, OSGDNModel  # noqa: E402  (registers)
 
-__all__ = ["PRESETS", "LoadedModel", "load_model", "register", *_LAZY]
+__all__ = [
+    "PRESETS",
+    "LoadedModel",
+    "OSDNConfig",
+    "OSDNForCausalLM",
+    "OSDNModel",
+    "OSGDNConfig",
+    "OSGDNForCausalLM",
+    "OSGDNModel",
+    "load_model",
+    "register",
+]
 
 
 def register() -> None:
-    """Register the OSDN / OSGDN configs and models with transformers' Auto classes (imports fla;
-    idempotent)."""
-    importlib.import_module(".modeling", __name__)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        register()  # a config alone is useless to AutoModel without its models
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """Kept for callers written against the lazy registration: the import above has registered the
+    OSDN / OSGDN configs and models with transformers' Auto classes already."""

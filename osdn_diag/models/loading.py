@@ -8,11 +8,11 @@
   of another shape is an error, not a silently random parameter.
 * ``ORG/NAME`` or ``ORG/NAME@REVISION`` — a Hugging Face Hub id that names no local path: resolved
   to a snapshot in the user's cache (``HF_HUB_OFFLINE=1`` honoured), fetching only JSON,
-  safetensors and tokenizer vocabularies (:mod:`osdn_diag.models.hub`), then loaded as a directory;
+  safetensors and tokenizer vocabularies (:mod:`osdn_diag.catalog.hub`), then loaded as a directory;
   the commit it resolved to is recorded (:attr:`LoadedModel.hub`).
 * ``random:PRESET`` — a randomly initialised model of a named shape (:data:`PRESETS`), seeded, for
   benchmarks and tests.
-* ``builtin:NAME`` — a small trained model shipped with the package (:mod:`osdn_diag.models.builtin`).
+* ``builtin:NAME`` — a small trained model shipped with the package (:mod:`osdn_diag.catalog.builtin`).
 """
 
 from __future__ import annotations
@@ -23,30 +23,9 @@ from pathlib import Path
 
 import torch
 
-from .transformers_presets import TRANSFORMERS_PRESETS
+from ..catalog.presets import PRESETS
 
 __all__ = ["DEVICE_MAPS", "PRESETS", "LoadedModel", "load_model"]
-
-#: Named random-model shapes: (config class name — fla's, else transformers' — config kwargs).
-PRESETS: dict[str, tuple[str, dict]] = {
-    # The paper's 340M DeltaNet: 24 layers, hidden 1024, 8 heads of d_k = d_v = 128.
-    "deltanet-340m": ("DeltaNetConfig", dict(hidden_size=1024, num_hidden_layers=24, num_heads=8, vocab_size=32000)),
-    # The paper's 1.3B shape: 24 layers, hidden 2048, 16 heads.
-    "deltanet-1.3b": ("DeltaNetConfig", dict(hidden_size=2048, num_hidden_layers=24, num_heads=16, vocab_size=32000)),
-    "deltanet-tiny": ("DeltaNetConfig", dict(hidden_size=64, num_hidden_layers=2, num_heads=2, vocab_size=256)),
-    "gated-deltanet-tiny": (
-        "GatedDeltaNetConfig",
-        dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
-    ),
-    "kda-tiny": ("KDAConfig", dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, vocab_size=256)),
-    "precond-gated-deltanet-tiny": (
-        "PrecondGatedDeltaNetConfig",
-        dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
-    ),
-    # transformers' own delta-rule models (config classes of transformers, not fla).
-    **TRANSFORMERS_PRESETS,
-}
-
 
 @dataclass
 class LoadedModel:
@@ -87,11 +66,7 @@ def load_model(
     capture records it there, tagged with its layer as always.
     """
     models = _fla()
-    from transformers import AutoModelForCausalLM
-
-    from . import register
-
-    register()  # the OSDN / OSGDN model types, for directories that hold one
+    from transformers import AutoModelForCausalLM  # OSDN / OSGDN registered by importing this package
 
     if spec.startswith("random:"):
         name = spec.removeprefix("random:")
@@ -112,12 +87,12 @@ def load_model(
             model = AutoModelForCausalLM.from_config(config)
         source, directory, hub = "random", None, None
     else:
-        from . import hub as _hub
+        from ..catalog import hub as _hub
 
         builtin = spec.startswith("builtin:")
         hub = None
         if builtin:
-            from .builtin import builtin_path
+            from ..catalog.builtin import builtin_path
 
             directory = builtin_path(spec.removeprefix("builtin:"))
         elif _hub.is_hub_id(spec):

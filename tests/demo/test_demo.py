@@ -17,7 +17,7 @@ import pytest
 from osdn_diag.capture.store import CaptureReader
 from osdn_diag.cli import entry, main
 from osdn_diag.demo import run_demo
-from osdn_diag.models.builtin import BUILTIN_ROOT
+from osdn_diag.catalog.builtin import BUILTIN_ROOT
 
 # Spelled out (not imported from osdn_diag.demo) so that the test fails if the demo's models change.
 MODELS = {"mqar-deltanet": "DeltaNet", "mqar-osdn": "OSDN", "mqar-osdn-apf": "OSDN-APF"}

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "layers"))  # the l
 from _layer_oracle import osdn_oracle, relative_error  # noqa: E402
 
 from osdn_diag.models import load_model  # noqa: E402
-from osdn_diag.models.builtin import (  # noqa: E402
+from osdn_diag.catalog.builtin import (  # noqa: E402
     BUILTIN_ROOT,
     builtin_names,
     builtin_path,

@@ -18,7 +18,7 @@ import torch
 
 from osdn_diag.cli import main
 from osdn_diag.models import load_model
-from osdn_diag.models.hub import is_hub_id
+from osdn_diag.catalog.hub import is_hub_id
 
 COMMIT = "3f9a1c2b4d5e6f708192a3b4c5d6e7f8091a2b3c"
 

@@ -62,13 +62,20 @@ def _ids(B=1, T=16, seed=0):
     return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def test_importing_osdn_diag_models_does_not_import_fla():
-    """The command line imports osdn_diag.models before it sets TRITON_INTERPRET on a CPU, so the
-    package must not import fla (or triton) until a model class is used."""
-    code = "import sys, osdn_diag, osdn_diag.models; print(sorted({'fla', 'triton'} & set(sys.modules)))"
+def test_importing_osdn_diag_models_prepares_fla_and_registers():
+    """The command line (osdn_diag, osdn_diag.cli) imports neither fla nor triton, so its argument
+    checks answer at once; importing osdn_diag.models imports fla — on a machine without CUDA after
+    switching Triton's interpreter on, which must precede fla's import — and registers the models."""
+    code = ("import os, sys, osdn_diag, osdn_diag.cli\n"
+            "assert not ({'fla', 'triton'} & set(sys.modules)), sorted({'fla', 'triton'} & set(sys.modules))\n"
+            "import osdn_diag.models\n"
+            "from transformers import CONFIG_MAPPING\n"
+            "print(os.environ.get('TRITON_INTERPRET'), 'fla' in sys.modules, 'osdn' in CONFIG_MAPPING)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == "[]"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    interpret = "None" if torch.cuda.is_available() else "1"
+    assert out.stdout.strip().splitlines()[-1] == f"{interpret} True True"
 
 
 def test_classes_are_registered_with_the_auto_classes():
@@ -76,7 +83,6 @@ def test_classes_are_registered_with_the_auto_classes():
 
     import osdn_diag.models as models
 
-    models.register()
     for kind, prefix in (("osdn", "OSDN"), ("osgdn", "OSGDN")):
         config = AutoConfig.for_model(kind, **COMMON, **KINDS[kind][0])
         assert type(config) is getattr(models, f"{prefix}Config")

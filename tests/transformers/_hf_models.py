@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from osdn_diag.models.transformers_presets import TRANSFORMERS_PRESETS
+from osdn_diag.catalog.presets import TRANSFORMERS_PRESETS
 
 #: preset name, modeling module, the kernel names its linear-attention layer calls (prompt, decode step)
 MODELS = {

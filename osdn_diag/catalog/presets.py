@@ -1,8 +1,10 @@
-"""``random:`` presets of transformers' delta-rule models (Qwen3-Next, Qwen3.5 dense and MoE, Kimi Linear,
-OLMo-Hybrid).
+"""``random:PRESET``: randomly initialised models of named shapes, for benchmarks and tests.
 
-Each preset is ``(config class name in transformers, config kwargs)``, built with
-``AutoModelForCausalLM.from_config`` like the fla presets (:data:`osdn_diag.models.loading.PRESETS`).
+Each preset is ``(config class name, config kwargs)`` — fla's config class where fla has one of that
+name, transformers' otherwise — built with ``AutoModelForCausalLM.from_config`` and seeded
+(:func:`osdn_diag.models.load_model`). :data:`PRESETS` holds them all: fla's DeltaNet family at the
+paper's shapes and tiny ones, and transformers' delta-rule models (Qwen3-Next, Qwen3.5 dense and MoE,
+Kimi Linear, OLMo-Hybrid):
 
 * ``*-tiny``: four decoder layers (three linear-attention layers and one full-attention layer, the
   models' own 3 : 1 pattern), hidden size 64, heads of 16 — for tests and CPU runs. The Qwen presets
@@ -32,7 +34,7 @@ Each preset is ``(config class name in transformers, config kwargs)``, built wit
 
 from __future__ import annotations
 
-__all__ = ["TRANSFORMERS_PRESETS"]
+__all__ = ["PRESETS", "TRANSFORMERS_PRESETS"]
 
 _LLLF = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, layer_types=_LLLF)
@@ -77,4 +79,25 @@ TRANSFORMERS_PRESETS: dict[str, tuple[str, dict]] = {
         **_TOKENS,
     )),
     "olmo-hybrid-7b-shape": ("OlmoHybridConfig", dict(**_SHAPE, **_TOKENS)),
+}
+
+
+#: Named random-model shapes: (config class name — fla's, else transformers' — config kwargs).
+PRESETS: dict[str, tuple[str, dict]] = {
+    # The paper's 340M DeltaNet: 24 layers, hidden 1024, 8 heads of d_k = d_v = 128.
+    "deltanet-340m": ("DeltaNetConfig", dict(hidden_size=1024, num_hidden_layers=24, num_heads=8, vocab_size=32000)),
+    # The paper's 1.3B shape: 24 layers, hidden 2048, 16 heads.
+    "deltanet-1.3b": ("DeltaNetConfig", dict(hidden_size=2048, num_hidden_layers=24, num_heads=16, vocab_size=32000)),
+    "deltanet-tiny": ("DeltaNetConfig", dict(hidden_size=64, num_hidden_layers=2, num_heads=2, vocab_size=256)),
+    "gated-deltanet-tiny": (
+        "GatedDeltaNetConfig",
+        dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
+    ),
+    "kda-tiny": ("KDAConfig", dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, vocab_size=256)),
+    "precond-gated-deltanet-tiny": (
+        "PrecondGatedDeltaNetConfig",
+        dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
+    ),
+    # transformers' own delta-rule models (config classes of transformers, not fla).
+    **TRANSFORMERS_PRESETS,
 }

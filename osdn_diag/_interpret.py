@@ -62,6 +62,12 @@ MIN_TRITON = (3, 8)
 _ENABLED = False
 
 
+class InterpreterUnavailable(RuntimeError):
+    """fla cannot run under Triton's interpreter in this environment (a triton too old for it, fla
+    imported before ``TRITON_INTERPRET=1``, another fla version): the machine's setup, not a fault of
+    the package, so the command line reports it in one line."""
+
+
 def _version_tuple(v: str) -> tuple[int, ...]:
     out = []
     for part in v.split("+")[0].split("."):
@@ -76,22 +82,22 @@ def _check_environment():
     """Import triton and fla, checking every precondition; return ``(triton, fla)``."""
     flag = os.environ.get("TRITON_INTERPRET")
     if flag != "1":
-        raise RuntimeError(
+        raise InterpreterUnavailable(
             "enable_fla_interpreter(): TRITON_INTERPRET must be '1' (set before triton or fla is "
             f"imported), found {flag!r}"
         )
     try:
         import triton
     except ImportError as e:  # pragma: no cover - depends on the install
-        raise RuntimeError(f"enable_fla_interpreter(): triton is not importable ({e})") from e
+        raise InterpreterUnavailable(f"enable_fla_interpreter(): triton is not importable ({e})") from e
     if _version_tuple(triton.__version__)[:2] < MIN_TRITON:
-        raise RuntimeError(
+        raise InterpreterUnavailable(
             "enable_fla_interpreter(): needs triton >= "
             f"{'.'.join(map(str, MIN_TRITON))} (its interpreter runs fla 0.6.0), found triton "
             f"{triton.__version__}"
         )
     if not triton.knobs.runtime.interpret:
-        raise RuntimeError(
+        raise InterpreterUnavailable(
             "enable_fla_interpreter(): triton does not see TRITON_INTERPRET=1 "
             f"(triton.knobs.runtime.interpret is {triton.knobs.runtime.interpret!r})"
         )
@@ -102,10 +108,10 @@ def _check_environment():
             import fla
             import fla.ops.utils.op as fla_op
         except ImportError as e:
-            raise RuntimeError(f"enable_fla_interpreter(): fla is not importable ({e})") from e
+            raise InterpreterUnavailable(f"enable_fla_interpreter(): fla is not importable ({e})") from e
     version = getattr(fla, "__version__", None)
     if version != REQUIRED_FLA:
-        raise RuntimeError(
+        raise InterpreterUnavailable(
             f"enable_fla_interpreter(): written for flash-linear-attention {REQUIRED_FLA}, found "
             f"fla {version} at {os.path.dirname(fla.__file__)}"
         )
@@ -114,7 +120,7 @@ def _check_environment():
     # @triton.jit decides at decoration time whether it makes a compiled or an interpreted kernel, so
     # TRITON_INTERPRET=1 set after fla was imported leaves fla's kernels compiled (and unusable here).
     if not isinstance(fla_op.exp, InterpretedFunction):
-        raise RuntimeError(
+        raise InterpreterUnavailable(
             "enable_fla_interpreter(): fla was imported before TRITON_INTERPRET=1 was set, so its "
             f"kernels were built for compilation ({type(fla_op.exp).__name__}); set the variable "
             "before importing triton or fla"

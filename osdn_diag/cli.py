@@ -413,10 +413,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     rather than a fault of this package: printed as one line."""
     from safetensors import SafetensorError
 
+    from ._interpret import InterpreterUnavailable
     from .capture.store import IncompleteRunError
     from .replay import FidelityError
 
-    return (ValueError, OSError, IncompleteRunError, FidelityError, SafetensorError)
+    return (ValueError, OSError, IncompleteRunError, FidelityError, SafetensorError, InterpreterUnavailable)
 
 
 def entry(argv: list[str] | None = None) -> int:

@@ -28,7 +28,9 @@ def prepare(device: str | torch.device | None = None) -> torch.device:
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             if "triton" in sys.modules or "fla" in sys.modules:
-                raise RuntimeError(
+                from ._interpret import InterpreterUnavailable
+
+                raise InterpreterUnavailable(
                     "running fla on the CPU needs TRITON_INTERPRET=1 before triton or fla is imported; "
                     "set it in the environment (export TRITON_INTERPRET=1) and start again"
                 )

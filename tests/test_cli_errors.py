@@ -188,3 +188,22 @@ def test_version(capsys):
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and out.startswith(f"osdn-diag {osdn_diag.__version__} (")
     assert f"flash-linear-attention {version('flash-linear-attention')}" in out
+
+
+def test_an_environment_fla_cannot_be_interpreted_in_is_one_line(tmp_path):
+    """A run on the CPU where Triton's interpreter cannot be switched on — here triton was imported
+    before ``TRITON_INTERPRET=1`` (a triton too old for the interpreter fails the same way) — is
+    refused in one line naming what to do, exit status 2, no traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys, triton\n"
+            "from osdn_diag.cli import entry\n"
+            f"sys.exit(entry(['run', 'random:deltanet-tiny', '--prompts', 'random', '--num-prompts', '1', "
+            f"'--length', '8', '--device', 'cpu', '--out', {str(tmp_path / 'o')!r}, '-q']))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("osdn-diag: error:")]
+    assert len(lines) == 1 and "TRITON_INTERPRET=1" in lines[0] and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "o").exists()

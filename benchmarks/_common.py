@@ -67,6 +67,12 @@ def kernel_timeline(fn, calls: int = 10) -> list[tuple[str, float]]:
     return list(zip(names, times.view(calls, per_call).median(0).values.tolist()))
 
 
+def fidelity_text(err: float | None, fmt: str = ".2e") -> str:
+    """A summary's ``fidelity.max_rel_error`` for a printed line: ``None`` means no live kernel ran
+    (the CPU's reference stand-in), so there was nothing to compare the replay with."""
+    return "not measured (reference kernels)" if err is None else format(err, fmt)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in fp64 (``b`` the reference)."""
     a, b = a.detach().double(), b.detach().double()

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 import torch
-from _common import write_json
+from _common import fidelity_text, write_json
 
 
 def _layer(name: str, hidden: int):
@@ -120,7 +120,7 @@ def end_to_end(T: int) -> dict:
                fidelity=summary["fidelity"]["max_rel_error"])
     print(f"run random:deltanet-340m, 2 x {T}: capture {out['capture_s']:.1f} s (incl. model load), "
           f"replay+summary {out['replay_s']:.1f} s, n = {out['n']:,}, q_geo = {out['q_geo']:.4f}, "
-          "fidelity " + ("not measured (reference kernels)" if out["fidelity"] is None else f"{out['fidelity']:.2e}"))
+          f"fidelity {fidelity_text(out['fidelity'])}")
     return out
 
 

@@ -32,16 +32,11 @@ import threading
 import time
 
 import torch
-from _common import write_json
+from _common import fidelity_text, write_json
 
 
 def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-
-
-def _fidelity(err) -> str:
-    """The replay's agreement with the kernel, or why there is none (the CPU's reference stand-in)."""
-    return "not measured (reference kernels)" if err is None else f"{err:.1e}"
 
 
 #: (module, attribute path, label): the stages ``--stages`` times. Each is looked up where the pipeline
@@ -177,7 +172,7 @@ def main(argv=None) -> dict:
                        peak_rss_gib=_peak_rss_gib())
             rows.append(row)
             print(f"{mode:7s} {elapsed:8.2f} s  {row['per_s'] / 1e6:7.2f} M/s  n = {row['n']:,}  "
-                  f"q_geo {row['q_geo']:.4f}  fidelity {_fidelity(row['fidelity'])}  peak RSS {row['peak_rss_gib']:.2f} GiB",
+                  f"q_geo {row['q_geo']:.4f}  fidelity {fidelity_text(row['fidelity'], '.1e')}  peak RSS {row['peak_rss_gib']:.2f} GiB",
                   flush=True)
     if a.profile:  # a separate, untimed pass: cProfile slows the Python side down
         prof = cProfile.Profile() if ranks.is_main else None

@@ -26,6 +26,11 @@ from .report import plots as _plots
 __all__ = ["by_layer", "contraction", "d_trajectory", "eps_vs_q", "layer_head", "q_bars", "retained"]
 
 
+def _is_summary(x) -> bool:
+    """A ``summary.json`` dictionary (rather than a ``{label: run}`` mapping)."""
+    return isinstance(x, Mapping) and "q_geo" in x and "position_bins" in x
+
+
 def _one(run, default_label: str) -> tuple[str, dict, Path | None]:
     """``(label, summary, run directory or None)`` of one run."""
     from .replay import load_run
@@ -37,14 +42,14 @@ def _one(run, default_label: str) -> tuple[str, dict, Path | None]:
         return _label(Path(run), manifest), summary, Path(run)
     if isinstance(run, Results):
         return default_label, run.summary, None
-    if isinstance(run, Mapping) and "q_geo" in run and "position_bins" in run:
+    if _is_summary(run):
         return default_label, dict(run), None
     raise TypeError(f"argument 'runs': expected a run directory, a Results or a summary dictionary, "
                     f"got {type(run).__name__}")
 
 
 def _runs(runs) -> list[tuple[str, dict, Path | None]]:
-    if isinstance(runs, Mapping) and not ("q_geo" in runs and "position_bins" in runs):
+    if isinstance(runs, Mapping) and not _is_summary(runs):
         return [(str(label), *_one(run, str(label))[1:]) for label, run in runs.items()]
     if isinstance(runs, (list, tuple)):
         if not runs:

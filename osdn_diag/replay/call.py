@@ -40,7 +40,6 @@ __all__ = [
     "default_state_tolerance",
     "default_tolerance",
     "working_precision",
-    "replay",
     "replay_call",
 ]
 

@@ -7,12 +7,11 @@ import math
 import os
 from pathlib import Path
 
-from ..capture.store import atomic_write_text, read_manifest, require_stage
+from ..capture.store import atomic_write_text
 from ..replay.results import load_run
 from ..rundir import (
     MANIFEST,
     RunDirectoryError,
-    check_table_run_ids,
     enclosing_runs,
     existing_run_files,
     finish_stage,

@@ -472,6 +472,8 @@ class KernelSite:
 
 
 def _sites() -> tuple[KernelSite, ...]:
+    from . import families  # its modules subclass Adapter: imported once this module has defined it
+
     gdn = {p: GatedDeltaRuleAdapter(p) for p in ("chunk", "fused_recurrent")}
     kda = {p: KDAAdapter(p) for p in ("chunk", "fused_recurrent")}
     pgdn, pkda = "precond_gated_delta_rule", "precond_kda"
@@ -495,6 +497,8 @@ def _sites() -> tuple[KernelSite, ...]:
         KernelSite("osdn_diag.layers._common", "osdn_precondition", Phase1Site()),
         KernelSite("osdn_diag.layers._common", "chunk_osdn", OSDNAdapter("chunk")),
         KernelSite("osdn_diag.layers._common", "fused_recurrent_osdn", FusedOSDNAdapter("fused_recurrent")),
+        # fla's further families (GatedDeltaProduct, Comba, GDN2, ...): osdn_diag.capture.families.
+        *families.sites(),
     )
 
 

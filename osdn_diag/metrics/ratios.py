@@ -151,9 +151,15 @@ class RatioAccumulator:
             "n": [t.n for t in totals],
         }
 
-    def summary(self, repeat_boundary: Mapping[str, float] | None = None) -> dict:
+    def summary(
+        self,
+        repeat_boundary: Mapping[str, float] | None = None,
+        families: Mapping[int, str] | None = None,
+    ) -> dict:
         """The summary dictionary; ``repeat_boundary`` (task → mean relative position where the
-        repeated context starts) is recorded with the position bins."""
+        repeated context starts) is recorded with the position bins; ``families`` (layer → kernel
+        family, e.g. ``"gated_delta_rule"``) adds ``by_family``, the statistics of each family's layers
+        together (a hybrid or several-family model has more than one)."""
         total = RatioStats()
         for stats in self.cells.values():
             total += stats
@@ -164,6 +170,8 @@ class RatioAccumulator:
             "by_layer": self._by(lambda layer, head, task, b: f"{layer:03d}"),
             "by_head": self._by(lambda layer, head, task, b: f"{layer:03d}.{head:03d}"),
             "by_task": self._by(lambda layer, head, task, b: task),
+            **({} if families is None else
+               {"by_family": self._by(lambda layer, head, task, b: families.get(layer, "unknown"))}),
             "position_bins": {
                 "edges": edges,
                 **self._bins(lambda *key: True),

@@ -95,6 +95,7 @@ class Replayer:
         # What each layer's output was compared with: "fla" (a live kernel) or "reference" (the
         # package's own recurrence stood in for it, so agreement measures nothing about a kernel).
         self.against: dict[int, str] = {}
+        self.families: dict[int, str] = {}  # layer -> the kernel family of its calls (summary's by_family)
         self.tolerances: dict[int, float] = {}
         self.nonfinite: dict[int, int] = defaultdict(int)
         # (prompt, layer, head) streams left out for NaN/Inf inputs, and how many streams there were.
@@ -112,6 +113,7 @@ class Replayer:
         res = replay_call(call, backend=self.backend, dtype=self.dtype, tolerance=self.tolerance)
         self.fidelity[call.layer] = max(self.fidelity[call.layer], res.fidelity)
         self._add_against(call.layer, call.flags.get("kernels", "fla"))
+        self.families[call.layer] = call.family
         self.tolerances[call.layer] = res.tolerance
         self.nonfinite[call.layer] += res.nonfinite
         self.streams += len(res.sequence_lengths) * call.num_heads
@@ -171,6 +173,7 @@ class Replayer:
             self.fidelity[layer] = max(self.fidelity[layer], err)
         for layer, kernels in other.against.items():
             self._add_against(layer, kernels)
+        self.families.update(other.families)
         self.tolerances.update(other.tolerances)
         for layer, err in other.state_fidelity.items():
             self._add_state(layer, err, *other.state_meta[layer])
@@ -185,7 +188,7 @@ class Replayer:
         """What :meth:`merge` needs, picklable (sent between ranks)."""
         self.flush()
         return {name: getattr(self, name) for name in (
-            "ratios", "post", "audit", "retention", "fidelity", "against", "tolerances", "nonfinite",
+            "ratios", "post", "audit", "retention", "fidelity", "against", "families", "tolerances", "nonfinite",
             "excluded_streams", "streams", "state_fidelity", "state_meta", "comparator_tables")}
 
     def _add_against(self, layer: int, kernels: str) -> None:
@@ -210,9 +213,9 @@ class Replayer:
 
     def summary(self) -> dict:
         boundary = repeat_boundaries(self.prompts.values())
-        summary = self.ratios.summary(boundary)
+        summary = self.ratios.summary(boundary, self.families)
         if self.post.cells:
-            summary["post_decay"] = self.post.summary(boundary)
+            summary["post_decay"] = self.post.summary(boundary, self.families)
         # The headline error counts only layers checked against a live kernel: replaying the stand-in
         # reproduces it by construction, so its agreement is no evidence (null when no kernel ran).
         live = [v for k, v in self.fidelity.items() if self.against.get(k, "fla") != "reference"]

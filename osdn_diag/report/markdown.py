@@ -102,6 +102,29 @@ def _layer_table(runs) -> str:
     return _table(header, rows)
 
 
+def _family_tables(runs) -> list[str]:
+    """One table per kernel family (``summary.json -> by_family``): every run with layers of that
+    family, their ratio statistics together. Empty when there is only one (run, family) pair."""
+    families = sorted({f for _, _, s in runs for f in s.get("by_family", {})})
+    if sum(len(s.get("by_family", {})) for _, _, s in runs) < 2:
+        return []
+    gated = any("post_decay" in s for _, _, s in runs)  # the post-decay column only where there is one
+    parts = []
+    for family in families:
+        rows = []
+        for label, m, s in runs:
+            stats = s.get("by_family", {}).get(family)
+            if stats is None:
+                continue
+            layers = [layer["layer"] for layer in m.get("layers", []) if layer.get("family") == family]
+            post = s.get("post_decay", {}).get("by_family", {}).get(family, {}).get("q_geo")
+            rows.append([label, str(len(layers)), _f(stats["q_geo"]), _f(stats["q_arith"]),
+                         *([_f(post)] if gated else []), f"{stats['n']:,}"])
+        header = ["model", "layers", "q_geo ↓", "q_arith ↓", *(["post-decay q_geo ↓"] if gated else []), "n"]
+        parts += [f"### {family}", "", _table(header, rows), ""]
+    return parts
+
+
 def _runs_table(runs) -> str:
     header = ["model", "prompts", "layers", "kernels", "replay", "fidelity (max rel. error)",
               "final state (max rel. error)"]
@@ -438,6 +461,11 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
                   + ", ".join(f"{b:.2f} ({t})" for t, b in sorted(boundaries.items())) + ".", ""]
     parts += ["## By layer and head", "", "![q_geo by layer](plots/by_layer.png)",
               "![q_geo by layer and head](plots/layer_head.png)", "", _layer_table(runs), ""]
+    family_tables = _family_tables(runs)
+    if family_tables:
+        parts += ["## By family", "",
+                  "The layers of each kernel family together, run by run (`by_family` in summary.json). "
+                  "What the ratio measures in each family: docs/families.md.", "", *family_tables]
     if d_plot is not None:
         parts += ["## The preconditioner d", "", f"![d trajectory](plots/{d_plot.name})", "",
                   "The write-key preconditioner of one head over the first prompt: eight channels and "

@@ -1,6 +1,8 @@
 """Every number summary.json and report.md state about residual ratios, recomputed here from
 residuals.parquet alone (pyarrow + numpy, no accumulator of the package), on two real runs: the built-in
-DeltaNet on ``mqar-pair`` (two tasks, a repeated context) and a random Gated DeltaNet (``post_decay``).
+DeltaNet on ``mqar-pair`` (two tasks, a repeated context) and a random Gated DeltaNet (``post_decay``),
+and on the report comparing the two (one table per kernel family, each layer's family read from the
+manifest).
 
 Definitions (docs/metrics.md): ``q_geo = exp(mean log max(q, 1e-30))``, ``q_arith = mean q``, rows
 with ``finite = false`` are left out, and a token's position bin is ``floor(10 · pos / length)`` of its
@@ -32,7 +34,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("report_numbers")
     specs = {
         "deltanet": ["builtin:mqar-deltanet", "--num-prompts", "4", "--length", "64"],
-        "gated": ["random:gated-deltanet-tiny", "--num-prompts", "2", "--length", "32"],
+        # The same prompts as above, so that the two runs can be compared in one report.
+        "gated": ["random:gated-deltanet-tiny", "--num-prompts", "4", "--length", "64"],
     }
     out = {}
     for name, (model, *rest) in specs.items():
@@ -50,7 +53,7 @@ def _load(run_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     report = (run_dir / "report.md").read_text()
     return {"cols": cols, "manifest": manifest, "summary": summary, "report": report,
-            "label": manifest["model"]["spec"]}
+            "label": manifest["model"]["spec"], "dir": run_dir}
 
 
 # ------------------------------------------------------------------------- independent computation
@@ -89,6 +92,9 @@ def _expected(run, column: str) -> dict:
     exp["by_layer"] = {f"{int(v):03d}": _stats(q[layer == v]) for v in np.unique(layer)}
     exp["by_head"] = {f"{int(a):03d}.{int(b):03d}": _stats(q[(layer == a) & (head == b)])
                       for a, b in sorted({(int(a), int(b)) for a, b in zip(layer, head)})}
+    family_of = {int(entry["layer"]): entry["family"] for entry in run["manifest"]["layers"]}
+    family = np.asarray([family_of[int(v)] for v in layer], dtype=object)
+    exp["by_family"] = {f: _stats(q[family == f]) for f in sorted(set(family))}
     tasks = sorted(set(task))
     exp["by_task"] = {t: _stats(q[task == t]) for t in tasks}
     exp["position_bins"] = {**_bins(q, bins), "by_task": {t: _bins(q[task == t], bins[task == t]) for t in tasks}}
@@ -125,7 +131,7 @@ def _same_bins(got: dict, exp: dict, where: str) -> None:
 
 def _check_summary(got: dict, exp: dict, what: str) -> None:
     _same_stats(got, exp, f"{what} overall")
-    for group in ("by_layer", "by_head", "by_task"):
+    for group in ("by_layer", "by_head", "by_task", "by_family"):
         assert set(got[group]) == set(exp[group]), f"{what} {group}"
         for key, e in exp[group].items():
             _same_stats(got[group][key], e, f"{what} {group}[{key}]")
@@ -256,3 +262,31 @@ def test_report_tables_print_those_numbers(runs, name):
         header, rows = _table_after(report, "Gated layers: post-decay ratio")
         _check_contraction_table(header, rows, label, summary["post_decay"], exp_post)
 
+
+
+def test_family_tables_of_a_comparison(runs, tmp_path):
+    """``report RUN_A RUN_B``: one table per kernel family, each row the recomputed statistics of that
+    run's layers of the family (and the post-decay q_geo for the gated one)."""
+    out = tmp_path / "compare"
+    dirs = [str(runs[name]["dir"]) for name in ("deltanet", "gated")]
+    assert main(["report", *dirs, "--out", str(out), "--labels", "dn", "gdn"]) == 0
+    report = (out / "report.md").read_text()
+    expected = {"delta_rule": ("dn", runs["deltanet"]), "gated_delta_rule": ("gdn", runs["gated"])}
+    section = report[report.index("## By family"):]
+    for family, (label, run) in expected.items():
+        header, rows = _table_after(section.replace(f"### {family}", f"## {family}"), family)
+        assert header == ["model", "layers", "q_geo ↓", "q_arith ↓", "post-decay q_geo ↓", "n"]
+        assert len(rows) == 1 and rows[0][0] == label, rows
+        exp = _expected(run, "residual_ratio")["by_family"][family]
+        got = run["summary"]["by_family"][family]
+        assert rows[0][1] == str(len(run["manifest"]["layers"]))
+        _printed(rows[0][2], got["q_geo"], exp["q_geo"])
+        _printed(rows[0][3], got["q_arith"], exp["q_arith"])
+        assert rows[0][5] == f"{exp['n']:,}"
+        if family == "gated_delta_rule":
+            post = _expected(run, "residual_ratio_post")["by_family"][family]
+            _printed(rows[0][4], run["summary"]["post_decay"]["by_family"][family]["q_geo"], post["q_geo"])
+        else:
+            assert rows[0][4] == "–"
+    # A single run of a single family has no such section.
+    assert "## By family" not in runs["deltanet"]["report"]

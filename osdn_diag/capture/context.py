@@ -296,6 +296,7 @@ class Capture:
             x = getattr(call, field_name)
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 setattr(call, field_name, x.detach())
+        call.extra = {n: x.detach() for n, x in call.extra.items()}
         call.flags["kernels"] = kernels
         call.flags["device"] = kw["q"].device.type
         call.flags.update(flags or {})

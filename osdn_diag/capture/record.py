@@ -16,7 +16,10 @@ preconditioned layer), so that replay sees exactly the recurrence the kernel ran
 * ``o: [B, T, H, V]`` — what the kernel returned, for the fidelity check;
 * ``final_state: [N, H, V, K]`` — the kernel's own fp32 final state (capture asks every kernel for
   it), for the state fidelity check, or ``None``;
-* ``cu_seqlens: [N + 1]`` for packed sequences (``B == 1``), or ``None`` (then ``N == B``).
+* ``cu_seqlens: [N + 1]`` for packed sequences (``B == 1``), or ``None`` (then ``N == B``);
+* ``extra`` — a family's further inputs by name (``[B, T, H, ·]`` or ``[B, T, H]``, e.g. a removal key
+  that differs from the write key), stored as ``extra.NAME`` in the shard; empty for the delta-rule
+  families. Whatever reads them is the family's replay (:mod:`osdn_diag.replay.families`).
 
 Tensors are stored in fp32 (the kernel's own dtype is kept in ``input_dtype``).
 """
@@ -27,8 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["KernelCall", "TENSOR_FIELDS"]
+__all__ = ["EXTRA_PREFIX", "KernelCall", "TENSOR_FIELDS"]
 
+#: The shard key prefix of :attr:`KernelCall.extra` tensors.
+EXTRA_PREFIX = "extra."
 TENSOR_FIELDS = ("q", "k", "v", "beta", "g", "d", "write_key", "initial_state", "o", "final_state", "cu_seqlens")
 
 
@@ -54,6 +59,7 @@ class KernelCall:
     cu_seqlens: torch.Tensor | None = None
     input_dtype: str = "float32"
     flags: dict = field(default_factory=dict)
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
     forward: int = 0  # which forward pass of the capture session made the call
 
     @property
@@ -87,6 +93,8 @@ class KernelCall:
             x = getattr(self, name)
             if x is not None:
                 out[name] = x.detach().to("cpu").contiguous()
+        for name, x in self.extra.items():
+            out[EXTRA_PREFIX + name] = x.detach().to("cpu").contiguous()
         return out
 
     def metadata(self) -> dict:
@@ -112,5 +120,6 @@ class KernelCall:
             input_dtype=str(meta.get("input_dtype", "float32")),
             flags=dict(meta.get("flags", {})),
             forward=int(meta.get("forward", 0)),
+            extra={n.removeprefix(EXTRA_PREFIX): x for n, x in tensors.items() if n.startswith(EXTRA_PREFIX)},
             **{name: tensors.get(name) for name in TENSOR_FIELDS},
         )

@@ -259,4 +259,4 @@ def _safetensors_metadata(data: bytes) -> dict:
 def to_device(call: KernelCall, device: torch.device | str) -> KernelCall:
     """A copy of ``call`` with every tensor on ``device``."""
     moved = {n: getattr(call, n).to(device) for n in TENSOR_FIELDS if getattr(call, n) is not None}
-    return replace(call, **moved)
+    return replace(call, **moved, extra={n: x.to(device) for n, x in call.extra.items()})

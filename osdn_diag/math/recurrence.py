@@ -26,7 +26,7 @@ Conventions (shared with the rest of the package):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,8 @@ class RecurrenceResult:
         write_gain: ``[B, T, H]`` — ``a_t = β_t ⟨k̃_t, k_t⟩`` (= ``β_t⟨d_t, k_t⊙k_t⟩`` for OSDN).
         loss_before_decayed: ``[B, T, H]`` — ``f_t(S̄_{t−1})``; ``None`` for ungated recurrences, where
             it equals ``loss_before``.
+        columns: further per-token values ``[B, T, H]`` by column name, for the families whose
+            recurrence is not the delta rule's (:mod:`osdn_diag.replay.families`); empty here.
     """
 
     o: torch.Tensor
@@ -64,6 +66,7 @@ class RecurrenceResult:
     loss_after: torch.Tensor
     write_gain: torch.Tensor
     loss_before_decayed: torch.Tensor | None = None
+    columns: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _compute_dtype(dtype: torch.dtype | None, *xs: torch.Tensor | None) -> torch.dtype:

@@ -32,6 +32,7 @@ from ..capture.kernel_inputs import unit_roundoff
 from ..capture.record import KernelCall
 from ..math.closed_forms import residual_ratio
 from ..math.recurrence import delta_rule_recurrence
+from . import families
 
 __all__ = [
     "CallReplay",
@@ -40,7 +41,9 @@ __all__ = [
     "default_state_tolerance",
     "default_tolerance",
     "working_precision",
+    "recurrence_inputs",
     "replay_call",
+    "zero_nonfinite",
 ]
 
 #: Largest accepted relative error ‖o_replay − o_kernel‖ / ‖o_kernel‖, by the kernel's input dtype.
@@ -127,26 +130,27 @@ class CallReplay:
 def _finite_mask(call: KernelCall) -> torch.Tensor:
     """``[B, T, H]``: True where every captured input of that token and head is finite."""
     ok = torch.isfinite(call.beta)
-    for x in (call.q, call.k, call.v, call.g, call.d, call.write_key):
+    for x in (call.q, call.k, call.v, call.g, call.d, call.write_key, *call.extra.values()):
         if x is not None:
             ok &= torch.isfinite(x).all(-1) if x.dim() == 4 else torch.isfinite(x)
     return ok
 
 
-def _zero_nonfinite(x: torch.Tensor | None, bad: torch.Tensor) -> torch.Tensor | None:
+def zero_nonfinite(x: torch.Tensor | None, bad: torch.Tensor) -> torch.Tensor | None:
+    """``x`` (``[B, T, H]`` or ``[B, T, H, ·]``) with the tokens marked ``bad`` (``[B, T, H]``) set to 0."""
     if x is None:
         return None
     mask = bad if x.dim() == 3 else bad[..., None]
     return torch.where(mask, torch.zeros((), dtype=x.dtype, device=x.device), x)
 
 
-def _recurrence_inputs(call: KernelCall, dtype: torch.dtype, bad: torch.Tensor | None) -> dict:
+def recurrence_inputs(call: KernelCall, dtype: torch.dtype, bad: torch.Tensor | None) -> dict:
     """The call as arguments of the recurrence (both backends take the same ones); tokens marked
     ``bad`` (``[B, T, H]``, non-finite inputs) are replayed on zeros."""
     q, k, v, beta, g, d, wk = call.q, call.k, call.v, call.beta, call.g, call.d, call.write_key
     init = call.initial_state
     if bad is not None:
-        q, k, v, beta, g, d, wk = (_zero_nonfinite(x, bad) for x in (q, k, v, beta, g, d, wk))
+        q, k, v, beta, g, d, wk = (zero_nonfinite(x, bad) for x in (q, k, v, beta, g, d, wk))
         if init is not None:
             init = torch.nan_to_num(init, nan=0.0, posinf=0.0, neginf=0.0)
     if wk is None and d is not None:
@@ -205,14 +209,17 @@ def replay_call(
         raise ValueError(f"argument 'dtype': expected torch.float32 or torch.float64, got {dtype}")
     finite = _finite_mask(call)
     bad = None if bool(finite.all()) else ~finite
-    if backend == "torch":
-        res = delta_rule_recurrence(**_recurrence_inputs(call, dtype, bad))
-    elif backend == "triton":
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"argument 'backend': expected 'torch' or 'triton', got {backend!r}")
+    family_replay = families.replays().get(call.family)
+    if family_replay is not None:  # a recurrence other than the delta rule's (replay/families)
+        res = family_replay(call, dtype=dtype, bad=bad, backend=backend)
+    elif backend == "torch":
+        res = delta_rule_recurrence(**recurrence_inputs(call, dtype, bad))
+    else:
         from ..ops.replay import fused_replay
 
-        res = fused_replay(**_recurrence_inputs(call, dtype, bad))
-    else:
-        raise ValueError(f"argument 'backend': expected 'torch' or 'triton', got {backend!r}")
+        res = fused_replay(**recurrence_inputs(call, dtype, bad))
 
     segments = call.segments()
     H = call.num_heads
@@ -228,6 +235,7 @@ def replay_call(
     if res.loss_before_decayed is not None:
         per_token["loss_before_decayed"] = res.loss_before_decayed
         per_token["residual_ratio_post"] = residual_ratio(res.loss_after, res.loss_before_decayed)
+    per_token.update(res.columns)
     seq, head, pos, row, t = _table_index(segments, H, finite.device)
     stream = seq * H + head  # (sequence, head) of every row
     # Fidelity per (sequence, head): ‖o − o_kernel‖ / ‖o_kernel‖ over the stream's tokens.

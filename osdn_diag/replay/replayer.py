@@ -24,6 +24,7 @@ from ..capture.store import StoredCall, to_device
 from ..metrics.audit import AuditAccumulator
 from ..metrics.ratios import RatioAccumulator
 from ..metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
+from . import families
 from .call import replay_call, working_precision
 
 __all__ = ["CONTRACT_COLUMNS", "Replayer", "comparator_summary", "repeat_boundaries"]
@@ -48,6 +49,8 @@ def _schema(value_type: pa.DataType) -> pa.Schema:
             ("repeat_start", pa.int32()),
             *[(c, value_type) for c in _VALUE_COLUMNS + _GATED_COLUMNS],
             ("finite", pa.bool_()),
+            # the further families' own per-token values (replay/families), null for the others
+            *[(c, value_type) for c in families.columns()],
         ]
     )
 

@@ -1,0 +1,52 @@
+"""Replays of the kernel families whose recurrence is not the delta rule's, one module per family.
+
+:func:`osdn_diag.replay.call.replay_call` replays a call with the delta-rule recurrence
+(:func:`osdn_diag.math.recurrence.delta_rule_recurrence`, or the fused Triton kernel) unless its
+``family`` is registered here. Each module listed in :data:`MODULES` defines
+
+* ``REPLAYS: dict[str, Callable]`` — family name → ``replay(call, *, dtype, bad, backend)``,
+  returning a :class:`osdn_diag.math.recurrence.RecurrenceResult` in the call's layout (``o``,
+  ``final_state`` ``[N, H, V, K]``, ``loss_before``, ``loss_after``, ``write_gain``, and
+  ``loss_before_decayed`` for gated families). ``bad`` is ``None`` or the ``[B, T, H]`` mask of
+  tokens with non-finite inputs, to be replayed on zeros (:func:`osdn_diag.replay.call.zero_nonfinite`).
+  ``backend`` is ``"torch"`` or ``"triton"``; a family without a Triton replay runs its torch
+  reference for both, and says so in its docs;
+* ``COLUMNS: tuple[str, ...]`` — the further per-token value columns its replays return in
+  ``RecurrenceResult.columns`` (``[B, T, H]`` each). Every run's table has every registered column,
+  null where a family does not fill it, so that tables of different families concatenate.
+
+docs/families.md states each family's recurrence and the token-local loss its ratio measures.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from functools import cache
+
+__all__ = ["MODULES", "columns", "replays"]
+
+#: The family modules, in the order their columns are listed.
+MODULES: tuple[str, ...] = ()
+
+
+def _modules():
+    return [importlib.import_module(f".{name}", __name__) for name in MODULES]
+
+
+@cache
+def replays() -> dict[str, Callable]:
+    """Every registered family's replay function, by family name."""
+    out: dict[str, Callable] = {}
+    for module in _modules():
+        out.update(module.REPLAYS)
+    return out
+
+
+@cache
+def columns() -> tuple[str, ...]:
+    """Every registered family's further per-token value columns, in :data:`MODULES` order."""
+    out: list[str] = []
+    for module in _modules():
+        out.extend(c for c in module.COLUMNS if c not in out)
+    return tuple(out)

@@ -56,6 +56,7 @@ def _replay(args: argparse.Namespace, run_dir) -> dict:
     return replay_run(
         run_dir, backend=args.backend, dtype=torch.float64 if args.fp64 else torch.float32,
         device=args.device, tolerance=args.tolerance, progress=not args.quiet, retained=args.retained,
+        zero_residual=args.zero_residual,
     )
 
 
@@ -71,6 +72,7 @@ def _stream(args: argparse.Namespace) -> dict:
         length=args.length, seed=args.seed, progress=not args.quiet, device_map=args.device_map,
         backend=args.backend, replay_dtype=torch.float64 if args.fp64 else torch.float32,
         tolerance=args.tolerance, retained=args.retained, overwrite=args.overwrite, then=("report",),
+        zero_residual=args.zero_residual,
     )
 
 
@@ -169,7 +171,7 @@ def _cmd_what_if(args: argparse.Namespace) -> int:
         what_if_run(
             args.dir, settings, out_dir=out, backend=args.backend,
             dtype=torch.float64 if args.fp64 else torch.float32, device=args.device, progress=not args.quiet,
-            overwrite=args.overwrite, then=("report",),
+            overwrite=args.overwrite, then=("report",), zero_residual=args.zero_residual,
         )
         _print_summary(load_run(out)[1], out)
         print("counterfactual: the replayed states follow OSDN's writes, not the model's own")
@@ -238,6 +240,14 @@ def _add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retained", action="store_true",
                    help="also measure retained associations: how well the state at the end of the "
                    "first copy and at the last token still retrieves every earlier write")
+    _add_zero_residual(p)
+
+
+def _add_zero_residual(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--zero-residual", choices=("drop", "continuous"), default="drop",
+                   help="tokens whose residual is zero (ratio 0/0): drop — q = 1 (the paper's convention) "
+                   "and left out of Theorem D.7's check (default); continuous — q = (1 - a)^2, the "
+                   "ratio's continuous extension, kept in the check")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -347,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     wi.add_argument("--overwrite", action="store_true", help="replace the what-if run OUT already holds")
     wi.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
     wi.add_argument("--fp64", action="store_true", help="replay in fp64")
+    _add_zero_residual(wi)
     _add_common(wi)
     wi.set_defaults(func=_cmd_what_if)
 

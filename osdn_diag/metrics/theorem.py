@@ -27,6 +27,13 @@ finite; the caller's ``valid`` mask), with ``T_eff = n_valid``; the excluded tok
   ``d_in_box`` (every ``d_t`` at a valid token inside the box), ``share_newton_infeasible`` (share of
   valid tokens with ``β_t < 1/d_max``: there ``a_t(d) ≤ β_t d_max ‖k_t‖² < 1`` under unit keys, so the
   gated Newton condition ``a_t(d) = 1`` of the super-geometric corollary is impossible);
+* ``eps_free`` — ``min_{d∈R^K} ε_T(d)``, the unconstrained least-squares gap (d from the normal
+  equations by an eigendecomposition with small eigenvalues cut, ε re-evaluated from the stream), and
+  ``newton_feasible`` / ``newton_feasible_box`` — whether the gated Newton system ``β_t⟨d, s_t⟩ = 1``
+  for every valid token has a solution in ``R^K`` / in the box, to within ``ε ≤ NEWTON_TOL`` (from
+  ``eps_free`` / ``eps_diag``; false without valid tokens). With unit keys it is ``T_eff`` equations in
+  ``K`` unknowns: over-determined once ``T_eff > K``, and then solvable only off generic streams
+  (ledger ``thm-5.2-newton-overdetermined``), so Theorem 5.2's super-geometric clause rarely applies;
 * ``hypotheses_hold`` — unit keys (``max_unit_dev ≤ unit_tol``), ``β_t ∈ (0, 1)``, ``d_in_box``, not gated
   (Lemma 4.1's ``q_t = (1 − a_t)²`` needs the ratio against the undecayed state), ``n_valid ≥ 1``.
   Problems with no valid token get ``log_prod_q = log_bound = slack = 0`` (empty product ≤ 1).
@@ -58,7 +65,7 @@ from .comparator import (
     solve_box_lsq,
 )
 
-__all__ = ["COLUMNS", "theorem_d7"]
+__all__ = ["COLUMNS", "NEWTON_TOL", "theorem_d7"]
 
 #: the columns :func:`theorem_d7` returns, in order
 COLUMNS = (
@@ -77,8 +84,20 @@ COLUMNS = (
     "beta_max",
     "d_in_box",
     "share_newton_infeasible",
+    "eps_free",
+    "newton_feasible",
+    "newton_feasible_box",
     "hypotheses_hold",
 )
+
+#: Largest ε_T at which the gated Newton system counts as solved: ε = ½·mean (1 − β_t⟨d, s_t⟩)², so
+#: 1e-9 is a root-mean-square equation residual of 4.5e-5 — far below what separates a generic
+#: over-determined stream (ε ~ 1e-3 at K = 16, T = 32) from a solvable one (ε at rounding level), and
+#: above the box solver's stopping accuracy (its gap ≤ 1e-10 · (1 + ε)).
+NEWTON_TOL = 1e-9
+#: Eigenvalues of the normal-equation matrix below this fraction of its largest are treated as zero
+#: when solving for the unconstrained d (the pseudo-inverse of a rank-deficient system, T_eff < K).
+_EIG_RTOL = 1e-13
 
 F64 = torch.float64
 
@@ -114,7 +133,16 @@ def _valid_only(name, x, m):
     return x
 
 
-def _chunk(k, beta, d_traj, q, m, gated, lo, hi, unit_tol, res: BoxLSQResult) -> dict[str, torch.Tensor]:
+def _free_minimiser(G: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``argmin_d ½dᵀGd − cᵀd`` over ``R^K`` (the minimum-norm one, ``G⁺c``) for ``G [P, K, K]`` ⪰ 0."""
+    lam, Q = torch.linalg.eigh(G.to(F64))
+    keep = lam > _EIG_RTOL * lam.amax(-1, keepdim=True).clamp_min(torch.finfo(F64).tiny)
+    w = (Q.transpose(-1, -2) @ c.to(F64)[..., None])[..., 0]
+    w = torch.where(keep, w / torch.where(keep, lam, 1.0), 0.0)
+    return (Q @ w[..., None])[..., 0]
+
+
+def _chunk(k, beta, d_traj, q, m, gated, lo, hi, unit_tol, res: BoxLSQResult, d_free) -> dict[str, torch.Tensor]:
     """Every column for a group of problems whose comparator ``res`` (``d*``, its certificates) is
     solved; ``res.value`` is re-evaluated here from the stream."""
     P, T, K = k.shape
@@ -151,6 +179,7 @@ def _chunk(k, beta, d_traj, q, m, gated, lo, hi, unit_tol, res: BoxLSQResult) ->
     d_in_box = inside.all(1)
     infeasible = (m & (bb < 1.0 / hi)).sum(1).to(F64)
     share_newton_infeasible = torch.where(has, infeasible / T_eff, nan)
+    eps_free = torch.where(has, comparator_gap_masked(d_free, kk, bb, m), nan)
     hypotheses_hold = (
         has
         & (max_unit_dev <= unit_tol)
@@ -175,6 +204,9 @@ def _chunk(k, beta, d_traj, q, m, gated, lo, hi, unit_tol, res: BoxLSQResult) ->
         "beta_max": beta_max,
         "d_in_box": d_in_box,
         "share_newton_infeasible": share_newton_infeasible,
+        "eps_free": eps_free,
+        "newton_feasible": has & (eps_free <= NEWTON_TOL),
+        "newton_feasible_box": has & (res.value <= NEWTON_TOL),
         "hypotheses_hold": hypotheses_hold,
     }
 
@@ -210,7 +242,8 @@ def theorem_d7(
 
     Returns:
         ``{column: [P] tensor}`` in :data:`COLUMNS` order: fp64 values, ``n_valid`` int64,
-        ``d_in_box`` and ``hypotheses_hold`` bool; on ``k``'s device.
+        ``d_in_box``, ``newton_feasible``, ``newton_feasible_box`` and ``hypotheses_hold`` bool; on
+        ``k``'s device.
     """
     lo, hi = _check_box_finite(d_min, d_max)
     P, T, K = _validate(k, beta, d_traj, q, valid, gated)
@@ -227,6 +260,7 @@ def theorem_d7(
     # stream-side columns group by group.
     G, c, c0, _ = normal_equations(k, beta, valid, dtype, block_elems=block_elems)
     sol = solve_box_lsq(G, c, c0, d_min=lo, d_max=hi, **solver_kw)
+    d_free = _free_minimiser(G, c) if P else G.new_zeros(0, K)
     pc = max(1, block_elems // max(T * K, 1))
     parts = []
     for p0 in range(0, max(P, 1), pc):
@@ -234,5 +268,5 @@ def theorem_d7(
         res = BoxLSQResult(d=sol.d[sl], value=sol.value[sl], kkt_residual=sol.kkt_residual[sl], gap=sol.gap[sl],
                            iterations=sol.iterations, converged=sol.converged[sl])
         dt = None if d_traj is None else d_traj[sl]
-        parts.append(_chunk(k[sl], beta[sl], dt, q[sl], valid[sl], gated_t[sl], lo, hi, unit_tol, res))
+        parts.append(_chunk(k[sl], beta[sl], dt, q[sl], valid[sl], gated_t[sl], lo, hi, unit_tol, res, d_free[sl]))
     return {name: torch.cat([p[name] for p in parts]) for name in COLUMNS}

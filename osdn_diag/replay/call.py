@@ -38,6 +38,7 @@ __all__ = [
     "CallReplay",
     "DEFAULT_TOLERANCE",
     "FidelityError",
+    "ZERO_RESIDUAL",
     "default_state_tolerance",
     "default_tolerance",
     "working_precision",
@@ -92,6 +93,36 @@ def working_precision(call: KernelCall) -> str:
 def default_state_tolerance(call: KernelCall) -> float:
     """The final-state fidelity tolerance for a call, by :func:`working_precision`."""
     return STATE_TOLERANCE[working_precision(call)]
+
+
+#: How tokens with a zero residual (``f_t(S_{t−1}) = 0``, where the ratio is 0/0) are measured:
+#: ``"drop"`` — the paper's ``q_t = 1`` in the table and the summary, and left out of Theorem D.7's
+#: product, ε_T and R_T (ledger ``thm-d7-zero-residual-drop``); ``"continuous"`` — ``q_t := (1 − a_t)²``,
+#: the ratio's continuous extension, and kept in the theorem with the original T (ledger
+#: ``thm-d7-zero-residual-continuous``). docs/metrics.md says where each applies.
+ZERO_RESIDUAL = ("drop", "continuous")
+
+
+def continuous_extension(res, *, delta_rule: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Where the ratio is 0/0, its continuous extension ``(1 − a_t)²`` (``a_t = β_t⟨k̃_t, k_t⟩``).
+
+    For a delta-rule write whose loss reads the key the residual reads, ``f_t(S_t) = (1 − a_t)² f_t(S̄_{t−1})``
+    for every ``u_t ≠ 0`` (any key norm), so ``(1 − a_t)²`` is the limit as ``u_t → 0``. That is the ratio
+    against the state the residual was taken from: ``residual_ratio`` of an ungated layer,
+    ``residual_ratio_post`` of a gated one. A gated layer's pre-decay ratio has no such extension (its
+    limit depends on the direction in which ``S_{t−1} k_t → v_t``) and keeps ``q_t = 1``; so does every
+    family whose loss is not the delta rule's (``delta_rule=False``).
+
+    Returns ``(residual_ratio, residual_ratio_post or None)`` ``[B, T, H]``.
+    """
+    ratio = residual_ratio(res.loss_after, res.loss_before)
+    post = None if res.loss_before_decayed is None else residual_ratio(res.loss_after, res.loss_before_decayed)
+    if not delta_rule:
+        return ratio, post
+    cont = (1.0 - res.write_gain).square()
+    if post is None:
+        return torch.where(res.loss_before == 0, cont, ratio), None
+    return ratio, torch.where(res.loss_before_decayed == 0, cont, post)
 
 
 class FidelityError(RuntimeError):
@@ -190,6 +221,7 @@ def replay_call(
     dtype: torch.dtype = torch.float32,
     tolerance: float | None = None,
     state_tolerance: float | None = None,
+    zero_residual: str = "drop",
 ) -> CallReplay:
     """Replay one captured call on the device its tensors are on.
 
@@ -200,6 +232,8 @@ def replay_call(
         tolerance: largest accepted output error; default :func:`default_tolerance`.
             ``math.inf`` disables the check (and the state check, unless ``state_tolerance`` is given).
         state_tolerance: largest accepted final-state error; default :func:`default_state_tolerance`.
+        zero_residual: ``"drop"`` or ``"continuous"`` (:data:`ZERO_RESIDUAL`): the ratio at tokens
+            with a zero residual, and whether Theorem D.7 keeps them (``grid["theorem_valid"]``).
 
     Raises:
         FidelityError: the replayed outputs (or final states) differ from the kernel's by more than
@@ -211,6 +245,8 @@ def replay_call(
     bad = None if bool(finite.all()) else ~finite
     if backend not in ("torch", "triton"):
         raise ValueError(f"argument 'backend': expected 'torch' or 'triton', got {backend!r}")
+    if zero_residual not in ZERO_RESIDUAL:
+        raise ValueError(f"argument 'zero_residual': expected one of {ZERO_RESIDUAL}, got {zero_residual!r}")
     family_replay = families.replays().get(call.family)
     if family_replay is not None:  # a recurrence other than the delta rule's (replay/families)
         res = family_replay(call, dtype=dtype, bad=bad, backend=backend)
@@ -224,17 +260,19 @@ def replay_call(
     segments = call.segments()
     H = call.num_heads
     k2 = call.k.to(dtype).square().sum(-1)
+    continuous = zero_residual == "continuous" and family_replay is None
+    ratio, post = continuous_extension(res, delta_rule=continuous)
     per_token = {
         "beta": call.beta.to(dtype),
         "key_sqnorm": k2,
         "write_gain": res.write_gain,
         "loss_before": res.loss_before,
         "loss_after": res.loss_after,
-        "residual_ratio": residual_ratio(res.loss_after, res.loss_before),
+        "residual_ratio": ratio,
     }
     if res.loss_before_decayed is not None:
         per_token["loss_before_decayed"] = res.loss_before_decayed
-        per_token["residual_ratio_post"] = residual_ratio(res.loss_after, res.loss_before_decayed)
+        per_token["residual_ratio_post"] = post
     per_token.update(res.columns)
     seq, head, pos, row, t = _table_index(segments, H, finite.device)
     stream = seq * H + head  # (sequence, head) of every row
@@ -305,7 +343,13 @@ def replay_call(
         nonfinite=nonfinite,
         sequence_lengths=[e - s for _, s, e in segments],
         tolerance=tol,
-        grid={"loss_before": res.loss_before, "loss_after": res.loss_after, "finite": grid_finite},
+        grid={
+            "loss_before": res.loss_before, "loss_after": res.loss_after, "finite": grid_finite,
+            # Theorem D.7's ratios and tokens: a zero-residual token is kept where its ratio was
+            # extended continuously (an ungated delta-rule layer under "continuous"), else left out.
+            "residual_ratio": ratio,
+            "theorem_valid": grid_finite if continuous and post is None else grid_finite & (res.loss_before > 0),
+        },
         device_columns=as_columns(values_dev, ints_dev),  # on the CPU: the same tensors as ``columns``
         state_fidelity=state_err,
         state_tolerance=state_tol,

@@ -25,7 +25,7 @@ from ..metrics.audit import AuditAccumulator
 from ..metrics.ratios import RatioAccumulator
 from ..metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
 from . import families
-from .call import replay_call, working_precision
+from .call import ZERO_RESIDUAL, replay_call, working_precision
 
 __all__ = ["CONTRACT_COLUMNS", "Replayer", "comparator_summary", "repeat_boundaries"]
 
@@ -77,12 +77,16 @@ class Replayer:
         comparator: bool = True,
         box: tuple[float, float] = (0.5, 2.0),
         theorem_batch_elems: int = THEOREM_BATCH_ELEMS,
+        zero_residual: str = "drop",
     ):
         self.prompts = prompts
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
         self.dtype = dtype
         self.tolerance = tolerance
+        if zero_residual not in ZERO_RESIDUAL:
+            raise ValueError(f"argument 'zero_residual': expected one of {ZERO_RESIDUAL}, got {zero_residual!r}")
+        self.zero_residual = zero_residual
         self.transform = transform
         self.schema = _schema(pa.float64() if dtype == torch.float64 else pa.float32())
         self.np_dtype = "float64" if dtype == torch.float64 else "float32"
@@ -113,7 +117,8 @@ class Replayer:
         call = to_device(stored.call, self.device)
         if self.transform is not None:
             call = self.transform(call)
-        res = replay_call(call, backend=self.backend, dtype=self.dtype, tolerance=self.tolerance)
+        res = replay_call(call, backend=self.backend, dtype=self.dtype, tolerance=self.tolerance,
+                          zero_residual=self.zero_residual)
         self.fidelity[call.layer] = max(self.fidelity[call.layer], res.fidelity)
         self._add_against(call.layer, call.flags.get("kernels", "fla"))
         self.families[call.layer] = call.family
@@ -253,6 +258,7 @@ class Replayer:
             "backend": self.backend,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
+            "zero_residual": self.zero_residual,
         }
         if self.retention is not None:
             summary["retained"] = self.retention.summary()
@@ -282,8 +288,6 @@ class _Problems:
     @classmethod
     def of(cls, stored: StoredCall, call: KernelCall, res, prompts: dict) -> _Problems:
         """The call's problems: problem ``i·H + h`` is head ``h`` of the call's ``i``-th sequence."""
-        from ..math.closed_forms import residual_ratio
-
         H = call.num_heads
         segs = call.segments()
         dev = call.k.device
@@ -308,10 +312,9 @@ class _Problems:
         d = None
         if call.d is not None:
             d = torch.where((n > 0).repeat_interleave(H)[:, None, None], streams(call.d).float(), 1.0)
-        ratio = residual_ratio(res.grid["loss_after"], res.grid["loss_before"])
-        ok = res.grid["finite"] & (res.grid["loss_before"] > 0)
-        q = torch.where(mask, streams(ratio).double(), 1.0)
-        valid = mask & streams(ok)
+        # The call's ratios and Theorem D.7's tokens, as the replay's zero-residual mode set them.
+        q = torch.where(mask, streams(res.grid["residual_ratio"]).double(), 1.0)
+        valid = mask & streams(res.grid["theorem_valid"])
         prompt_ids = [stored.prompts[i] for i in range(S) for _ in range(H)]
         return cls(
             torch.nan_to_num(k), torch.nan_to_num(beta), d, q, valid,
@@ -352,7 +355,7 @@ def comparator_summary(table: pa.Table, box: tuple[float, float]) -> dict:
     problems whose hypotheses hold (the bound's slack is reported only there)."""
     cols = {name: torch.tensor(table.column(name).to_numpy(zero_copy_only=False)) for name in
             ("eps_diag", "eps_at_ones", "eps_at_final_d", "regret", "slack", "kkt_residual", "gap",
-             "hypotheses_hold", "n_valid", "share_newton_infeasible")}
+             "hypotheses_hold", "n_valid", "share_newton_infeasible", "newton_feasible", "newton_feasible_box")}
     hold = cols["hypotheses_hold"].bool()
     has = cols["n_valid"] > 0
 
@@ -365,11 +368,15 @@ def comparator_summary(table: pa.Table, box: tuple[float, float]) -> dict:
         "box": list(box),
         "problems": int(len(hold)),
         "eps_diag_mean": mean(cols["eps_diag"], has),
-        "eps_diag_median": float(cols["eps_diag"][has].double().median()) if bool(has.any()) else None,
+        # The mean of the two middle values for an even count (torch's median() takes the lower one).
+        "eps_diag_median": float(np.median(cols["eps_diag"][has].double().numpy())) if bool(has.any()) else None,
         "eps_at_ones_mean": mean(cols["eps_at_ones"], has),
         "eps_at_final_d_mean": mean(cols["eps_at_final_d"], has),
         "regret_mean": mean(cols["regret"], has),
         "share_newton_infeasible_mean": mean(cols["share_newton_infeasible"], has),
+        # Streams on which Theorem 5.2's gated Newton system is solvable (in R^K / in the box).
+        "share_newton_feasible": mean(cols["newton_feasible"], has),
+        "share_newton_feasible_box": mean(cols["newton_feasible_box"], has),
         "max_kkt_residual": float(cols["kkt_residual"].max()) if len(hold) else None,
         "max_gap": float(cols["gap"].max()) if len(hold) else None,
         "hypotheses_hold": int(hold.sum()),

@@ -141,7 +141,8 @@ def _runs_table(runs) -> str:
             f"{len(m.get('prompts', []))} × `{m.get('prompts_source', '?')}`" + (" (twice)" if m.get("twice") else ""),
             f"{len(layers)} ({', '.join(families)}){not_captured}",
             ", ".join(m.get("kernels", [])) or "?",
-            f"{rep.get('backend', '?')}, {rep.get('dtype', '?')}",
+            f"{rep.get('backend', '?')}, {rep.get('dtype', '?')}"
+            + (", zero residuals continuous" if rep.get("zero_residual") == "continuous" else ""),
             _fidelity_cell(s),
             _state_cell(s),
         ])
@@ -282,15 +283,25 @@ def d_trajectory_of(paths, names, manifests, head: tuple[int, int] | None):
     return None
 
 
+def _newton_cell(c: dict) -> str:
+    """Shares of streams whose gated Newton system is solvable, unconstrained and in the box ("–" for a
+    summary written before these columns existed)."""
+    free, box = c.get("share_newton_feasible"), c.get("share_newton_feasible_box")
+    if free is None or box is None:
+        return "–"
+    return f"{100 * free:.1f} % / {100 * box:.1f} %"
+
+
 def _comparator_table(runs) -> str:
     header = ["model", "streams", "ε_T^diag (mean)", "ε_T(1)", "ε_T(d_T)", "regret R_T(d*)",
-              "β < 1/d_max", "hypotheses hold", "bound holds", "min slack"]
+              "β < 1/d_max", "Newton feasible (R^K / box)", "hypotheses hold", "bound holds", "min slack"]
     rows = []
     for label, c in runs:
         rows.append([
             label, str(c["problems"]), _f(c["eps_diag_mean"], 4), _f(c["eps_at_ones_mean"], 4),
             _f(c["eps_at_final_d_mean"], 4), _f(c["regret_mean"], 3),
             f"{100 * (c['share_newton_infeasible_mean'] or 0):.1f} %",
+            _newton_cell(c),
             f"{c['hypotheses_hold']} / {c['problems']}",
             f"{c['bound_holds']} / {c['hypotheses_hold']}" if c["hypotheses_hold"] else "–",
             _f(c["slack_min"], 3),

@@ -22,6 +22,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -51,6 +52,7 @@ from osdn_diag.metrics.theorem import theorem_d7  # noqa: E402
 COLUMNS = (
     "eps_diag", "kkt_residual", "gap", "eps_at_ones", "eps_at_final_d", "regret", "log_prod_q", "log_bound",
     "slack", "n_valid", "max_unit_dev", "beta_min", "beta_max", "d_in_box", "share_newton_infeasible",
+    "eps_free", "newton_feasible", "newton_feasible_box",
     "hypotheses_hold",
 )
 
@@ -338,3 +340,89 @@ def test_bad_options_name_the_argument():
         _run(_base_case(), gated=torch.tensor([1.0, 0.0, 0.0]))
     with pytest.raises(ValueError, match="'unit_tol'"):
         _run(_base_case(), unit_tol=-1.0)
+
+
+# ------------------------------------------------------------------ the gated Newton system per stream
+
+NEWTON_TOL = 1e-9  # docs/metrics.md
+
+
+def _lstsq_gap(k, beta, valid):
+    """min over d ∈ R^K of ½·mean (1 − β_t⟨d, k_t⊙k_t⟩)² over the valid tokens, by numpy's SVD least
+    squares on the T_eff × K system itself (not its normal equations)."""
+    A = (beta[valid, None] * k[valid] ** 2).numpy()
+    d, *_ = np.linalg.lstsq(A, np.ones(A.shape[0]), rcond=None)
+    return 0.5 * float(np.mean((1.0 - A @ d) ** 2))
+
+
+def _unit_simplex_stream(g, T, K):
+    k = torch.nn.functional.normalize(torch.randn(T, K, generator=g, dtype=F64), dim=-1)
+    beta = 0.6 + 0.39 * torch.rand(T, generator=g, dtype=F64)
+    return k, beta
+
+
+def test_newton_system_is_square_solvable_and_overdetermined_not():
+    """K = 16, unit keys, β ∈ [0.6, 0.99]: T = 16 equations are solvable in R^K, T = 32 are not — the
+    issue's figures (ε_free 0 and about 3e-3), against numpy's least squares."""
+    g = torch.Generator().manual_seed(5)
+    K = 16
+    for T, solvable in ((8, True), (16, True), (32, False), (64, False)):
+        k, beta = _unit_simplex_stream(g, T, K)
+        valid = torch.ones(T, dtype=torch.bool)
+        out = theorem_d7(k[None], beta[None], None, torch.full((1, T), 0.5, dtype=F64), valid[None])
+        ref = _lstsq_gap(k, beta, valid)
+        assert out["newton_feasible"].item() is solvable, (T, out["eps_free"].item(), ref)
+        if solvable:
+            assert out["eps_free"].item() <= 1e-20 and ref <= 1e-20
+        else:
+            assert out["eps_free"].item() == pytest.approx(ref, rel=1e-9)
+            assert out["eps_free"].item() > 1e-4
+        assert out["eps_free"].item() <= out["eps_diag"].item() + 1e-15
+
+
+def test_newton_system_in_the_box_and_outside_it():
+    """β_t = 1/⟨d⋆, s_t⟩ makes every one of T > K equations hold at d⋆: feasible in the box when d⋆ is
+    inside it, only in R^K when d⋆ has a coordinate at 3 > d_max."""
+    g = torch.Generator().manual_seed(6)
+    T, K = 24, 4
+    k = torch.nn.functional.normalize(torch.randn(T, K, generator=g, dtype=F64), dim=-1)
+    s = k * k
+    inside = torch.tensor([0.7, 1.2, 1.9, 1.0], dtype=F64)
+    outside = torch.tensor([0.7, 1.2, 3.0, 1.0], dtype=F64)
+    ks = torch.stack([k, k])
+    beta = torch.stack([1.0 / (s @ inside), 1.0 / (s @ outside)])
+    valid = torch.ones(2, T, dtype=torch.bool)
+    out = theorem_d7(ks, beta, None, torch.full((2, T), 0.5, dtype=F64), valid)
+    assert out["newton_feasible"].tolist() == [True, True]
+    assert out["newton_feasible_box"].tolist() == [True, False]
+    assert (out["eps_free"] <= 1e-20).all()
+    assert out["eps_diag"][1].item() > 1e-6
+    # A rank-one stream (one key repeated) with one consistent gate is solvable whatever T is.
+    rep = k[:1].expand(T, K).clone()
+    out = theorem_d7(rep[None], (1.0 / (s[:1] @ inside)).expand(T)[None], None,
+                     torch.full((1, T), 0.5, dtype=F64), valid[:1])
+    assert out["newton_feasible"].item() and out["eps_free"].item() <= 1e-20
+    # One-hot keys on two of four coordinates: the normal equations are exactly singular; with one gate
+    # per coordinate the system is solvable (d = 1/β there), in the box too.
+    onehot = torch.zeros(T, K, dtype=F64)
+    onehot[torch.arange(T), torch.arange(T) % 2] = 1.0
+    out = theorem_d7(onehot[None], torch.full((1, T), 0.8, dtype=F64), None,
+                     torch.full((1, T), 0.5, dtype=F64), valid[:1])
+    assert out["newton_feasible"].item() and out["newton_feasible_box"].item()
+    assert out["eps_free"].item() <= 1e-20
+
+
+def test_newton_flags_follow_the_valid_tokens():
+    """Only valid tokens are equations: masking all but K of them makes the system square; no valid
+    token leaves the flags false and ε_free NaN."""
+    g = torch.Generator().manual_seed(7)
+    T, K = 40, 8
+    k, beta = _unit_simplex_stream(g, T, K)
+    few = torch.zeros(T, dtype=torch.bool)
+    few[::5] = True  # 8 tokens
+    none = torch.zeros(T, dtype=torch.bool)
+    out = theorem_d7(torch.stack([k, k, k]), torch.stack([beta, beta, beta]), None,
+                     torch.full((3, T), 0.5, dtype=F64), torch.stack([torch.ones(T, dtype=torch.bool), few, none]))
+    assert out["newton_feasible"].tolist() == [False, True, False]
+    assert out["eps_free"][0].item() == pytest.approx(_lstsq_gap(k, beta, torch.ones(T, dtype=torch.bool)), rel=1e-9)
+    assert math.isnan(out["eps_free"][2].item()) and not out["newton_feasible_box"][2].item()

@@ -290,3 +290,70 @@ def test_family_tables_of_a_comparison(runs, tmp_path):
             assert rows[0][4] == "–"
     # A single run of a single family has no such section.
     assert "## By family" not in runs["deltanet"]["report"]
+
+
+# ---------------------------------------------------------------------------- comparator aggregates
+
+NEWTON_TOL = 1e-9  # docs/metrics.md: the Newton system counts as solved at eps <= 1e-9
+
+
+def _comparator(run):
+    table = pq.read_table(run["dir"] / "comparator.parquet")
+    return {c: table.column(c).to_numpy(zero_copy_only=False) for c in table.column_names}
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated"])
+def test_comparator_numbers_are_those_of_comparator_parquet(runs, name):
+    """summary.json -> comparator and the report's Theorem D.7 table, recomputed from comparator.parquet
+    (means over streams with a valid token, the Theorem D.7 check over the streams whose hypotheses
+    hold), and the Newton-feasibility flags from the table's own gaps."""
+    run = runs[name]
+    c = _comparator(run)
+    got = run["summary"]["comparator"]
+    has = c["n_valid"] > 0
+    hold = c["hypotheses_hold"].astype(bool)
+    assert has.any()
+
+    def mean(x, sel):
+        x = np.asarray(x, dtype=np.float64)[sel]
+        return math.fsum(x) / x.size if x.size else None
+
+    np.testing.assert_array_equal(c["newton_feasible"], has & (c["eps_free"] <= NEWTON_TOL))
+    np.testing.assert_array_equal(c["newton_feasible_box"], has & (c["eps_diag"] <= NEWTON_TOL))
+    # The box is a restriction: a system solvable in it is solvable in R^K, and its gap is no smaller.
+    assert not (c["newton_feasible_box"] & ~c["newton_feasible"]).any()
+    assert (c["eps_free"][has] <= c["eps_diag"][has] + 1e-12).all()
+    expected = {
+        "problems": len(hold),
+        "eps_diag_mean": mean(c["eps_diag"], has),
+        "eps_diag_median": float(np.median(c["eps_diag"][has])),
+        "eps_at_ones_mean": mean(c["eps_at_ones"], has),
+        "eps_at_final_d_mean": mean(c["eps_at_final_d"], has),
+        "regret_mean": mean(c["regret"], has),
+        "share_newton_infeasible_mean": mean(c["share_newton_infeasible"], has),
+        "share_newton_feasible": mean(c["newton_feasible"], has),
+        "share_newton_feasible_box": mean(c["newton_feasible_box"], has),
+        "max_kkt_residual": float(c["kkt_residual"].max()),
+        "max_gap": float(c["gap"].max()),
+        "hypotheses_hold": int(hold.sum()),
+        "bound_holds": int((c["slack"][hold] >= -1e-6).sum()),
+        "slack_min": float(c["slack"][hold].min()) if hold.any() else None,
+        "slack_mean": mean(c["slack"], hold),
+    }
+    for key, value in expected.items():
+        if value is None or isinstance(value, int):
+            assert got[key] == value, key
+        else:
+            assert got[key] == pytest.approx(value, rel=REL, abs=1e-15), key
+
+    header, rows = _table_after(run["report"], "Comparator gap and Theorem D.7")
+    assert header[:8] == ["model", "streams", "ε_T^diag (mean)", "ε_T(1)", "ε_T(d_T)", "regret R_T(d*)",
+                          "β < 1/d_max", "Newton feasible (R^K / box)"]
+    (row,) = rows
+    assert row[1] == str(expected["problems"])
+    assert row[2] == f"{expected['eps_diag_mean']:.4f}" and row[3] == f"{expected['eps_at_ones_mean']:.4f}"
+    assert row[4] == f"{expected['eps_at_final_d_mean']:.4f}" and row[5] == f"{expected['regret_mean']:.3f}"
+    assert row[6] == f"{100 * expected['share_newton_infeasible_mean']:.1f} %"
+    assert row[7] == (f"{100 * expected['share_newton_feasible']:.1f} % / "
+                      f"{100 * expected['share_newton_feasible_box']:.1f} %")
+    assert row[8] == f"{expected['hypotheses_hold']} / {expected['problems']}"

@@ -4,7 +4,7 @@
 #   OUT=/path/to/results bash benchmarks/gpu_suite.sh [step ...]
 #
 # Ends with benchmarks/targets.py: the performance targets beside their measured values.
-# Steps (default: all, in this order): tests, hf_tests (transformers models, bf16), layers, phase1, replay, comparator, capture, e2e,
+# Steps (default: all, in this order): tests, families (fla's further kernel families, bf16), hf_tests (transformers models, bf16), layers, phase1, replay, comparator, capture, e2e,
 # e2e_stored, e2e_1b, memory, e2e_hf (realistic transformers-model layer shapes); and, not in the default list, e2e_ddp (every GPU of the machine under
 # torchrun) and device_map (the 1.3B shape spread over every GPU by --device-map, against one GPU).
 # Two lanes on a two-GPU machine: pin each to its own cores (taskset, OMP_NUM_THREADS), or the
@@ -27,7 +27,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/osdn_diag_triton_cache}
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 PY=${PYTHON:-python3}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests hf_tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf)
+[ ${#steps[@]} -eq 0 ] && steps=(tests families hf_tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf)
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
@@ -59,6 +59,7 @@ for step in "${steps[@]}"; do
         tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/ops/test_phase1_parallel_kernel.py \
                         tests/ops/test_phase1_kernel.py tests/layers/test_layers_gpu.py tests/ops \
                         tests/capture/test_kernel_exact_gpu.py ;;
+        families)   run_step families 540 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/capture/test_family_*_gpu.py ;;
         hf_tests)   run_step hf_tests 420 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/transformers/test_hf_capture_gpu.py \
                         tests/layers/test_layers_gpu.py ;;
         e2e_hf)     run_step e2e_hf 400 bash -c '
@@ -88,7 +89,7 @@ for step in "${steps[@]}"; do
                         "$0" benchmarks/compare_runs.py --rtol 1e-5 /tmp/osdn_dm/stream /tmp/osdn_1gpu/stream' "$PY" "$OUT" ;;
         e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
                         benchmarks/bench_e2e.py --mode stream --json "$OUT/e2e_ddp.json" ;;
-        *) echo "unknown step $step (tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_ddp device_map)"; exit 2 ;;
+        *) echo "unknown step $step (tests families hf_tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_ddp device_map)"; exit 2 ;;
     esac
 done
 # The targets, each beside its measured value, from whatever the steps above left in $OUT.

@@ -98,6 +98,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
         "PrecondGatedDeltaNetConfig",
         dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
     ),
+    # fla's Comba: q/k heads of head_dim keys, values expand_v times wider; 0.75 * hidden key width at
+    # the 340M shape, as the layer's docstring asks with its output gate on.
+    "comba-tiny": (
+        "CombaConfig", dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
+    ),
+    "comba-340m": (
+        "CombaConfig", dict(hidden_size=1024, num_hidden_layers=24, num_heads=6, head_dim=128, expand_v=2.0, vocab_size=32000),
+    ),
     # transformers' own delta-rule models (config classes of transformers, not fla).
     **TRANSFORMERS_PRESETS,
 }

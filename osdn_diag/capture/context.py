@@ -49,6 +49,7 @@ SUPPORTED_LAYERS = (
     ("osdn_diag.layers.osdn", "OSDN"),
     ("osdn_diag.layers.osgdn", "OSGDN"),
     ("fla.layers.comba", "Comba"),
+    ("fla.layers.gdn2", "GatedDeltaNet2"),
 )
 
 

@@ -24,6 +24,7 @@ from . import (
     corollary_d8,
     counterexample,
     family_comba,
+    family_gdn2,
     gated,
     inconsistencies,
     lemma_4_1,
@@ -70,6 +71,7 @@ MODULES = (
     arithmetic,
     paper_numbers,
     family_comba,
+    family_gdn2,
 )
 
 #: Every claim, in ledger order. :func:`run_ledger` reads this at call time.

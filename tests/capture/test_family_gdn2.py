@@ -151,7 +151,7 @@ CASES = {
 
 
 #: The cases whose record is also replayed by the fused Triton replay kernel (interpreted).
-TRITON_REPLAY = ("chunk-varlen-gate", "fused-b1-gva")
+TRITON_REPLAY = ("fused-varlen-b0-gate", "fused-b1-gva")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -137,7 +137,7 @@ def test_comba_run_is_the_fp64_loop(comba_runs, kernel):
 def test_random_comba_tiny_preset_runs(tmp_path):
     """``random:comba-tiny`` end to end on the CPU with the reference stand-in (kernels auto)."""
     out = tmp_path / "run"
-    assert main(["run", "random:comba-tiny", "--prompts", "random", "--num-prompts", "2", "--length", "24",
+    assert main(["run", "random:comba-tiny", "--prompts", "random", "--num-prompts", "1", "--length", "16",
                  "--out", str(out), "--device", "cpu", "-q"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert {layer["family"] for layer in manifest["layers"]} == {"comba"}

@@ -112,7 +112,7 @@ def test_gdn2_run_is_the_fp64_loop(gdn2_run):
 
 def test_random_gdn2_tiny_preset_runs(tmp_path):
     out = tmp_path / "run"
-    assert main(["run", "random:gdn2-tiny", "--prompts", "random", "--num-prompts", "2", "--length", "24",
+    assert main(["run", "random:gdn2-tiny", "--prompts", "random", "--num-prompts", "1", "--length", "16",
                  "--out", str(out), "--device", "cpu", "-q"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert {layer["family"] for layer in manifest["layers"]} == {"gdn2"}

@@ -20,6 +20,8 @@ rounding of the product; a direct call may pass any ``p``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...math.family_comba import comba_recurrence
@@ -94,11 +96,20 @@ class CombaAdapter(Adapter):
         return res.o.to(kw["v"].dtype), final
 
 
+@dataclass(frozen=True)
 class _Canonical:
-    """Comba's inputs in the package's conventions (fp32): the delta-rule ``Canonical`` plus ``p``."""
+    """Comba's inputs in the package's conventions (fp32, ``[B, T, HV, ·]``, state ``V×K``)."""
 
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
+    q: torch.Tensor
+    p: torch.Tensor  # the removal (read) key
+    k: torch.Tensor  # the write key
+    v: torch.Tensor
+    beta: torch.Tensor
+    g: torch.Tensor | None
+    scale: float
+    initial_state: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    qk_read_as: str
 
 
 SITES = (

@@ -23,6 +23,8 @@ from . import (
     corollary_a2,
     corollary_d8,
     counterexample,
+    family_comba,
+    family_gdn2,
     gated,
     inconsistencies,
     lemma_4_1,
@@ -68,6 +70,8 @@ MODULES = (
     inconsistencies,
     arithmetic,
     paper_numbers,
+    family_comba,
+    family_gdn2,
 )
 
 #: Every claim, in ledger order. :func:`run_ledger` reads this at call time.

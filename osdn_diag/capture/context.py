@@ -48,6 +48,8 @@ SUPPORTED_LAYERS = (
     ("fla.layers.precond_kda", "PrecondKDA"),
     ("osdn_diag.layers.osdn", "OSDN"),
     ("osdn_diag.layers.osgdn", "OSGDN"),
+    ("fla.layers.comba", "Comba"),
+    ("fla.layers.gdn2", "GatedDeltaNet2"),
 )
 
 

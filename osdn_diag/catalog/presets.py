@@ -98,6 +98,18 @@ PRESETS: dict[str, tuple[str, dict]] = {
         "PrecondGatedDeltaNetConfig",
         dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
     ),
+    # fla's Comba: q/k heads of head_dim keys, values expand_v times wider; 0.75 * hidden key width at
+    # the 340M shape, as the layer's docstring asks with its output gate on.
+    "comba-tiny": (
+        "CombaConfig", dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
+    ),
+    "comba-340m": (
+        "CombaConfig", dict(hidden_size=1024, num_hidden_layers=24, num_heads=6, head_dim=128, expand_v=2.0, vocab_size=32000),
+    ),
+    # fla's GatedDeltaNet2 layer in the package's GDN2 model (osdn_diag.models.gdn2; fla has no model
+    # class for it): heads of head_dim keys and values, the layer's defaults; 8 heads of 128 at 340M.
+    "gdn2-tiny": ("GDN2Config", dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, vocab_size=256)),
+    "gdn2-340m": ("GDN2Config", dict(hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, vocab_size=32000)),
     # transformers' own delta-rule models (config classes of transformers, not fla).
     **TRANSFORMERS_PRESETS,
 }

@@ -20,9 +20,13 @@ runtime.prepare()  # the interpreter on a machine without CUDA, before fla is im
 from .configuration import OSDNConfig, OSGDNConfig  # noqa: E402
 from .loading import LoadedModel, load_model  # noqa: E402
 from .modeling import OSDNForCausalLM, OSDNModel, OSGDNForCausalLM, OSGDNModel  # noqa: E402  (registers)
+from .gdn2 import GDN2Config, GDN2ForCausalLM, GDN2Model  # noqa: E402  (registers model type "gdn2")
 
 __all__ = [
     "PRESETS",
+    "GDN2Config",
+    "GDN2ForCausalLM",
+    "GDN2Model",
     "LoadedModel",
     "OSDNConfig",
     "OSDNForCausalLM",

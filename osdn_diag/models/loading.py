@@ -76,8 +76,12 @@ def load_model(
                 + ", ".join(f"random:{p}" for p in PRESETS)
             )
         cls_name, kwargs = PRESETS[name]
+        from . import gdn2 as _gdn2  # the package's own model classes for fla layers without one
+
         if hasattr(models, cls_name):
             config = getattr(models, cls_name)(**kwargs)
+        elif hasattr(_gdn2, cls_name):
+            config = getattr(_gdn2, cls_name)(**kwargs)
         else:
             import transformers
 

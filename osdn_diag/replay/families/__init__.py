@@ -27,7 +27,7 @@ from functools import cache
 __all__ = ["MODULES", "columns", "replays"]
 
 #: The family modules, in the order their columns are listed.
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = ("comba",)
 
 
 def _modules():

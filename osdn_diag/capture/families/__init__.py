@@ -13,7 +13,7 @@ from __future__ import annotations
 __all__ = ["sites"]
 
 #: The family modules, in the order their sites are listed.
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = ("gated_deltaproduct",)
 
 
 def sites() -> tuple:

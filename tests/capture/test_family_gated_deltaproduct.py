@@ -295,3 +295,29 @@ def test_layer_forward_under_capture(T, monkeypatch):
     assert call.family == "gated_delta_product" and call.flags["micro_steps"] == 2
     assert call.flags["path"] == ("chunk" if T > 64 else "fused_recurrent")
     check_table(call, 2, True)
+
+
+def test_retention_probes_after_the_tokens_last_micro_step():
+    """The retention probe at the last token reads the state after its last micro-step; every
+    micro-step write is an association, ``j`` and ``distance`` count tokens."""
+    from osdn_diag.metrics.retention import retrieval_errors
+
+    gen = torch.Generator().manual_seed(11)
+    n, H, K, V, T = 2, 2, 16, 8, 12
+    q, k, v, beta, g = _inputs(gen, 1, T, n, H, K, V, gated=True)
+    kw = dict(q=q, k=k, v=v, g=g, beta=beta, num_householder=n, scale=None, initial_state=None,
+              output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None)
+    call = GDPChunkAdapter().record(kw, GDPChunkAdapter().reference(kw), layer=0, layer_name="gdp",
+                                    kernel="chunk_gated_delta_product")
+    _, final64, *_ = loop64(q, k, v, beta, g, n)
+    cols = retrieval_errors(call, 0, [T - 1])
+    kk, vv = _unit(k)[0], v[0].double()  # [T·n, H, ·]
+    assert len(cols["error"]) == T * n * H  # no zero values here
+    for p, h, j, dist, err in zip(*(cols[c].tolist() for c in ("probe", "head", "j", "distance", "error"))):
+        assert p == T - 1 and 0 <= j < T and dist == T - 1 - j
+    for h in range(H):
+        rows = [i for i, hh in enumerate(cols["head"].tolist()) if hh == h]
+        want = ((final64[0, h] @ kk[:, h].T).T - vv[:, h]).square().sum(-1) / vv[:, h].square().sum(-1)
+        got = cols["error"][rows].double()
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+        assert cols["j"][rows].tolist() == [r // n for r in range(T * n)]

@@ -321,3 +321,35 @@ def test_retention_probes_after_the_tokens_last_micro_step():
         got = cols["error"][rows].double()
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
         assert cols["j"][rows].tolist() == [r // n for r in range(T * n)]
+
+
+def test_typed_column_and_what_if_write_key():
+    """``step`` is declared int32 in the family's COLUMNS (plain names keep the value type); a
+    what-if transform (d from phase 1 over the micro-step keys) replays with its write key."""
+    from osdn_diag.replay import families
+    from osdn_diag.whatif import WhatIf
+
+    assert "step" in families.columns() and all(isinstance(c, str) for c in families.columns())
+    assert families.column_types()["step"] == "int32" and "token_ratio" not in families.column_types()
+    gen = torch.Generator().manual_seed(5)
+    n, H, K, V, T = 2, 2, 16, 8, 10
+    q, k, v, beta, g = _inputs(gen, 1, T, n, H, K, V, gated=True)
+    kw = dict(q=q, k=k, v=v, g=g, beta=beta, num_householder=n, scale=None, initial_state=None,
+              output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None)
+    call = GDPChunkAdapter().record(kw, GDPChunkAdapter().reference(kw), layer=0, layer_name="gdp",
+                                    kernel="chunk_gated_delta_product")
+    cf = WhatIf(eta=0.5)(call)
+    res = replay_call(cf, tolerance=math.inf)
+    # fp64 loop with the write key d ⊙ k on the interleaved record.
+    wk = (cf.d * cf.k).double()
+    kk, vv, bb, gg = cf.k.double(), cf.v.double(), cf.beta.double(), cf.g.double()
+    for h in range(H):
+        S = torch.zeros(V, K, dtype=torch.float64)
+        for r in range(T * n):
+            S = S * math.exp(float(gg[0, r, h]))
+            before = 0.5 * float(((S @ kk[0, r, h] - vv[0, r, h]) ** 2).sum())
+            S = S + float(bb[0, r, h]) * torch.outer(vv[0, r, h] - S @ kk[0, r, h], wk[0, r, h])
+            after = 0.5 * float(((S @ kk[0, r, h] - vv[0, r, h]) ** 2).sum())
+            i = h * T * n + r
+            assert int(res.columns["pos"][i]) == r // n and int(res.columns["step"][i]) == r % n
+            _close(float(res.columns["loss_after"][i]), after, "what-if loss_after", 1e-3 * before)

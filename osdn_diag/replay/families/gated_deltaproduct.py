@@ -13,7 +13,9 @@ in ``pos``. The columns added here (:data:`COLUMNS`):
 
 Backends: ``"torch"`` runs the family's own reference (:func:`osdn_diag.math.family_gated_deltaproduct.gated_deltaproduct_recurrence`)
 on the token form of the record; ``"triton"`` runs the package's fused delta-rule replay on the
-interleaved record (the same recurrence) and derives the token columns from its losses.
+interleaved record (the same recurrence) and derives the token columns from its losses; so does
+``"torch"`` for a record with a write key of its own (``what-if``'s ``d ⊙ k``), through the torch
+delta-rule reference.
 """
 
 from __future__ import annotations
@@ -57,10 +59,15 @@ def replay_gated_deltaproduct(call, *, dtype, bad, backend) -> RecurrenceResult:
     if call.k.shape[1] % n:
         raise ValueError(f"{_where(call)}: {call.k.shape[1]} micro-steps are not whole tokens of {n}")
     args = recurrence_inputs(call, dtype, bad)
-    if backend == "triton":
-        from ...ops.replay import fused_replay
-
-        res = fused_replay(**args)
+    if backend == "triton" or args["write_key"] is not None:
+        # The fused replay (triton), or a write key other than the micro-step key — what-if's
+        # counterfactual d ⊙ k, which the family's reference does not take: the delta rule on the
+        # interleaved record, which is this family's recurrence with any write key.
+        if backend == "triton":
+            from ...ops.replay import fused_replay as run
+        else:
+            from ...math.recurrence import delta_rule_recurrence as run
+        res = run(**args)
         res.columns = token_columns(res.loss_before, res.loss_after, res.loss_before_decayed, n)
         return res
     cu = args["cu_seqlens"]

@@ -188,11 +188,11 @@ def test_run_matches_an_fp64_loop_on_the_stored_tensors(gdp_runs, path):
 
 def test_random_tiny_preset_runs_with_retention(tmp_path):
     out = tmp_path / "run"
-    assert main(["run", "random:gated-deltaproduct-tiny", "--prompts", "random", "--twice", "--num-prompts", "2",
+    assert main(["run", "random:gated-deltaproduct-tiny", "--prompts", "random", "--twice", "--num-prompts", "1",
                  "--length", "16", "--out", str(out), "--device", "cpu", "--retained", "-q"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     table = pq.read_table(out / "residuals.parquet").to_pydict()
     assert set(table["step"]) == {0, 1} and max(table["pos"]) == 15
-    assert summary["n"] == len(table["prompt"]) == 2 * 16 * 2 * 2 * N_H  # prompts, tokens, layers, heads
+    assert summary["n"] == len(table["prompt"]) == 16 * 2 * 2 * N_H  # tokens, layers, heads
     assert sum(summary["position_bins"]["n"]) == len(table["prompt"])  # bins of token positions
     assert summary["retained"]  # probes at token positions, after each token's last micro-step

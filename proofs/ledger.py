@@ -25,6 +25,7 @@ from . import (
     counterexample,
     family_comba,
     family_gdn2,
+    family_gated_deltaproduct,
     gated,
     inconsistencies,
     lemma_4_1,
@@ -72,6 +73,7 @@ MODULES = (
     paper_numbers,
     family_comba,
     family_gdn2,
+    family_gated_deltaproduct,
 )
 
 #: Every claim, in ledger order. :func:`run_ledger` reads this at call time.

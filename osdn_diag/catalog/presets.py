@@ -110,6 +110,17 @@ PRESETS: dict[str, tuple[str, dict]] = {
     # class for it): heads of head_dim keys and values, the layer's defaults; 8 heads of 128 at 340M.
     "gdn2-tiny": ("GDN2Config", dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, vocab_size=256)),
     "gdn2-340m": ("GDN2Config", dict(hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, vocab_size=32000)),
+    # fla's GatedDeltaProduct with the layer's defaults (fla's config defaults to one Householder
+    # step, no forget gate, β in [0, 1]): two micro-steps per token, forget gate, β in [0, 2].
+    "gated-deltaproduct-tiny": ("GatedDeltaProductConfig", dict(
+        hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256,
+        num_householder=2, use_forget_gate=True, allow_neg_eigval=True,
+    )),
+    # The 340M shape of deltanet-340m (hidden 1024, 24 layers, 8 heads of d_k = 128; d_v = 128).
+    "gated-deltaproduct-340m": ("GatedDeltaProductConfig", dict(
+        hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, expand_v=1.0, vocab_size=32000,
+        num_householder=2, use_forget_gate=True, allow_neg_eigval=True,
+    )),
     # transformers' own delta-rule models (config classes of transformers, not fla).
     **TRANSFORMERS_PRESETS,
 }

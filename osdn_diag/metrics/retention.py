@@ -47,21 +47,26 @@ def retrieval_errors(call: KernelCall, seq: int, probes: list[int]) -> dict[str,
         h0 = call.initial_state[seq : seq + 1].float()
     cols: dict[str, list[torch.Tensor]] = defaultdict(list)
     H = k.shape[2]
+    # A record of several writes per token (GatedDeltaProduct: ``micro_steps``, interleaved) is
+    # probed after the probe token's last write; every micro-step write is an association, and
+    # ``j`` and the distance count tokens.
+    micro = int(call.flags.get("micro_steps", 1))
     for t in probes:
+        tm = (t + 1) * micro - 1  # the row of the probe token's last write
         res = delta_rule_recurrence(
-            q[:, : t + 1], k[:, : t + 1], v[:, : t + 1], beta[:, : t + 1],
-            write_key=None if wk is None else wk[:, : t + 1],
-            g=None if g is None else g[:, : t + 1],
+            q[:, : tm + 1], k[:, : tm + 1], v[:, : tm + 1], beta[:, : tm + 1],
+            write_key=None if wk is None else wk[:, : tm + 1],
+            g=None if g is None else g[:, : tm + 1],
             initial_state=h0, scale=call.scale, dtype=torch.float32,
         )
         S = res.final_state[0]  # [H, V, K]
-        kj, vj = k[0, : t + 1].transpose(0, 1), v[0, : t + 1].transpose(0, 1)  # [H, t+1, ·]
+        kj, vj = k[0, : tm + 1].transpose(0, 1), v[0, : tm + 1].transpose(0, 1)  # [H, tm+1, ·]
         err = (torch.einsum("hvk,hjk->hjv", S, kj) - vj).square().sum(-1)
         norm = vj.square().sum(-1)
         ok = norm > 0
-        j = torch.arange(t + 1).expand(H, -1)
+        j = (torch.arange(tm + 1) // micro).expand(H, -1)
         cols["probe"].append(torch.full((int(ok.sum()),), t))
-        cols["head"].append(torch.arange(H)[:, None].expand(H, t + 1)[ok])
+        cols["head"].append(torch.arange(H)[:, None].expand(H, tm + 1)[ok])
         cols["j"].append(j[ok])
         cols["distance"].append((t - j)[ok])
         cols["error"].append((err / norm.clamp_min(1e-30))[ok].cpu())

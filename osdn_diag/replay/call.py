@@ -275,6 +275,11 @@ def replay_call(
         per_token["residual_ratio_post"] = post
     per_token.update(res.columns)
     seq, head, pos, row, t = _table_index(segments, H, finite.device)
+    # A family that makes several writes per token (GatedDeltaProduct) records them as a sequence
+    # ``micro_steps`` times longer: its rows keep the token's position in ``pos``.
+    micro = int(call.flags.get("micro_steps", 1))
+    if micro > 1:
+        pos = pos // micro
     stream = seq * H + head  # (sequence, head) of every row
     # Fidelity per (sequence, head): ‖o − o_kernel‖ / ‖o_kernel‖ over the stream's tokens.
     kernel_o = call.o.to(dtype)
@@ -341,7 +346,7 @@ def replay_call(
         columns=columns,
         fidelity=worst,
         nonfinite=nonfinite,
-        sequence_lengths=[e - s for _, s, e in segments],
+        sequence_lengths=[(e - s) // micro for _, s, e in segments],  # in tokens
         tolerance=tol,
         grid={
             "loss_before": res.loss_before, "loss_after": res.loss_after, "finite": grid_finite,

@@ -50,10 +50,15 @@ def _schema(value_type: pa.DataType) -> pa.Schema:
             *[(c, value_type) for c in _VALUE_COLUMNS + _GATED_COLUMNS],
             ("finite", pa.bool_()),
             # the further families' own per-token values (replay/families), null for the others
-            *[(c, value_type) for c in families.columns()],
+            *[(c, _column_type(c, value_type)) for c in families.columns()],
         ]
     )
 
+
+def _column_type(name: str, value_type: pa.DataType) -> pa.DataType:
+    """A family column's arrow type: the one its ``COLUMNS`` entry declares, else the value type."""
+    declared = families.column_types().get(name)
+    return value_type if declared is None else pa.type_for_alias(declared)
 
 
 class Replayer:
@@ -431,7 +436,10 @@ def _arrow_table(stored, res, prompts: dict, schema: pa.Schema, np_dtype: str) -
         if f.name in data:
             arrays.append(pa.array(data[f.name], f.type))
         elif f.name in cols:
-            arrays.append(pa.array(cols[f.name].numpy().astype(np_dtype), f.type))
+            # A family column of a declared integer type (e.g. a micro-step index) is cast from the
+            # replay's float values, which hold it exactly.
+            kind = f.type.to_pandas_dtype() if pa.types.is_integer(f.type) else np_dtype
+            arrays.append(pa.array(cols[f.name].numpy().astype(kind), f.type))
         else:
             arrays.append(pa.nulls(n, f.type))
     return pa.Table.from_arrays(arrays, schema=schema)

@@ -13,7 +13,7 @@ from __future__ import annotations
 __all__ = ["sites"]
 
 #: The family modules, in the order their sites are listed.
-MODULES: tuple[str, ...] = ("comba", "gdn2")
+MODULES: tuple[str, ...] = ("comba", "gdn2", "gated_deltaproduct")
 
 
 def sites() -> tuple:

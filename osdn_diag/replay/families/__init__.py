@@ -11,9 +11,12 @@
   tokens with non-finite inputs, to be replayed on zeros (:func:`osdn_diag.replay.call.zero_nonfinite`).
   ``backend`` is ``"torch"`` or ``"triton"``; a family without a Triton replay runs its torch
   reference for both, and says so in its docs;
-* ``COLUMNS: tuple[str, ...]`` — the further per-token value columns its replays return in
-  ``RecurrenceResult.columns`` (``[B, T, H]`` each). Every run's table has every registered column,
-  null where a family does not fill it, so that tables of different families concatenate.
+* ``COLUMNS: tuple[str | tuple[str, str], ...]`` — the further per-token value columns its replays
+  return in ``RecurrenceResult.columns`` (``[B, T, H]`` each). Every run's table has every registered
+  column, null where a family does not fill it, so that tables of different families concatenate.
+  An entry is a column name (stored in the replay's value type, float32 or float64) or a pair
+  ``(name, arrow type name)`` such as ``("step", "int32")`` for a column of another type
+  (:func:`column_types`); plain names keep working as before.
 
 docs/families.md states each family's recurrence and the token-local loss its ratio measures.
 """
@@ -24,10 +27,10 @@ import importlib
 from collections.abc import Callable
 from functools import cache
 
-__all__ = ["MODULES", "columns", "replays"]
+__all__ = ["MODULES", "column_types", "columns", "replays"]
 
 #: The family modules, in the order their columns are listed.
-MODULES: tuple[str, ...] = ("comba",)
+MODULES: tuple[str, ...] = ("comba", "gated_deltaproduct")
 
 
 def _modules():
@@ -48,5 +51,21 @@ def columns() -> tuple[str, ...]:
     """Every registered family's further per-token value columns, in :data:`MODULES` order."""
     out: list[str] = []
     for module in _modules():
-        out.extend(c for c in module.COLUMNS if c not in out)
+        out.extend(n for n in map(_column_name, module.COLUMNS) if n not in out)
     return tuple(out)
+
+
+def _column_name(entry) -> str:
+    return entry if isinstance(entry, str) else entry[0]
+
+
+@cache
+def column_types() -> dict[str, str]:
+    """The registered columns that declare an arrow type (``(name, type)`` entries of ``COLUMNS``):
+    name → arrow type name (e.g. ``"int32"``). Columns not listed take the replay's value type."""
+    out: dict[str, str] = {}
+    for module in _modules():
+        for entry in module.COLUMNS:
+            if not isinstance(entry, str):
+                out.setdefault(entry[0], str(entry[1]))
+    return out

@@ -46,6 +46,7 @@ SUPPORTED_LAYERS = (
     ("fla.layers.kda", "KimiDeltaAttention"),
     ("fla.layers.precond_gated_deltanet", "PrecondGatedDeltaNet"),
     ("fla.layers.precond_kda", "PrecondKDA"),
+    ("fla.layers.momentum_deltanet", "MomentumDeltaNet"),
     ("osdn_diag.layers.osdn", "OSDN"),
     ("osdn_diag.layers.osgdn", "OSGDN"),
 )

@@ -130,7 +130,9 @@ class CallReplay:
 def _finite_mask(call: KernelCall) -> torch.Tensor:
     """``[B, T, H]``: True where every captured input of that token and head is finite."""
     ok = torch.isfinite(call.beta)
-    for x in (call.q, call.k, call.v, call.g, call.d, call.write_key, *call.extra.values()):
+    # A family's per-sequence extras (its further states, named initial_* / final_*) are not per token.
+    per_token = [x for n, x in call.extra.items() if not n.startswith(("initial_", "final_"))]
+    for x in (call.q, call.k, call.v, call.g, call.d, call.write_key, *per_token):
         if x is not None:
             ok &= torch.isfinite(x).all(-1) if x.dim() == 4 else torch.isfinite(x)
     return ok

@@ -13,7 +13,9 @@ from __future__ import annotations
 __all__ = ["sites"]
 
 #: The family modules, in the order their sites are listed.
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = (
+    "momentum_delta_rule",
+)
 
 
 def sites() -> tuple:

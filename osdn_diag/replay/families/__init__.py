@@ -27,7 +27,9 @@ from functools import cache
 __all__ = ["MODULES", "columns", "replays"]
 
 #: The family modules, in the order their columns are listed.
-MODULES: tuple[str, ...] = ()
+MODULES: tuple[str, ...] = (
+    "momentum_delta_rule",
+)
 
 
 def _modules():

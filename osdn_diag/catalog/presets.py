@@ -98,6 +98,15 @@ PRESETS: dict[str, tuple[str, dict]] = {
         "PrecondGatedDeltaNetConfig",
         dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
     ),
+    # fla's MomentumDeltaNet layer in the package's model class (fla 0.6.0 has none): the layer's
+    # defaults, 4 heads of d_k = 256, d_v = 512, at the 340M DeltaNet's depth and width.
+    "momentum-deltanet-340m": (
+        "MomentumDeltaNetConfig", dict(hidden_size=1024, num_hidden_layers=24, vocab_size=32000),
+    ),
+    "momentum-deltanet-tiny": (
+        "MomentumDeltaNetConfig",
+        dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=16, vocab_size=256),
+    ),
     # transformers' own delta-rule models (config classes of transformers, not fla).
     **TRANSFORMERS_PRESETS,
 }

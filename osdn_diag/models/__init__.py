@@ -20,10 +20,13 @@ runtime.prepare()  # the interpreter on a machine without CUDA, before fla is im
 from .configuration import OSDNConfig, OSGDNConfig  # noqa: E402
 from .loading import LoadedModel, load_model  # noqa: E402
 from .modeling import OSDNForCausalLM, OSDNModel, OSGDNForCausalLM, OSGDNModel  # noqa: E402  (registers)
+from .momentum import MomentumDeltaNetConfig, MomentumDeltaNetForCausalLM  # noqa: E402  (registers)
 
 __all__ = [
     "PRESETS",
     "LoadedModel",
+    "MomentumDeltaNetConfig",
+    "MomentumDeltaNetForCausalLM",
     "OSDNConfig",
     "OSDNForCausalLM",
     "OSDNModel",

@@ -37,6 +37,10 @@ class LoadedModel:
     hub: dict | None = None  # a Hub model's repo_id, revision asked for, commit resolved, snapshot
 
 
+#: Preset config classes of this package's own models (:mod:`osdn_diag.models`).
+_PACKAGE_CONFIGS = ("MomentumDeltaNetConfig",)
+
+
 def _fla():
     try:
         import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
@@ -78,6 +82,10 @@ def load_model(
         cls_name, kwargs = PRESETS[name]
         if hasattr(models, cls_name):
             config = getattr(models, cls_name)(**kwargs)
+        elif cls_name in _PACKAGE_CONFIGS:  # a config this package provides where fla has none
+            import osdn_diag.models as package_models
+
+            config = getattr(package_models, cls_name)(**kwargs)
         else:
             import transformers
 

@@ -23,6 +23,7 @@ from . import (
     corollary_a2,
     corollary_d8,
     counterexample,
+    family_momentum_delta_rule,
     gated,
     inconsistencies,
     lemma_4_1,
@@ -68,6 +69,7 @@ MODULES = (
     inconsistencies,
     arithmetic,
     paper_numbers,
+    family_momentum_delta_rule,
 )
 
 #: Every claim, in ledger order. :func:`run_ledger` reads this at call time.

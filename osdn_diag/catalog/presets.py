@@ -98,10 +98,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
         "PrecondGatedDeltaNetConfig",
         dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=32, expand_v=1.0, vocab_size=256),
     ),
-    # fla's MomentumDeltaNet layer in the package's model class (fla 0.6.0 has none): the layer's
-    # defaults, 4 heads of d_k = 256, d_v = 512, at the 340M DeltaNet's depth and width.
+    # fla's MomentumDeltaNet layer in the package's model class (fla 0.6.0 has none), in the 340M
+    # DeltaNet's shape (24 layers, hidden 1024, 8 heads of d_k = d_v = 128) with the layer's own output
+    # gate (its default): 400M parameters (deltanet-340m: 374M).
     "momentum-deltanet-340m": (
-        "MomentumDeltaNetConfig", dict(hidden_size=1024, num_hidden_layers=24, vocab_size=32000),
+        "MomentumDeltaNetConfig",
+        dict(hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, expand_v=1.0, vocab_size=32000),
     ),
     "momentum-deltanet-tiny": (
         "MomentumDeltaNetConfig",

@@ -47,6 +47,7 @@ SUPPORTED_LAYERS = (
     ("fla.layers.precond_gated_deltanet", "PrecondGatedDeltaNet"),
     ("fla.layers.precond_kda", "PrecondKDA"),
     ("fla.layers.momentum_deltanet", "MomentumDeltaNet"),
+    ("fla.layers.rwkv7", "RWKV7Attention"),
     ("osdn_diag.layers.osdn", "OSDN"),
     ("osdn_diag.layers.osgdn", "OSGDN"),
 )
@@ -243,6 +244,8 @@ class Capture:
 
         def kernel(*args, **kwargs):
             kw = _bind(original, args, kwargs)
+            if "q" not in kw and "r" in kw:  # RWKV's kernels name their queries r
+                kw["q"] = kw["r"]
             use_reference = self._use_reference(kw["q"])
             if self._phase1_d is not None:
                 # The d of this layer call's phase 1 (OSDN layers), handed to the adapter.

@@ -15,6 +15,7 @@ __all__ = ["sites"]
 #: The family modules, in the order their sites are listed.
 MODULES: tuple[str, ...] = (
     "momentum_delta_rule",
+    "rwkv7",
 )
 
 

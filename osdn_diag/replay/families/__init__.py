@@ -29,6 +29,7 @@ __all__ = ["MODULES", "columns", "replays"]
 #: The family modules, in the order their columns are listed.
 MODULES: tuple[str, ...] = (
     "momentum_delta_rule",
+    "rwkv7",
 )
 
 

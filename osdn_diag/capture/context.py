@@ -53,6 +53,17 @@ SUPPORTED_LAYERS = (
 )
 
 
+#: fla layers among :data:`SUPPORTED_LAYERS` that run a padded batch padded (they mask their inputs
+#: instead of unpadding to ``cu_seqlens``): capture keeps their attention mask and unpads their records.
+PADDED_LAYERS = (
+    ("fla.layers.rwkv7", "RWKV7Attention"),
+)
+
+
+def _padded_layer_classes() -> tuple[type, ...]:
+    return tuple(c for c in (getattr(importlib.import_module(m), n, None) for m, n in PADDED_LAYERS) if c is not None)
+
+
 def _supported_text() -> str:
     layers = ", ".join(f"{m}.{c}" for m, c in SUPPORTED_LAYERS)
     hf_layers = ", ".join(m.layer_class for m in hf.MODELS)
@@ -174,6 +185,9 @@ class Capture:
                     self._hooks.append(mod.register_forward_pre_hook(self._enter_hf_layer(index, name),
                                                                      with_kwargs=True))
                     self._hooks.append(mod.register_forward_hook(self._leave_hf_layer(index, name)))
+                elif isinstance(mod, _padded_layer_classes()):
+                    self._hooks.append(mod.register_forward_pre_hook(self._enter_padded_layer(index, name),
+                                                                     with_kwargs=True))
                 else:
                     self._hooks.append(mod.register_forward_pre_hook(self._enter_layer(index, name)))
                 self._hooks.append(mod.register_forward_hook(self._leave_layer, always_call=True))
@@ -202,6 +216,18 @@ class Capture:
                 self._forward += 1
             self._last_layer = index
             self._current = (index, name)
+
+        return hook
+
+    def _enter_padded_layer(self, index: int, name: str):
+        """An fla layer that runs a padded batch as it is (:data:`PADDED_LAYERS`): also keep its 2-D
+        attention mask, so that its records are unpadded as a transformers layer's are."""
+        enter = self._enter_layer(index, name)
+
+        def hook(module, args, kwargs):
+            enter(module, args)
+            mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+            self._mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
         return hook
 
@@ -270,7 +296,9 @@ class Capture:
             if trajectory:
                 kw[PHASE1_D] = out.d
             if recording:
-                self._emit(site.adapter, kw, out, kernel=site.name, kernels="reference" if use_reference else "fla")
+                mask = self._mask  # set only inside a layer that runs its batch padded
+                self._emit(site.adapter, kw, out, kernel=site.name, kernels="reference" if use_reference else "fla",
+                           transform=None if mask is None else (lambda call: hf.pack_padded(call, mask)))
             if recording and not kw.get("output_final_state", False):
                 out = site.adapter.strip_final_state(out)
             if trajectory and not kw.get("return_trajectory", False):

@@ -24,6 +24,7 @@ from . import (
     corollary_d8,
     counterexample,
     family_momentum_delta_rule,
+    family_rwkv7,
     gated,
     inconsistencies,
     lemma_4_1,
@@ -70,6 +71,7 @@ MODULES = (
     arithmetic,
     paper_numbers,
     family_momentum_delta_rule,
+    family_rwkv7,
 )
 
 #: Every claim, in ledger order. :func:`run_ledger` reads this at call time.

@@ -227,8 +227,10 @@ def test_chunk_form_refused_at_fast_momentum_decay():
     kw = _inputs(gen, 1, 64, 2, dtype=torch.bfloat16, mu=(-1.0, -1.0), alpha=(0.0, 0.0))
     kw["output_final_state"] = True
     _, call = _run("chunk_momentum_delta_rule", kw)
-    with pytest.raises(FidelityError, match="chunk form.*fused_recurrent"):
+    with pytest.raises(FidelityError, match="chunk form.*not the record.*fused_recurrent"):
         replay_call(call)
+    # --tolerance accepts the chunk form's error as it is.
+    assert replay_call(call, tolerance=math.inf).fidelity > 0.1
     # The same inputs on the fused recurrent path replay cleanly.
     _, call_fr = _run("fused_recurrent_momentum_delta_rule", kw)
     assert replay_call(call_fr).fidelity <= 1e-2

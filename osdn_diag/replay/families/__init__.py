@@ -13,7 +13,9 @@
   reference for both, and says so in its docs;
 * ``COLUMNS: tuple[str, ...]`` — the further per-token value columns its replays return in
   ``RecurrenceResult.columns`` (``[B, T, H]`` each). Every run's table has every registered column,
-  null where a family does not fill it, so that tables of different families concatenate.
+  null where a family does not fill it, so that tables of different families concatenate;
+* optionally ``HINTS: dict[str, Callable]`` — family name → ``hint(call) -> str | None``: what to add
+  to a failed output check's message (a known limit of the family's kernel, and what to do).
 
 docs/families.md states each family's recurrence and the token-local loss its ratio measures.
 """
@@ -24,7 +26,7 @@ import importlib
 from collections.abc import Callable
 from functools import cache
 
-__all__ = ["MODULES", "columns", "replays"]
+__all__ = ["MODULES", "columns", "hints", "replays"]
 
 #: The family modules, in the order their columns are listed.
 MODULES: tuple[str, ...] = (
@@ -53,3 +55,12 @@ def columns() -> tuple[str, ...]:
     for module in _modules():
         out.extend(c for c in module.COLUMNS if c not in out)
     return tuple(out)
+
+
+@cache
+def hints() -> dict[str, Callable]:
+    """Every registered family's fidelity hint, by family name (families without one are absent)."""
+    out: dict[str, Callable] = {}
+    for module in _modules():
+        out.update(getattr(module, "HINTS", {}))
+    return out

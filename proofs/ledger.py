@@ -26,6 +26,8 @@ from . import (
     family_comba,
     family_gdn2,
     family_gated_deltaproduct,
+    family_momentum_delta_rule,
+    family_rwkv7,
     gated,
     inconsistencies,
     lemma_4_1,
@@ -74,6 +76,8 @@ MODULES = (
     family_comba,
     family_gdn2,
     family_gated_deltaproduct,
+    family_momentum_delta_rule,
+    family_rwkv7,
 )
 
 #: Every claim, in ledger order. :func:`run_ledger` reads this at call time.

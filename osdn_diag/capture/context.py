@@ -47,11 +47,24 @@ SUPPORTED_LAYERS = (
     ("fla.layers.precond_gated_deltanet", "PrecondGatedDeltaNet"),
     ("fla.layers.precond_kda", "PrecondKDA"),
     ("fla.layers.gated_deltaproduct", "GatedDeltaProduct"),
+    ("fla.layers.momentum_deltanet", "MomentumDeltaNet"),
+    ("fla.layers.rwkv7", "RWKV7Attention"),
     ("osdn_diag.layers.osdn", "OSDN"),
     ("osdn_diag.layers.osgdn", "OSGDN"),
     ("fla.layers.comba", "Comba"),
     ("fla.layers.gdn2", "GatedDeltaNet2"),
 )
+
+
+#: fla layers among :data:`SUPPORTED_LAYERS` that run a padded batch padded (they mask their inputs
+#: instead of unpadding to ``cu_seqlens``): capture keeps their attention mask and unpads their records.
+PADDED_LAYERS = (
+    ("fla.layers.rwkv7", "RWKV7Attention"),
+)
+
+
+def _padded_layer_classes() -> tuple[type, ...]:
+    return tuple(c for c in (getattr(importlib.import_module(m), n, None) for m, n in PADDED_LAYERS) if c is not None)
 
 
 def _supported_text() -> str:
@@ -175,6 +188,9 @@ class Capture:
                     self._hooks.append(mod.register_forward_pre_hook(self._enter_hf_layer(index, name),
                                                                      with_kwargs=True))
                     self._hooks.append(mod.register_forward_hook(self._leave_hf_layer(index, name)))
+                elif isinstance(mod, _padded_layer_classes()):
+                    self._hooks.append(mod.register_forward_pre_hook(self._enter_padded_layer(index, name),
+                                                                     with_kwargs=True))
                 else:
                     self._hooks.append(mod.register_forward_pre_hook(self._enter_layer(index, name)))
                 self._hooks.append(mod.register_forward_hook(self._leave_layer, always_call=True))
@@ -203,6 +219,18 @@ class Capture:
                 self._forward += 1
             self._last_layer = index
             self._current = (index, name)
+
+        return hook
+
+    def _enter_padded_layer(self, index: int, name: str):
+        """An fla layer that runs a padded batch as it is (:data:`PADDED_LAYERS`): also keep its 2-D
+        attention mask, so that its records are unpadded as a transformers layer's are."""
+        enter = self._enter_layer(index, name)
+
+        def hook(module, args, kwargs):
+            enter(module, args)
+            mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+            self._mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
         return hook
 
@@ -245,6 +273,8 @@ class Capture:
 
         def kernel(*args, **kwargs):
             kw = _bind(original, args, kwargs)
+            if "q" not in kw and "r" in kw:  # RWKV's kernels name their queries r
+                kw["q"] = kw["r"]
             use_reference = self._use_reference(kw["q"])
             if self._phase1_d is not None:
                 # The d of this layer call's phase 1 (OSDN layers), handed to the adapter.
@@ -269,7 +299,9 @@ class Capture:
             if trajectory:
                 kw[PHASE1_D] = out.d
             if recording:
-                self._emit(site.adapter, kw, out, kernel=site.name, kernels="reference" if use_reference else "fla")
+                mask = self._mask  # set only inside a layer that runs its batch padded
+                self._emit(site.adapter, kw, out, kernel=site.name, kernels="reference" if use_reference else "fla",
+                           transform=None if mask is None else (lambda call: hf.pack_padded(call, mask)))
             if recording and not kw.get("output_final_state", False):
                 out = site.adapter.strip_final_state(out)
             if trajectory and not kw.get("return_trajectory", False):

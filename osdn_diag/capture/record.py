@@ -19,7 +19,9 @@ preconditioned layer), so that replay sees exactly the recurrence the kernel ran
 * ``cu_seqlens: [N + 1]`` for packed sequences (``B == 1``), or ``None`` (then ``N == B``);
 * ``extra`` — a family's further inputs by name (``[B, T, H, ·]`` or ``[B, T, H]``, e.g. a removal key
   that differs from the write key), stored as ``extra.NAME`` in the shard; empty for the delta-rule
-  families. Whatever reads them is the family's replay (:mod:`osdn_diag.replay.families`).
+  families. Whatever reads them is the family's replay (:mod:`osdn_diag.replay.families`). Extras
+  named ``initial_*`` / ``final_*`` are per-sequence states (``[N, H, ·, ·]``, e.g. a momentum buffer),
+  not per-token inputs.
 
 Tensors are stored in fp32 (the kernel's own dtype is kept in ``input_dtype``).
 """

@@ -345,5 +345,9 @@ def pack_padded(call: KernelCall, mask: torch.Tensor | None) -> KernelCall:
         call, q=pack(call.q), k=pack(call.k), v=pack(call.v), beta=pack(call.beta), g=pack(call.g),
         d=pack(call.d), write_key=pack(call.write_key), o=pack(call.o), final_state=final, cu_seqlens=cu,
         flags={**call.flags, "unpadded": True},
+        # A family's per-token extras are packed like the other inputs; its per-sequence states
+        # (initial_* / final_*) follow initial_state and final_state.
+        extra={n: pack(x) if not n.startswith(("initial_", "final_")) else x
+               for n, x in call.extra.items() if not n.startswith("final_") or final is not None},
     )
     return packed

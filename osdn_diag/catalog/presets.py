@@ -121,6 +121,25 @@ PRESETS: dict[str, tuple[str, dict]] = {
         hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, expand_v=1.0, vocab_size=32000,
         num_householder=2, use_forget_gate=True, allow_neg_eigval=True,
     )),
+    # fla's MomentumDeltaNet layer in the package's model class (fla 0.6.0 has none), in the 340M
+    # DeltaNet's shape (24 layers, hidden 1024, 8 heads of d_k = d_v = 128) with the layer's own output
+    # gate (its default): 400M parameters (deltanet-340m: 374M).
+    "momentum-deltanet-340m": (
+        "MomentumDeltaNetConfig",
+        dict(hidden_size=1024, num_hidden_layers=24, num_heads=8, head_dim=128, expand_v=1.0, vocab_size=32000),
+    ),
+    "momentum-deltanet-tiny": (
+        "MomentumDeltaNetConfig",
+        dict(hidden_size=64, num_hidden_layers=2, num_heads=2, head_dim=16, vocab_size=256),
+    ),
+    # fla's RWKV-7 at the 340M DeltaNet's depth and width (24 layers, hidden 1024), heads of fla's
+    # default 64 (16 heads).
+    "rwkv7-340m": ("RWKV7Config", dict(hidden_size=1024, num_hidden_layers=24, head_dim=64, vocab_size=32000)),
+    "rwkv7-tiny": (
+        "RWKV7Config",
+        dict(hidden_size=64, num_hidden_layers=2, head_dim=32, decay_low_rank_dim=16, gate_low_rank_dim=16,
+             a_low_rank_dim=16, v_low_rank_dim=16, vocab_size=256),
+    ),
     # transformers' own delta-rule models (config classes of transformers, not fla).
     **TRANSFORMERS_PRESETS,
 }

@@ -21,6 +21,7 @@ from .configuration import OSDNConfig, OSGDNConfig  # noqa: E402
 from .loading import LoadedModel, load_model  # noqa: E402
 from .modeling import OSDNForCausalLM, OSDNModel, OSGDNForCausalLM, OSGDNModel  # noqa: E402  (registers)
 from .gdn2 import GDN2Config, GDN2ForCausalLM, GDN2Model  # noqa: E402  (registers model type "gdn2")
+from .momentum import MomentumDeltaNetConfig, MomentumDeltaNetForCausalLM  # noqa: E402  (registers)
 
 __all__ = [
     "PRESETS",
@@ -28,6 +29,8 @@ __all__ = [
     "GDN2ForCausalLM",
     "GDN2Model",
     "LoadedModel",
+    "MomentumDeltaNetConfig",
+    "MomentumDeltaNetForCausalLM",
     "OSDNConfig",
     "OSDNForCausalLM",
     "OSDNModel",

@@ -37,6 +37,10 @@ class LoadedModel:
     hub: dict | None = None  # a Hub model's repo_id, revision asked for, commit resolved, snapshot
 
 
+#: Preset config classes of this package's own models (:mod:`osdn_diag.models`).
+_PACKAGE_CONFIGS = ("GDN2Config", "MomentumDeltaNetConfig")
+
+
 def _fla():
     try:
         import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
@@ -76,12 +80,12 @@ def load_model(
                 + ", ".join(f"random:{p}" for p in PRESETS)
             )
         cls_name, kwargs = PRESETS[name]
-        from . import gdn2 as _gdn2  # the package's own model classes for fla layers without one
-
         if hasattr(models, cls_name):
             config = getattr(models, cls_name)(**kwargs)
-        elif hasattr(_gdn2, cls_name):
-            config = getattr(_gdn2, cls_name)(**kwargs)
+        elif cls_name in _PACKAGE_CONFIGS:  # a config this package provides where fla has none
+            import osdn_diag.models as package_models
+
+            config = getattr(package_models, cls_name)(**kwargs)
         else:
             import transformers
 

@@ -161,7 +161,9 @@ class CallReplay:
 def _finite_mask(call: KernelCall) -> torch.Tensor:
     """``[B, T, H]``: True where every captured input of that token and head is finite."""
     ok = torch.isfinite(call.beta)
-    for x in (call.q, call.k, call.v, call.g, call.d, call.write_key, *call.extra.values()):
+    # A family's per-sequence extras (its further states, named initial_* / final_*) are not per token.
+    per_token = [x for n, x in call.extra.items() if not n.startswith(("initial_", "final_"))]
+    for x in (call.q, call.k, call.v, call.g, call.d, call.write_key, *per_token):
         if x is not None:
             ok &= torch.isfinite(x).all(-1) if x.dim() == 4 else torch.isfinite(x)
     return ok
@@ -324,9 +326,11 @@ def replay_call(
     where = (f"layer {call.layer} ({call.layer_name}, kernel {call.kernel}, "
              f"{call.flags.get('path', 'chunk')} path, {call.input_dtype} inputs)")
     if not math.isfinite(worst) or worst > tol:
+        hint = families.hints().get(call.family)  # a family's known kernel limit, and what to do
+        hint = None if hint is None else hint(call)
         raise FidelityError(
             f"{where}: replayed outputs differ from the kernel's by {worst:.3g} (relative), above the "
-            f"tolerance {tol:.1g} — the capture adapter does not describe this kernel"
+            f"tolerance {tol:.1g} — " + (hint or "the capture adapter does not describe this kernel")
         )
     if state_tolerance is None:
         state_tol = math.inf if tolerance is not None and math.isinf(tolerance) else default_state_tolerance(call)
@@ -337,10 +341,12 @@ def replay_call(
     if state_err is not None:
         units = state_err / unit_roundoff(precision)
         if not math.isfinite(state_err) or state_err > state_tol:
+            hint = families.hints().get(call.family)
+            hint = None if hint is None else hint(call)
             raise FidelityError(
                 f"{where}: the replayed final state differs from the kernel's fp32 final state by "
                 f"{state_err:.3g} (relative; {units:.3g} units of {precision} rounding), above the "
-                f"tolerance {state_tol:.1g} — the record is not what the kernel read"
+                f"tolerance {state_tol:.1g} — " + (hint or "the record is not what the kernel read")
             )
     return CallReplay(
         columns=columns,

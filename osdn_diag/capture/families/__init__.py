@@ -13,7 +13,7 @@ from __future__ import annotations
 __all__ = ["sites"]
 
 #: The family modules, in the order their sites are listed.
-MODULES: tuple[str, ...] = ("comba", "gdn2", "gated_deltaproduct")
+MODULES: tuple[str, ...] = ("comba", "gdn2", "gated_deltaproduct", "momentum_delta_rule", "rwkv7")
 
 
 def sites() -> tuple:

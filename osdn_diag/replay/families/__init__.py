@@ -16,7 +16,9 @@
   column, null where a family does not fill it, so that tables of different families concatenate.
   An entry is a column name (stored in the replay's value type, float32 or float64) or a pair
   ``(name, arrow type name)`` such as ``("step", "int32")`` for a column of another type
-  (:func:`column_types`); plain names keep working as before.
+  (:func:`column_types`); plain names keep working as before;
+* optionally ``HINTS: dict[str, Callable]`` — family name → ``hint(call) -> str | None``: what to add
+  to a failed output check's message (a known limit of the family's kernel, and what to do).
 
 docs/families.md states each family's recurrence and the token-local loss its ratio measures.
 """
@@ -27,10 +29,10 @@ import importlib
 from collections.abc import Callable
 from functools import cache
 
-__all__ = ["MODULES", "column_types", "columns", "replays"]
+__all__ = ["MODULES", "column_types", "columns", "hints", "replays"]
 
 #: The family modules, in the order their columns are listed.
-MODULES: tuple[str, ...] = ("comba", "gated_deltaproduct")
+MODULES: tuple[str, ...] = ("comba", "gated_deltaproduct", "momentum_delta_rule", "rwkv7")
 
 
 def _modules():
@@ -68,4 +70,13 @@ def column_types() -> dict[str, str]:
         for entry in module.COLUMNS:
             if not isinstance(entry, str):
                 out.setdefault(entry[0], str(entry[1]))
+    return out
+
+
+@cache
+def hints() -> dict[str, Callable]:
+    """Every registered family's fidelity hint, by family name (families without one are absent)."""
+    out: dict[str, Callable] = {}
+    for module in _modules():
+        out.update(getattr(module, "HINTS", {}))
     return out

@@ -140,7 +140,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .distributed import init_from_env
     from .report import write_report
 
-    from .rundir import output_lock
+    from .rundir import output_lock, run_manifest
 
     ranks = init_from_env()
     with output_lock(args.out):  # the whole command: capture, replay and report
@@ -152,7 +152,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
             summary = _replay(args, out)
         if ranks.is_main:
             _print_summary(summary, out)
-            print(f"report: {write_report([out])}")
+            if (run_manifest(out) or {}).get("merge_needed"):
+                # Parts of the table are on other machines' disks: a report of this directory alone
+                # would plot a part of the run.
+                print(f"{out}: the other nodes' parts are under their own --out (no shared file system): "
+                      f"assemble the run with `osdn-diag merge {out} NODE_DIR... --out MERGED`, which "
+                      "also writes its report")
+            else:
+                print(f"report: {write_report([out])}")
     return 0
 
 

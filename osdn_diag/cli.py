@@ -213,6 +213,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from .merge import merge_runs
+
+    out = merge_runs(args.dirs, args.out, overwrite=args.overwrite)
+    print(f"merged run written to {out}")
+    return 0
+
+
 def _add_capture_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="a local Hugging Face directory of an fla or OSDN model, builtin:NAME "
@@ -395,6 +403,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the head whose preconditioner trajectory is plotted (default: the first "
                         "layer with a d, head 0)")
     report.set_defaults(func=_cmd_report)
+
+    merge = sub.add_parser("merge", help="one run directory from the nodes' directories of a multi-node run",
+                           description="Assemble the parts a run under torchrun --nnodes N left under "
+                           "each node's own --out (no shared file system) into one run directory, "
+                           "checking every rank's parts by run id and sha256, and write its report.")
+    merge.add_argument("dirs", nargs="+", metavar="DIR", help="every node's --out directory (rank 0's among them)")
+    merge.add_argument("--out", required=True, metavar="OUT", help="the merged run directory to write")
+    merge.add_argument("--overwrite", action="store_true", help="replace the run OUT already holds")
+    merge.set_defaults(func=_cmd_merge)
     return parser
 
 

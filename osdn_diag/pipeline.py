@@ -451,6 +451,10 @@ def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume:
     records = [read_rank_record(p) for p in sorted((out_dir / RANKS_DIR).glob("rank-*.json"))]
     manifest = run_manifest(out_dir)
     if resume and manifest is None and records and all(r is not None and r["run_id"] == run_id for r in records):
+        # Temporaries of the ranks killed here (rank 0's begin removed those where --out is shared).
+        for directory in (out_dir, out_dir / RANKS_DIR, out_dir / RESIDUALS, *sorted((out_dir / "capture").glob("batch_*"))):
+            if directory.is_dir():
+                remove_stale_temporaries(directory)
         return
     if not overwrite:
         raise RunDirectoryError(f"{out_dir}: already holds files of another run ({', '.join(found)}); pass "

@@ -126,6 +126,8 @@ def test_own_out_per_node_then_merge(one, tmp_path, capsys):
     assert manifest["shared_out"] is False and manifest["merge_needed"] is True and manifest["complete"] is False
     assert not (rank0 / "report.md").exists() and not (other / "manifest.json").exists()
     assert "osdn-diag merge" in "".join(p.stdout for p in procs)
+    err = _one_line(["report", str(rank0)], capsys)  # a report of rank 0's part alone is refused
+    assert "merge_needed" in err and "osdn-diag merge" in err, err
     # Parts missing, a file changed, a record of another run: refused, naming the file, before writing.
     err = _one_line(["merge", str(rank0), "--out", str(tmp_path / "m")], capsys)
     assert "rank 1: no ranks/rank-00001.json" in err and str(rank0) in err, err

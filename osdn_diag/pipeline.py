@@ -25,6 +25,7 @@ from ._atomic import atomic_path, remove_stale_temporaries
 from ._json import dumps as strict_json
 from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
 from .rundir import (
+    MANIFEST,
     RANKS_DIR,
     RUN_ID_KEY,
     RunDirectoryError,
@@ -266,10 +267,14 @@ class _CaptureSession:
                 if resumed is None:
                     prepare_output(self.out_dir, overwrite=overwrite)
                 self.writer = CaptureWriter(self.out_dir, run_id)
+                # ``attempt``: new for every command, also one that resumes (the run id stays), so that
+                # a rank seeing a manifest with it sees this command's manifest, not an older copy.
+                attempt = new_run_id()
                 self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
                                    "prompts_source": prompts_spec, "capture_stored": stored,
-                                   "settings": self.settings, "world_size": self.ranks.world}, stages)
-                decision = (run_id, resumed is not None)
+                                   "settings": self.settings, "world_size": self.ranks.world,
+                                   "attempt": attempt}, stages)
+                decision = (run_id, resumed is not None, attempt)
             except (ValueError, OSError) as err:
                 refusal = err
         if self.ranks.world > 1:
@@ -278,7 +283,7 @@ class _CaptureSession:
                 raise ValueError(message)
         if refusal is not None:
             raise refusal
-        self.run_id, self.resumed = decision
+        self.run_id, self.resumed, self.attempt = decision
         if not self.ranks.is_main:
             self.writer = CaptureWriter(self.out_dir, self.run_id)
         #: whether every rank's --out is rank 0's (a shared file system): it sees rank 0's manifest
@@ -291,7 +296,7 @@ class _CaptureSession:
         """Under several processes: find out whether ``--out`` is shared, make a node's own ``--out``
         ready where it is not (rank 0 did that where it is), and, resuming, verify this rank's record
         of the earlier attempt. Every rank raises the first refusal of any."""
-        seen = (run_manifest(self.out_dir) or {}).get("run_id") == self.run_id
+        seen = (run_manifest(self.out_dir) or {}).get("attempt") == self.attempt
         self.shared = all(self.ranks.gather(seen))
         refusal = None
         try:
@@ -424,6 +429,8 @@ def _resumable(out_dir: Path, settings: dict, world: int) -> dict | None:
     saying so. A finished run, a run of other settings, or one of a single process is not resumed
     (:func:`~osdn_diag.rundir.prepare_output` then refuses it without ``--overwrite``)."""
     manifest = run_manifest(out_dir)
+    if manifest is None and world > 1:
+        manifest = _node_parts(out_dir)
     if manifest is None or manifest.get("complete") or manifest.get("settings") != settings:
         return None
     if manifest.get("merge_needed") and stage_done(manifest, "replay"):
@@ -440,6 +447,20 @@ def _resumable(out_dir: Path, settings: dict, world: int) -> dict | None:
     return manifest
 
 
+def _node_parts(out_dir: Path) -> dict | None:
+    """What a node's own ``--out`` (no manifest: rank 0 was on another node) says of the run its parts
+    belong to, ``{"run_id", "settings", "world_size"}`` from its rank records when they all agree, else
+    ``None``. Rank 0 moves between nodes from one launch to the next under the c10d rendezvous."""
+    records = [read_rank_record(p) for p in sorted((out_dir / RANKS_DIR).glob("rank-*.json"))]
+    if not records or any(r is None for r in records):
+        return None
+    keys = {(r["run_id"], strict_json(r.get("settings")), r.get("world_size")) for r in records}
+    if len(keys) != 1:
+        return None
+    return {"run_id": records[0]["run_id"], "settings": records[0].get("settings"),
+            "world_size": records[0].get("world_size")}
+
+
 def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume: bool) -> None:
     """Make ready a node's own ``--out`` (one where rank 0's manifest is not: no shared file system).
     Resuming, the parts this node wrote for the same run stay (each rank verifies its own); anything
@@ -450,7 +471,13 @@ def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume:
         return
     records = [read_rank_record(p) for p in sorted((out_dir / RANKS_DIR).glob("rank-*.json"))]
     manifest = run_manifest(out_dir)
-    if resume and manifest is None and records and all(r is not None and r["run_id"] == run_id for r in records):
+    if resume and manifest is not None and manifest["run_id"] == run_id:
+        # Rank 0's files of an earlier attempt at this run, when rank 0 was on this node: rank 0 is now
+        # on another one, which writes them. The parts stay.
+        for name in (MANIFEST, SUMMARY, COMPARATOR):
+            (out_dir / name).unlink(missing_ok=True)
+        manifest = None
+    if resume and manifest is None and all(r is not None and r["run_id"] == run_id for r in records):
         # Temporaries of the ranks killed here (rank 0's begin removed those where --out is shared).
         for directory in (out_dir, out_dir / RANKS_DIR, out_dir / RESIDUALS, *sorted((out_dir / "capture").glob("batch_*"))):
             if directory.is_dir():

@@ -115,9 +115,16 @@ def test_shared_out_a_killed_rank_and_the_rerun_that_resumes(one, tmp_path, caps
     assert (run / "report.md").is_file()
 
 
-def test_own_out_per_node_then_merge(one, tmp_path, capsys):
+def test_own_out_per_node_a_killed_rank_a_resume_then_merge(one, tmp_path, capsys):
     a, b = tmp_path / "node0", tmp_path / "node1"
-    procs = _two_nodes(a, b)
+    # Rank 1 dies during its replay; the rerun gives each node the other's --out, as a requeued job
+    # whose rank 0 the c10d rendezvous put on the other node: it resumes all the same.
+    procs = _two_nodes(a, b, env={"OSDN_DIAG_FAULT": "1:replayed"})
+    assert all(p.returncode != 0 for p in procs), [p.stderr[-2000:] for p in procs]
+    assert not any((d / "summary.json").exists() for d in (a, b))
+    assert [json.loads((d / "manifest.json").read_text())["complete"] for d in (a, b)
+            if (d / "manifest.json").exists()] == [False]
+    procs = _two_nodes(b, a)
     assert all(p.returncode == 0 for p in procs), [p.stderr[-3000:] for p in procs]
     rank0 = next(d for d in (a, b) if (d / "manifest.json").exists())  # c10d gives rank 0 to either node
     other = b if rank0 == a else a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -136,14 +137,22 @@ def test_own_out_per_node_a_killed_rank_a_resume_then_merge(one, tmp_path, capsy
     err = _one_line(["report", str(rank0)], capsys)  # a report of rank 0's part alone is refused
     assert "merge_needed" in err and "osdn-diag merge" in err, err
     # Parts missing, a file changed, a record of another run: refused, naming the file, before writing.
-    err = _one_line(["merge", str(rank0), "--out", str(tmp_path / "m")], capsys)
-    assert "rank 1: no ranks/rank-00001.json" in err and str(rank0) in err, err
-    part = next((other / "residuals.parquet").iterdir())
-    saved = part.read_bytes()
-    part.write_bytes(saved[:-1] + bytes([saved[-1] ^ 1]))
+    alone = tmp_path / "rank0-alone"  # rank 0's directory without the other node's records
+    shutil.copytree(rank0, alone)
+    for record in (alone / "ranks").glob("rank-*.json"):
+        if record.name != "rank-00000.json":  # the earlier attempt left one here, when ranks were swapped
+            record.unlink()
+    err = _one_line(["merge", str(alone), "--out", str(tmp_path / "m")], capsys)
+    assert "rank 1: no ranks/rank-00001.json" in err and str(alone) in err, err
+    # Rank 1's part changed, in every directory holding a copy (the earlier attempt left one).
+    copies = [d / "residuals.parquet" / "part-00001.parquet" for d in (rank0, other)]
+    saved = {c: c.read_bytes() for c in copies if c.is_file()}
+    for c, data in saved.items():
+        c.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     err = _one_line(["merge", str(rank0), str(other), "--out", str(tmp_path / "m")], capsys)
-    assert str(part) in err and "sha256" in err, err
-    part.write_bytes(saved)
+    assert "part-00001.parquet" in err and "sha256" in err, err
+    for c, data in saved.items():
+        c.write_bytes(data)
     stranger = tmp_path / "stranger"
     (stranger / "ranks").mkdir(parents=True)
     (stranger / "ranks" / "rank-00001.json").write_text(json.dumps({"run_id": "0" * 32, "rank": 1}))

@@ -167,3 +167,25 @@ def test_own_out_per_node_a_killed_rank_a_resume_then_merge(one, tmp_path, capsy
     from osdn_diag.capture.store import CaptureReader
 
     assert len(CaptureReader(tmp_path / "m")) == 8
+
+
+def test_a_nodes_own_out_holding_parts(tmp_path):
+    """A node's own --out (no manifest there): its parts of the run being resumed stay, another run's
+    are refused, and removed with --overwrite (only the files its records list)."""
+    from osdn_diag.pipeline import _prepare_node_output
+    from osdn_diag.rundir import RunDirectoryError, write_rank_record
+
+    out = tmp_path / "node"
+    shard = out / "capture" / "batch_00001" / "layer_000.safetensors"
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"x")
+    (out / "capture" / "batch_00001" / "notes.txt").write_text("mine")
+    write_rank_record(out, 1, {"run_id": "a" * 32, "rank": 1, "shards": {"capture/batch_00001/layer_000.safetensors": {}}})
+    _prepare_node_output(out, "a" * 32, overwrite=False, resume=True)
+    assert shard.exists() and (out / "ranks" / "rank-00001.json").exists()
+    for resume in (False, True):
+        with pytest.raises(RunDirectoryError, match=f"{out}: already holds files of another run.*--overwrite"):
+            _prepare_node_output(out, "b" * 32, overwrite=False, resume=resume)
+    _prepare_node_output(out, "b" * 32, overwrite=True, resume=False)
+    assert not shard.exists() and not (out / "ranks").exists()
+    assert (out / "capture" / "batch_00001" / "notes.txt").read_text() == "mine"

@@ -27,6 +27,10 @@ What is a run, and what ``--overwrite`` removes:
   ``capture/batch_*`` and ``capture/``), ``residuals.parquet`` (a file, or a directory of
   ``part-RRRRR.parquet``), ``comparator.parquet``, ``summary.json``, ``report.md`` and, in ``plots/``,
   the files of :data:`PLOT_FILES` (then ``plots/`` if empty). Other files stay where they are.
+* Under ``torchrun`` every rank records its parts in ``ranks/rank-RRRRR.json`` (:func:`write_rank_record`:
+  run id, rank, world size, its shards and its table part with their sha256). An unfinished run of
+  the same command and world size is resumed rather than refused (see ``osdn_diag.pipeline``), each
+  rank's record checked with :func:`verify_files` before its capture is kept.
 * Every command that writes into a directory holds :func:`output_lock` on it for as long as it runs
   (``DIR/.osdn-diag.lock``, an exclusive ``flock``; on rank 0 only under ``torchrun``): a second
   command on the same directory fails at once instead of interleaving its files with the first's.

@@ -270,10 +270,10 @@ class _CaptureSession:
                 # ``attempt``: new for every command, also one that resumes (the run id stays), so that
                 # a rank seeing a manifest with it sees this command's manifest, not an older copy.
                 attempt = new_run_id()
+                several = {"settings": self.settings, "world_size": self.ranks.world, "attempt": attempt}
                 self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
                                    "prompts_source": prompts_spec, "capture_stored": stored,
-                                   "settings": self.settings, "world_size": self.ranks.world,
-                                   "attempt": attempt}, stages)
+                                   **(several if self.ranks.world > 1 else {})}, stages)
                 decision = (run_id, resumed is not None, attempt)
             except (ValueError, OSError) as err:
                 refusal = err

@@ -140,7 +140,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from .distributed import init_from_env
     from .report import write_report
 
-    from .rundir import output_lock
+    from .rundir import output_lock, run_manifest
 
     ranks = init_from_env()
     with output_lock(args.out):  # the whole command: capture, replay and report
@@ -152,7 +152,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
             summary = _replay(args, out)
         if ranks.is_main:
             _print_summary(summary, out)
-            print(f"report: {write_report([out])}")
+            if (run_manifest(out) or {}).get("merge_needed"):
+                # Parts of the table are on other machines' disks: a report of this directory alone
+                # would plot a part of the run.
+                print(f"{out}: the other nodes' parts are under their own --out (no shared file system): "
+                      f"assemble the run with `osdn-diag merge {out} NODE_DIR... --out MERGED`, which "
+                      "also writes its report")
+            else:
+                print(f"report: {write_report([out])}")
     return 0
 
 
@@ -203,6 +210,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     d_head = parse_d_head(args.d_head) if args.d_head else None
     print(f"report: {write_report(args.runs, args.out, args.labels, d_head)}")
+    return 0
+
+
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from .merge import merge_runs
+
+    out = merge_runs(args.dirs, args.out, overwrite=args.overwrite)
+    print(f"merged run written to {out}")
     return 0
 
 
@@ -388,6 +403,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the head whose preconditioner trajectory is plotted (default: the first "
                         "layer with a d, head 0)")
     report.set_defaults(func=_cmd_report)
+
+    merge = sub.add_parser("merge", help="one run directory from the nodes' directories of a multi-node run",
+                           description="Assemble the parts a run under torchrun --nnodes N left under "
+                           "each node's own --out (no shared file system) into one run directory, "
+                           "checking every rank's parts by run id and sha256, and write its report.")
+    merge.add_argument("dirs", nargs="+", metavar="DIR", help="every node's --out directory (rank 0's among them)")
+    merge.add_argument("--out", required=True, metavar="OUT", help="the merged run directory to write")
+    merge.add_argument("--overwrite", action="store_true", help="replace the run OUT already holds")
+    merge.set_defaults(func=_cmd_merge)
     return parser
 
 

@@ -8,6 +8,14 @@ reduced on rank 0 from every rank's sufficient statistics (counts and sums, neve
 averages), and rank 0 writes ``manifest.json`` with ``"complete": true`` only after every rank has
 finished; a rank that fails makes torchrun stop the others, and the manifest then stays incomplete.
 Results equal a single-process run up to the order of floating-point summation.
+
+Several machines (``torchrun --nnodes N``): the global ``RANK`` decides which batches a process owns,
+``LOCAL_RANK`` which GPU of its machine it uses. Every rank writes its parts under its own ``--out``
+and a record of them, ``ranks/rank-RRRRR.json`` (run id, its shards and its part of the table, each
+with its sha256). Whether ``--out`` is one directory for all (a shared file system) is found out, not
+assumed: rank 0 writes the manifest first, and every rank looks for it (same run id) under its own
+``--out``. Where some rank does not see it, the nodes' directories are parts of one run that
+``osdn-diag merge`` assembles (see :mod:`osdn_diag.merge`).
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ranks", "current", "init_from_env", "shutdown"]
+__all__ = ["Ranks", "current", "fault_point", "init_from_env", "shutdown"]
+
+#: test hook: ``RANK:POINT`` makes that rank kill itself (SIGKILL, as a preempted node) at ``POINT``
+FAULT_ENV = "OSDN_DIAG_FAULT"
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,10 @@ class Ranks:
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` (on every rank); a collective: every rank must call it."""
+        return self.gather(obj)[0]
+
     def device(self) -> torch.device | None:
         """The GPU of this rank under several processes, else ``None`` (the default applies)."""
         if self.world > 1 and torch.cuda.is_available():
@@ -76,3 +91,14 @@ def shutdown() -> None:
     """Leave the process group, if this process joined one (torchrun warns at exit otherwise)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def fault_point(name: str) -> None:
+    """Die here, as a node that loses power would (SIGKILL: no cleanup, no exception), when
+    ``OSDN_DIAG_FAULT`` is ``RANK:name`` for this process's global rank. For the tests of what a dead
+    rank leaves behind; unset, this does nothing."""
+    want = os.environ.get(FAULT_ENV)
+    if want and want == f"{current().rank}:{name}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

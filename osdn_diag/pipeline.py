@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +24,27 @@ import torch
 from ._atomic import atomic_path, remove_stale_temporaries
 from ._json import dumps as strict_json
 from .capture.store import CaptureReader, CaptureWriter, StoredCall, atomic_write_text, layer_entry
-from .rundir import RUN_ID_KEY, finish_stage, new_run_id, output_lock, prepare_output, start_stage
+from .rundir import (
+    MANIFEST,
+    RANKS_DIR,
+    RUN_ID_KEY,
+    RunDirectoryError,
+    check_placement,
+    existing_run_files,
+    finish_stage,
+    new_run_id,
+    output_lock,
+    prepare_output,
+    rank_record_path,
+    read_rank_record,
+    remove_run_files,
+    run_manifest,
+    sha256_file,
+    stage_done,
+    start_stage,
+    verify_files,
+    write_rank_record,
+)
 from .replay import CONTRACT_COLUMNS, Replayer
 
 __all__ = [
@@ -176,8 +197,13 @@ def _stream(model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_
             residuals.write(replayer.add(stored))
 
         session.run(replay_now, progress)
+    parts = dict(residuals.part)
+    if session.ranks.world > 1:
+        session.write_record(residuals=parts)
     summary = _finish_replay(replayer, session.ranks, session.out_dir, session.manifest_prompts(),
-                             run_id=session.run_id)
+                             run_id=session.run_id, parts=parts)
+    if session.ranks.world > 1:
+        session.writer.manifest["parts"] = dict(sorted(parts.items()))
     session.finish(done=("capture", "replay"))
     return summary
 
@@ -228,30 +254,83 @@ class _CaptureSession:
         self.skipped: list[dict] = []  # decoder layers capture does not record (see Capture.skipped)
         # Only now, with the model and the prompts loaded, is an existing run in out_dir replaced: a
         # command that fails on its inputs leaves it as it was. Rank 0 decides; every rank raises.
-        self.writer = CaptureWriter(self.out_dir, self.ranks.gather(new_run_id())[0])  # rank 0's id
-        self.run_id = self.writer.run_id
-        refusal = None
+        # An unfinished run of the same command and world size (several processes) is resumed instead.
+        self.settings = {"model": str(model_spec), "prompts": str(prompts_spec), "num_prompts": num_prompts,
+                         "length": length, "seed": seed, "twice": twice, "batch_size": batch_size,
+                         "kernels": kernels, "dtype": str(self.dtype).removeprefix("torch."),
+                         "capture_stored": stored, "stages": list(stages)}
+        refusal, decision = None, None
         if self.ranks.is_main:
             try:
-                prepare_output(self.out_dir, overwrite=overwrite)
+                resumed = None if overwrite else _resumable(self.out_dir, self.settings, self.ranks.world)
+                run_id = resumed["run_id"] if resumed else new_run_id()
+                if resumed is None:
+                    prepare_output(self.out_dir, overwrite=overwrite)
+                self.writer = CaptureWriter(self.out_dir, run_id)
+                # ``attempt``: new for every command, also one that resumes (the run id stays), so that
+                # a rank seeing a manifest with it sees this command's manifest, not an older copy.
+                attempt = new_run_id()
+                several = {"settings": self.settings, "world_size": self.ranks.world, "attempt": attempt}
                 self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
-                                   "prompts_source": prompts_spec, "capture_stored": stored}, stages)
+                                   "prompts_source": prompts_spec, "capture_stored": stored,
+                                   **(several if self.ranks.world > 1 else {})}, stages)
+                decision = (run_id, resumed is not None, attempt)
             except (ValueError, OSError) as err:
                 refusal = err
         if self.ranks.world > 1:
-            message = self.ranks.gather(None if refusal is None else str(refusal))[0]
+            message, decision = self.ranks.broadcast((None if refusal is None else str(refusal), decision))
             if message is not None and refusal is None:
                 raise ValueError(message)
         if refusal is not None:
             raise refusal
+        self.run_id, self.resumed, self.attempt = decision
+        if not self.ranks.is_main:
+            self.writer = CaptureWriter(self.out_dir, self.run_id)
+        #: whether every rank's --out is rank 0's (a shared file system): it sees rank 0's manifest
+        self.shared = True
+        self.reused: dict | None = None  # this rank's verified record of an earlier attempt (resume)
+        if self.ranks.world > 1:
+            self._join_nodes(overwrite)
+
+    def _join_nodes(self, overwrite: bool) -> None:
+        """Under several processes: find out whether ``--out`` is shared, make a node's own ``--out``
+        ready where it is not (rank 0 did that where it is), and, resuming, verify this rank's record
+        of the earlier attempt. Every rank raises the first refusal of any."""
+        seen = (run_manifest(self.out_dir) or {}).get("attempt") == self.attempt
+        self.shared = all(self.ranks.gather(seen))
+        refusal = None
+        try:
+            if not seen and self.ranks.local_rank == 0:  # this node's --out is its own
+                _prepare_node_output(self.out_dir, self.run_id, overwrite=overwrite, resume=self.resumed)
+        except (ValueError, OSError) as err:
+            refusal = f"rank {self.ranks.rank}: {err}"
+        refusals = [m for m in self.ranks.gather(refusal) if m is not None]
+        if refusals:
+            raise RunDirectoryError(refusals[0])
+        if self.resumed and self.stored:
+            self.reused, why = _verified_record(self.out_dir, self.ranks, self.run_id)
+            if self.reused is None:
+                print(f"osdn-diag: rank {self.ranks.rank}: capturing its batches again ({why})", file=sys.stderr)
+            else:
+                print(f"osdn-diag: rank {self.ranks.rank}: its {len(self.reused['shards'])} shards are "
+                      "complete and verified; not captured again", file=sys.stderr)
+        if not self.shared and self.ranks.is_main:
+            self.writer.manifest["merge_needed"] = True
 
     def run(self, on_call, progress: bool) -> None:
         """Run this rank's forward batches under capture; hand every captured call to ``on_call`` (a
         :class:`StoredCall`) as soon as its batch has run, then drop it."""
+        from . import distributed
         from .capture.context import capture
 
         batches = [(i, b) for i, b in _batches(self.prompts, self.batch_size) if self.ranks.owns(i)]
         show = progress and self.ranks.is_main
+        if self.reused is not None:  # resuming, this rank's capture complete and verified
+            self.writer.shards.update(self.reused["shards"])
+            self.writer.layers.update({int(k): v for k, v in self.reused["layers"].items()})
+            self.hits.update({int(k): tuple(v) for k, v in self.reused["hits"].items()})
+            self.skipped = self.reused["skipped"]
+            batches = []
         with capture(self.loaded.model, kernels=self.kernels) as cap, torch.inference_mode():
             for batch_idx, batch in _progress(batches, len(batches), show, "capture", "batch"):
                 ids, mask = _inputs(batch, self.device)
@@ -261,7 +340,13 @@ class _CaptureSession:
                     on_call(StoredCall(batch=batch_idx, prompts=prompt_ids, call=call))
                 cap.calls.clear()
                 self.hits.update(_recall_hits(batch, getattr(out, "logits", None)))
-            self.skipped = cap.skipped  # a transformers model's full-attention layers
+            if self.reused is None:
+                self.skipped = cap.skipped  # a transformers model's full-attention layers
+        # This rank's own parts, before the other ranks' are gathered into the same dictionaries.
+        self.own = (dict(self.writer.shards), dict(self.writer.layers), dict(self.hits))
+        if self.ranks.world > 1 and self.stored:
+            self.write_record()
+        distributed.fault_point("captured")
         for layers in self.ranks.gather(self.writer.layers):  # a rank may have had no batch
             for index, entry in layers.items():
                 self.writer.layers.setdefault(index, entry)
@@ -269,6 +354,21 @@ class _CaptureSession:
             self.writer.shards.update(shards)
         for part in self.ranks.gather(self.hits):
             self.hits.update(part)
+
+    def write_record(self, residuals: dict | None = None) -> None:
+        """This rank's record of its parts (``ranks/rank-RRRRR.json`` under its own ``--out``): its
+        shards with their sha256, what the manifest needs of its capture, and (``residuals``) its part
+        of ``residuals.parquet``. Written after the files it lists."""
+        shards, layers, hits = self.own
+        record = {"run_id": self.run_id, "rank": self.ranks.rank, "world_size": self.ranks.world,
+                  "settings": self.settings,
+                  "shards": {n: shards[n] for n in sorted(shards)},
+                  "layers": {str(k): v for k, v in sorted(layers.items())},
+                  "hits": {str(k): list(v) for k, v in sorted(hits.items())},
+                  "skipped": self.skipped}
+        if residuals is not None:
+            record["residuals"] = residuals
+        write_rank_record(self.out_dir, self.ranks.rank, record)
 
     def manifest_prompts(self) -> list[dict]:
         """The manifest's prompt entries, with recall where the prompts carry answers."""
@@ -312,10 +412,101 @@ class _CaptureSession:
                     "kernels": kernels_used,
                     "batch_size": self.batch_size,
                     "world_size": self.ranks.world,
+                    # whether every rank wrote under this directory (false: parts on other machines)
+                    **({"shared_out": self.shared} if self.ranks.world > 1 else {}),
                 },
                 done,
             )
         self.ranks.barrier()  # and no rank goes on before it does
+
+
+def _resumable(out_dir: Path, settings: dict, world: int) -> dict | None:
+    """The manifest of the unfinished run in ``out_dir`` that this command resumes, else ``None``.
+
+    A run made by several processes is resumed by the same command (the same ``settings``) when it
+    did not finish; it must be rerun with as many processes as it had (``--nnodes`` ×
+    ``--nproc-per-node``), since which rank owns which batch depends on it: otherwise it is refused,
+    saying so. A finished run, a run of other settings, or one of a single process is not resumed
+    (:func:`~osdn_diag.rundir.prepare_output` then refuses it without ``--overwrite``)."""
+    manifest = run_manifest(out_dir)
+    if manifest is None and world > 1:
+        manifest = _node_parts(out_dir)
+    if manifest is None or manifest.get("complete") or manifest.get("settings") != settings:
+        return None
+    if manifest.get("merge_needed") and stage_done(manifest, "replay"):
+        return None  # finished, its parts on several machines: `osdn-diag merge` is what is left
+    had = manifest.get("world_size")
+    if had == world == 1 or not isinstance(had, int):
+        return None
+    if had != world:
+        raise RunDirectoryError(
+            f"{out_dir}: holds an unfinished run of this command made by {had} processes (--nnodes × "
+            f"--nproc-per-node), and this one has {world}: resume it with {had} processes, or pass "
+            "--overwrite to start again"
+        )
+    return manifest
+
+
+def _node_parts(out_dir: Path) -> dict | None:
+    """What a node's own ``--out`` (no manifest: rank 0 was on another node) says of the run its parts
+    belong to, ``{"run_id", "settings", "world_size"}`` from its rank records when they all agree, else
+    ``None``. Rank 0 moves between nodes from one launch to the next under the c10d rendezvous."""
+    records = [read_rank_record(p) for p in sorted((out_dir / RANKS_DIR).glob("rank-*.json"))]
+    if not records or any(r is None for r in records):
+        return None
+    keys = {(r["run_id"], strict_json(r.get("settings")), r.get("world_size")) for r in records}
+    if len(keys) != 1:
+        return None
+    return {"run_id": records[0]["run_id"], "settings": records[0].get("settings"),
+            "world_size": records[0].get("world_size")}
+
+
+def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume: bool) -> None:
+    """Make ready a node's own ``--out`` (one where rank 0's manifest is not: no shared file system).
+    Resuming, the parts this node wrote for the same run stay (each rank verifies its own); anything
+    else of a run is refused, or removed with ``overwrite`` (that run's own files only)."""
+    check_placement(out_dir)
+    found = existing_run_files(out_dir)
+    if not found:
+        return
+    records = [read_rank_record(p) for p in sorted((out_dir / RANKS_DIR).glob("rank-*.json"))]
+    manifest = run_manifest(out_dir)
+    if resume and manifest is not None and manifest["run_id"] == run_id:
+        # Rank 0's files of an earlier attempt at this run, when rank 0 was on this node: rank 0 is now
+        # on another one, which writes them. The parts stay.
+        for name in (MANIFEST, SUMMARY, COMPARATOR):
+            (out_dir / name).unlink(missing_ok=True)
+        manifest = None
+    if resume and manifest is None and all(r is not None and r["run_id"] == run_id for r in records):
+        # Temporaries of the ranks killed here (rank 0's begin removed those where --out is shared).
+        for directory in (out_dir, out_dir / RANKS_DIR, out_dir / RESIDUALS, *sorted((out_dir / "capture").glob("batch_*"))):
+            if directory.is_dir():
+                remove_stale_temporaries(directory)
+        return
+    if not overwrite:
+        raise RunDirectoryError(f"{out_dir}: already holds files of another run ({', '.join(found)}); pass "
+                                "--overwrite to replace them, or choose another --out")
+    if manifest is not None:
+        prepare_output(out_dir, overwrite=True)
+    else:
+        remove_run_files(out_dir, {n for r in records if r is not None for n in r.get("shards", {})})
+
+
+def _verified_record(out_dir: Path, ranks, run_id: str) -> tuple[dict | None, str]:
+    """This rank's record of an earlier attempt at run ``run_id`` if it is that rank's, of the same world
+    size, and every shard it lists is under ``out_dir`` with its size and sha256; else ``None`` and why."""
+    path = rank_record_path(out_dir, ranks.rank)
+    record = read_rank_record(path)
+    if record is None:
+        return None, f"no readable {path}"
+    if record["run_id"] != run_id or record["rank"] != ranks.rank or record.get("world_size") != ranks.world:
+        return None, f"{path} is of run {record['run_id']} rank {record['rank']} of {record.get('world_size')}"
+    problem = verify_files(out_dir, record.get("shards", {}))
+    if problem is not None:
+        return None, problem
+    if not all(isinstance(record.get(k), dict) for k in ("layers", "hits")):
+        return None, f"{path}: damaged"
+    return record, ""
 
 
 def _recall_hits(batch, logits: torch.Tensor | None) -> dict[int, tuple[int, int, int]]:
@@ -415,7 +606,7 @@ def _replay(run_dir: Path, *, progress, out_dir, extra, run_id, recall, **replay
     ranks = distributed.current()
     # Every shard is where the manifest says, with its size, before the manifest is touched; each one's
     # sha256 is checked as it is read, below.
-    reader = CaptureReader(run_dir)
+    reader = _rank_reader(run_dir, ranks)
     in_place = out_dir is None or Path(out_dir).resolve() == run_dir.resolve()
     out_dir = run_dir if in_place else Path(out_dir)
     run_id = run_id or reader.manifest.get("run_id")
@@ -445,10 +636,42 @@ def _replay(run_dir: Path, *, progress, out_dir, extra, run_id, recall, **replay
             finish_stage(run_dir, reader.manifest)
         raise
     prompt_entries = reader.manifest.get("prompts", []) if recall else []
-    summary = _finish_replay(replayer, ranks, out_dir, prompt_entries, extra, run_id=run_id)
+    parts = dict(residuals.part)
+    if ranks.world > 1 and in_place:
+        path = rank_record_path(run_dir, ranks.rank)
+        record = read_rank_record(path)
+        if record is None or record["run_id"] != run_id:
+            record = {"run_id": run_id, "rank": ranks.rank, "world_size": ranks.world}
+        write_rank_record(run_dir, ranks.rank, {**record, "residuals": parts})
+    summary = _finish_replay(replayer, ranks, out_dir, prompt_entries, extra, run_id=run_id, parts=parts)
     if in_place and ranks.is_main:
+        if ranks.world > 1:
+            reader.manifest["parts"] = dict(sorted(parts.items()))
         finish_stage(run_dir, reader.manifest, "replay")
     return summary
+
+
+def _rank_reader(run_dir: Path, ranks) -> CaptureReader:
+    """The capture reader of this rank: under several processes rank 0 reads the manifest (and checks
+    the whole capture where every rank's shards are in its directory) and hands it to every rank,
+    which checks and reads only its own batches' shards, in its own directory (another machine's,
+    without a shared file system). A refusal on rank 0 is raised on every rank."""
+    if ranks.world == 1:
+        return CaptureReader(run_dir)
+    reader, message = None, None
+    if ranks.is_main:
+        try:
+            manifest = run_manifest(run_dir)
+            shared = manifest is None or manifest.get("shared_out", True)
+            reader = CaptureReader(run_dir, batches=None if shared else ranks.owns)
+        except (ValueError, OSError, RuntimeError) as err:
+            message = str(err)
+            ranks.broadcast((message, None))
+            raise
+    message, manifest = ranks.broadcast((message, None if reader is None else reader.manifest))
+    if message is not None:
+        raise RunDirectoryError(f"rank 0: {message}")
+    return reader or CaptureReader(run_dir, manifest=manifest, batches=ranks.owns)
 
 
 def _read_ahead(reader: CaptureReader, paths: list[Path]) -> Iterator[StoredCall]:
@@ -494,6 +717,9 @@ def _residuals_writer(out_dir: Path, schema: pa.Schema, ranks, run_id: str | Non
             encoder.close(check=False)
             raise
         encoder.close()
+    if ranks.world > 1:  # {name under the run directory: sha256 and size} of this rank's part
+        encoder.part = {target.relative_to(out_dir).as_posix(): {"sha256": sha256_file(target),
+                                                                 "size": target.stat().st_size}}
 
 
 class _ParquetEncoder:
@@ -508,6 +734,7 @@ class _ParquetEncoder:
 
     def __init__(self, path: str, schema: pa.Schema, target: Path):
         self.target = target
+        self.part: dict = {}  # set on leaving _residuals_writer under several processes
         self.writer = pq.ParquetWriter(path, schema, use_dictionary=self.DICTIONARY_COLUMNS)
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue(maxsize=self.QUEUE)
@@ -540,10 +767,19 @@ class _ParquetEncoder:
 
 
 def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: list[dict],
-                   extra: dict | None = None, *, run_id: str | None = None) -> dict:
+                   extra: dict | None = None, *, run_id: str | None = None, parts: dict | None = None) -> dict:
     """Reduce every rank's statistics on rank 0 and write ``comparator.parquet`` and ``summary.json``
-    there, both carrying ``run_id``; returns the summary on rank 0, ``{}`` on the others."""
-    states = ranks.gather(replayer.state())
+    there, both carrying ``run_id``; returns the summary on rank 0, ``{}`` on the others. ``parts``:
+    this rank's part of ``residuals.parquet`` (see :func:`_residuals_writer`); every rank's are
+    gathered into ``parts`` on rank 0 (the caller records them in the manifest)."""
+    from . import distributed
+
+    distributed.fault_point("replayed")
+    states = ranks.gather((replayer.state(), dict(parts or {})))
+    if parts is not None:
+        for _, part in states:
+            parts.update(part)
+    states = [state for state, _ in states]
     if not ranks.is_main:
         ranks.barrier()
         return {}

@@ -27,6 +27,10 @@ What is a run, and what ``--overwrite`` removes:
   ``capture/batch_*`` and ``capture/``), ``residuals.parquet`` (a file, or a directory of
   ``part-RRRRR.parquet``), ``comparator.parquet``, ``summary.json``, ``report.md`` and, in ``plots/``,
   the files of :data:`PLOT_FILES` (then ``plots/`` if empty). Other files stay where they are.
+* Under ``torchrun`` every rank records its parts in ``ranks/rank-RRRRR.json`` (:func:`write_rank_record`:
+  run id, rank, world size, its shards and its table part with their sha256). An unfinished run of
+  the same command and world size is resumed rather than refused (see ``osdn_diag.pipeline``), each
+  rank's record checked with :func:`verify_files` before its capture is kept.
 * Every command that writes into a directory holds :func:`output_lock` on it for as long as it runs
   (``DIR/.osdn-diag.lock``, an exclusive ``flock``; on rank 0 only under ``torchrun``): a second
   command on the same directory fails at once instead of interleaving its files with the first's.
@@ -53,6 +57,7 @@ __all__ = [
     "MANIFEST",
     "PLOT_FILES",
     "RUN_FILES",
+    "RANKS_DIR",
     "RUN_ID_KEY",
     "STAGES",
     "RunDirectoryError",
@@ -67,7 +72,13 @@ __all__ = [
     "out_inside_input",
     "output_lock",
     "prepare_output",
+    "rank_record_path",
+    "read_rank_record",
+    "write_rank_record",
+    "verify_files",
+    "remove_rank_records",
     "remove_report_files",
+    "remove_run_files",
     "run_manifest",
     "sha256_file",
     "stage_done",
@@ -80,7 +91,9 @@ MANIFEST = "manifest.json"
 STAGES = ("capture", "replay", "report")
 #: the names a run writes into its directory (what ``--overwrite`` removes, manifest first)
 RUN_FILES = (MANIFEST, "capture", "residuals.parquet", "comparator.parquet", "summary.json", "report.md",
-             "plots")
+             "plots", "ranks")
+#: the directory of the per-rank records of a run made by several processes
+RANKS_DIR = "ranks"
 #: the files a report writes into ``plots/`` (each figure as PNG and PDF); nothing else there is ours
 PLOT_FILES = tuple(f"{name}.{ext}" for name in ("contraction", "q_geo", "by_layer", "layer_head", "retained",
                                                  "eps_vs_q", "d_trajectory") for ext in ("png", "pdf"))
@@ -187,8 +200,15 @@ def prepare_output(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     if manifest is None:
         return
     (out_dir / MANIFEST).unlink()
+    remove_run_files(out_dir, manifest.get("shards") or {})
+
+
+def remove_run_files(out_dir: str | os.PathLike, shards) -> None:
+    """Remove a run's own files but its manifest: the capture ``shards`` named (then empty batch
+    directories and ``capture/``), the tables, the summary, the rank records and the report."""
+    out_dir = Path(out_dir)
     capture = out_dir / "capture"
-    for name in manifest.get("shards") or {}:
+    for name in shards:
         # Only names of the capture's layout, so that a damaged manifest cannot point anywhere else.
         if _SHARD.fullmatch(str(name)):
             (out_dir / name).unlink(missing_ok=True)
@@ -207,7 +227,19 @@ def prepare_output(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
         _rmdir_if_empty(residuals)
     for name in ("residuals.parquet", "comparator.parquet", "summary.json"):
         _unlink_file(out_dir / name)
+    remove_rank_records(out_dir)
     remove_report_files(out_dir)
+
+
+def remove_rank_records(out_dir: str | os.PathLike) -> None:
+    """Remove ``ranks/rank-RRRRR.json`` (and ``ranks/`` if then empty); nothing else."""
+    ranks = Path(out_dir) / RANKS_DIR
+    if ranks.is_dir() and not ranks.is_symlink():
+        for record in ranks.iterdir():
+            if _RECORD.fullmatch(record.name) and (record.is_file() or record.is_symlink()):
+                record.unlink()
+        remove_stale_temporaries(ranks)
+        _rmdir_if_empty(ranks)
 
 
 def remove_report_files(out_dir: str | os.PathLike) -> None:
@@ -225,6 +257,40 @@ def remove_report_files(out_dir: str | os.PathLike) -> None:
 
 _SHARD = re.compile(r"capture/batch_\d+/layer_\d+(_call\d+)?\.safetensors")
 _PART = re.compile(r"part-\d+\.parquet")
+_RECORD = re.compile(r"rank-\d+\.json")
+
+
+def rank_record_path(out_dir: str | os.PathLike, rank: int) -> Path:
+    """Where rank ``rank`` records its parts: ``DIR/ranks/rank-RRRRR.json``."""
+    return Path(out_dir) / RANKS_DIR / f"rank-{rank:05d}.json"
+
+
+def write_rank_record(out_dir: str | os.PathLike, rank: int, record: dict) -> None:
+    """Write a rank's record atomically (a reader sees the old one or the new one, never half)."""
+    atomic_write_text(rank_record_path(out_dir, rank), strict_json(record, indent=2))
+
+
+def read_rank_record(path: str | os.PathLike) -> dict | None:
+    """A rank record (a JSON object with a run id and a rank), else ``None``."""
+    record = _read_json_object(Path(path)) if Path(path).is_file() else None
+    if record is None or not isinstance(record.get("run_id"), str) or not isinstance(record.get("rank"), int):
+        return None
+    return record
+
+
+def verify_files(root: str | os.PathLike, entries: dict) -> str | None:
+    """``None`` if every ``{relative name: {"sha256", "size"}}`` of ``entries`` is under ``root`` with
+    that size and sha256, else what is wrong with the first file that is not (one line, naming it)."""
+    root = Path(root)
+    for name, entry in sorted(entries.items()):
+        path = root / name
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != entry.get("size"):
+            return f"{path}: {path.stat().st_size} bytes, its record says {entry.get('size')}"
+        if sha256_file(path) != entry.get("sha256"):
+            return f"{path}: its sha256 differs from the one its record says"
+    return None
 
 
 def _unlink_file(path: Path) -> None:
@@ -317,7 +383,9 @@ def _acquire(path: Path, directory) -> int:
 
 
 def _write(run_dir: Path, manifest: dict) -> None:
-    manifest["complete"] = all(manifest["stages"].values())
+    # A run whose parts lie on several machines' disks (``"merge_needed": true``) is complete only once
+    # ``osdn-diag merge`` has assembled them in one directory.
+    manifest["complete"] = all(manifest["stages"].values()) and not manifest.get("merge_needed")
     atomic_write_text(run_dir / MANIFEST, strict_json(manifest, indent=2))
 
 

@@ -175,9 +175,12 @@ class CaptureReader:
     not finish, was deleted, or is not the set of shards the manifest lists (a file missing, one more,
     or a size that differs). :meth:`load` checks each shard's sha256 and run id as it reads it."""
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, manifest: dict | None = None, batches=None):
+        """``manifest``: the run's manifest when it is not in ``run_dir`` (a rank on another machine
+        gets rank 0's); ``batches``: a predicate on batch indices, to check and read only the shards of
+        those batches (one rank's, whose directory may hold no others)."""
         self.run_dir = Path(run_dir)
-        self.manifest = manifest = read_manifest(run_dir)
+        self.manifest = manifest = read_manifest(run_dir) if manifest is None else manifest
         self.run_id: str = manifest["run_id"]
         untouched = "its files are untouched"
         if manifest.get("counterfactual"):
@@ -192,6 +195,8 @@ class CaptureReader:
                 f"replayed again; {untouched}. Capture the model again without --stream"
             )
         self.expected: dict[str, dict] = manifest.get("shards", {})
+        if batches is not None:
+            self.expected = {n: e for n, e in self.expected.items() if batches(_batch_of(n))}
         root = self.run_dir / "capture"
         if self.expected and not root.is_dir():
             raise RunDirectoryError(
@@ -200,6 +205,8 @@ class CaptureReader:
             )
         found = {p.relative_to(self.run_dir).as_posix() for p in root.rglob("*")
                  if p.is_file() or p.is_symlink()} if root.is_dir() else set()
+        if batches is not None:
+            found = {n for n in found if (b := _batch_of(n)) is None or batches(b)}
         for name in sorted(set(self.expected) - found):
             raise RunDirectoryError(f"{self.run_dir / name}: missing (manifest.json lists it): the capture "
                                     f"is damaged; {untouched}. Capture the model again")
@@ -246,6 +253,14 @@ class CaptureReader:
                                     f"({self.run_id}); capture again")
         batch = int(path.parent.name.removeprefix("batch_"))
         return StoredCall(batch=batch, prompts=prompts, call=KernelCall.from_parts(call_meta, tensors))
+
+
+def _batch_of(name: str) -> int | None:
+    """The batch index of ``capture/batch_BBBBB/...``, ``None`` for a name outside a batch directory."""
+    parts = name.split("/")
+    if len(parts) >= 3 and parts[1].startswith("batch_") and parts[1][6:].isdigit():
+        return int(parts[1][6:])
+    return None
 
 
 def _safetensors_metadata(data: bytes) -> dict:

@@ -123,6 +123,14 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     run_dir = Path(run_dir)
     manifest = read_manifest(run_dir)
     require_stage(run_dir, manifest, "replay")
+    if manifest.get("merge_needed"):
+        from ..rundir import RunDirectoryError
+
+        raise RunDirectoryError(
+            f"{run_dir / 'manifest.json'}: rank 0's part of a run whose other ranks wrote under their own "
+            f"nodes' --out (merge_needed); assemble it with `osdn-diag merge {run_dir} NODE_DIR... --out "
+            "MERGED` and use MERGED"
+        )
     path = run_dir / "summary.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")

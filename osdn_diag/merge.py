@@ -1,0 +1,138 @@
+"""``osdn-diag merge DIR... --out OUT``: one run directory from the nodes' directories of a run made
+under ``torchrun --nnodes N`` without a shared file system.
+
+Each node wrote its ranks' parts under its own ``--out``: capture shards, ``residuals.parquet/part-RRRRR``
+and ``ranks/rank-RRRRR.json``; rank 0's directory also holds the manifest (``"merge_needed": true``,
+never complete), ``summary.json`` and ``comparator.parquet``, reduced through the process group.
+Merging checks, before writing anything, that exactly one ``DIR`` holds the manifest, that its
+capture and replay finished, that every rank of its world size left a record of this run id, and
+that every file the manifest lists (every rank's shards and table parts) is in some ``DIR`` with the
+size and sha256 recorded; a file of another run, a missing one or a changed one is refused, naming
+it. The merged run is assembled in a hidden directory beside ``OUT`` and renamed into place whole,
+its manifest written last; its report is then written, which makes it complete.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from ._atomic import atomic_write_text
+from ._json import dumps as strict_json
+from .capture.store import IncompleteRunError
+from .rundir import (
+    MANIFEST,
+    RANKS_DIR,
+    RunDirectoryError,
+    check_output,
+    check_placement,
+    prepare_output,
+    read_rank_record,
+    run_manifest,
+    stage_done,
+    verify_files,
+)
+
+__all__ = ["merge_runs"]
+
+_COPIED_FROM_RANK0 = ("summary.json", "comparator.parquet")
+
+
+def merge_runs(dirs: list[str | os.PathLike], out: str | os.PathLike, *, overwrite: bool = False,
+               report: bool = True) -> Path:
+    """Assemble the run whose parts lie in ``dirs`` into ``out`` (see the module docstring); with
+    ``overwrite`` a run ``out`` holds is replaced. Returns ``out``."""
+    dirs = [Path(d) for d in dirs]
+    out = Path(out)
+    for d in dirs:
+        if not d.is_dir():
+            raise FileNotFoundError(f"{d}: no such directory; give the --out directory of each node")
+        if d.resolve() == out.resolve():
+            raise RunDirectoryError(f"--out {out}: one of the directories to merge; choose another --out")
+    holders = [d for d in dirs if run_manifest(d) is not None]
+    if len(holders) != 1:
+        raise RunDirectoryError(
+            f"{', '.join(map(str, holders or dirs))}: {'none' if not holders else len(holders)} of the "
+            "directories holds a run's manifest.json; give rank 0's --out once, with the other nodes' --out"
+        )
+    src = holders[0]
+    manifest = run_manifest(src)
+    run_id, path = manifest["run_id"], src / MANIFEST
+    for stage in ("capture", "replay"):
+        if stage in manifest["stages"] and not stage_done(manifest, stage):
+            raise IncompleteRunError(f"{path}: the run did not finish (stages.{stage} is not true); rerun the "
+                                     "same torchrun command to resume it, then merge")
+    world = manifest.get("world_size")
+    if not isinstance(world, int) or world < 2:
+        raise RunDirectoryError(f"{path}: not a run of several processes (world_size {world}); nothing to merge")
+    records: dict[int, Path] = {}
+    for d in dirs:
+        for record_path in sorted((d / RANKS_DIR).glob("rank-*.json")):
+            record = read_rank_record(record_path)
+            if record is None:
+                raise RunDirectoryError(f"{record_path}: not a readable rank record; rerun the run")
+            if record["run_id"] != run_id:
+                raise RunDirectoryError(
+                    f"{record_path}: of run {record['run_id']}, not of {run_id} ({path}): that directory "
+                    "holds another run; leave it out and give this run's nodes' --out"
+                )
+            records.setdefault(record["rank"], record_path)
+    for rank in range(world):
+        if rank not in records:
+            raise RunDirectoryError(
+                f"rank {rank}: no {RANKS_DIR}/rank-{rank:05d}.json of run {run_id} in {', '.join(map(str, dirs))}; "
+                "give the --out directory of the node it ran on"
+            )
+    files = {**manifest.get("shards", {}), **manifest.get("parts", {})}
+    where: dict[str, Path] = {}
+    for name, entry in sorted(files.items()):
+        found = [d for d in dirs if (d / name).is_file()]
+        if not found:
+            raise RunDirectoryError(f"{name}: in none of {', '.join(map(str, dirs))} ({path} lists it); give "
+                                    "the --out directory of every node")
+        good = [d for d in found if verify_files(d, {name: entry}) is None]
+        if not good:
+            raise RunDirectoryError(f"{found[0] / name}: its size or sha256 differs from the one {path} "
+                                    "records (changed, or of another run); rerun the run")
+        where[name] = good[0]
+    for name in _COPIED_FROM_RANK0:
+        if name != "comparator.parquet" and not (src / name).is_file():
+            raise RunDirectoryError(f"{src / name}: missing; rerun the run")
+
+    check_placement(out)
+    if check_output(out, overwrite=overwrite) is not None:
+        prepare_output(out, overwrite=True)
+    if out.exists() and any(out.iterdir()):
+        raise RunDirectoryError(f"--out {out}: holds other files; choose an empty or new --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.merging-*"):  # of a merge that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = out.parent / f".{out.name}.merging-{secrets.token_hex(4)}"
+    try:
+        for name, d in where.items():
+            _copy(d / name, staging / name)
+        for rank, record_path in sorted(records.items()):
+            _copy(record_path, staging / RANKS_DIR / record_path.name)
+        for name in _COPIED_FROM_RANK0:
+            if (src / name).is_file():
+                _copy(src / name, staging / name)
+        merged = {**manifest, "merge_needed": False, "merged_from": [str(d) for d in dirs]}
+        merged["complete"] = all(merged["stages"].values())
+        atomic_write_text(staging / MANIFEST, strict_json(merged, indent=2))  # last
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if report and "report" in merged["stages"] and not stage_done(merged, "report"):
+        from .report import write_report
+
+        write_report([out])
+    return out
+
+
+def _copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)

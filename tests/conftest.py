@@ -43,6 +43,9 @@ _seed_given = os.environ.get(_SEED_ENV, "").strip()
 if _seed_given and not _seed_given.isdigit():
     raise pytest.UsageError(f"{_SEED_ENV}={_seed_given!r}: give the seed a failed run printed, a whole number")
 HYPOTHESIS_SEED = int(_seed_given) if _seed_given else secrets.randbelow(2**32)
+# The worker processes of pytest-xdist import this file too: they inherit the seed drawn here, so one
+# run has one seed, the one its header prints.
+os.environ[_SEED_ENV] = str(HYPOTHESIS_SEED)
 
 # "ci": the fixed batch is derandomised (and keeps no example database, so it is the same on every
 # machine); its seeded twin is set up per test by the `_hypothesis_batch` fixture below.

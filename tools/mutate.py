@@ -359,7 +359,8 @@ def failing_tests(output: str) -> list[str]:
 
 def pytest_command(targets: list[str], *, stop_first: bool, deselect: list[str], extra: list[str],
                    rootdir: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", *targets, "-q", "-rfE", "-p", "no:cacheprovider",
+    # One process (-n 0 overrides the suite's workers): a mutation's few tests stop at the first failure.
+    cmd = [sys.executable, "-m", "pytest", *targets, "-q", "-rfE", "-p", "no:cacheprovider", "-n", "0",
            "--rootdir", str(rootdir)]
     if stop_first:
         cmd.append("-x")

@@ -187,7 +187,7 @@ def _assert_fidelity_passed(fidelity: dict, layers: int) -> None:
 def test_fidelity_checks_passed_against_the_kernel(fla_runs, name):
     case, run = fla_runs(name)
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["replay"] == {"backend": "torch", "dtype": "float32", "device": "cpu"}
+    assert summary["replay"] == {"backend": "torch", "dtype": "float32", "device": "cpu", "zero_residual": "drop"}
     _assert_fidelity_passed(summary["fidelity"], case.layers)
 
 
@@ -296,7 +296,7 @@ def test_triton_replay_kernel_on_fla_kda_capture(fla_runs, tmp_path):
 
     case, run = fla_runs("kda")
     summary = replay_run(run, out_dir=tmp_path, backend="triton", progress=False)
-    assert summary["replay"] == {"backend": "triton", "dtype": "float32", "device": "cpu"}
+    assert summary["replay"] == {"backend": "triton", "dtype": "float32", "device": "cpu", "zero_residual": "drop"}
     _assert_fidelity_passed(summary["fidelity"], case.layers)
     _assert_table_is_the_fp64_loop(case, run, tmp_path / "residuals.parquet")
 

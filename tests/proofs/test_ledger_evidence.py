@@ -142,6 +142,21 @@ COVERED = {
     "table-7-averages": [("derivation", {}, 42)],
     "diagnostic-measurement-count": [("witness", {}, None)],
     "app-l-diagonal-mib-text": [("counterexample", {}, None)],
+    # fla's further kernel families (proofs/family_*.py)
+    "comba-one-token-contraction": [("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 24)],
+    "comba-gated-one-token": [("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 18)],
+    "gdn2-one-token-contraction": [
+        ("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 24),
+        ("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 6),
+    ],
+    "gdp-micro-step-contraction": [
+        ("derivation", {"n": [1, 2], "K": [1, 2], "V": [1, 2]}, 32),
+        ("witness", {"K": [1], "V": [1], "n": [2]}, None),
+    ],
+    "momentum-one-token-ratio": [("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 18)],
+    "momentum-writes-contract": [("counterexample", {"K": [1], "V": [1]}, None)],
+    "rwkv7-one-token-ratio": [("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 16)],
+    "rwkv7-writes-contract": [("counterexample", {"K": [1], "V": [1]}, None)],
 }
 
 _ZERO_STREAM = {"k_t": "1", "v_t": "0", "S_0": "0", "beta_t": "1/2", "d_t": "2", "d*": "2"}
@@ -170,6 +185,10 @@ COUNTEREXAMPLES = {
         ("1/2 = 1", {"k": "1", "rho": "1", "eta": "3/1000", "beta": "1/4", "d_fixed": "2", "Newton d": "4"}),
     ],
     "app-l-diagonal-mib-text": [("9/200 = 47/1000", {"layers": "23", "heads": "8", "d_k": "128", "MiB": "23/512"})],
+    "momentum-writes-contract": [
+        ("9/4 < 1", {"alpha": "1", "beta": "1/2", "eta": "1", "mu": "1/2", "S": "0", "M": "-4", "k": "1", "v": "-1"}),
+    ],
+    "rwkv7-writes-contract": [("4 < 1", {"S": "0", "kappa": "1", "alpha": "1/2", "k": "-1", "v": "1", "w": "0"})],
     "d4-h-zero-extension-continuous": [("-3/8 = 0", {"S": "0", "k": "1", "beta": "1/2", "d": "1", "a": "1/2"})],
     "app-b-vs-listing-1-normaliser": [
         (

@@ -62,7 +62,11 @@ def _finish(fig, ax, *, xlabel: str, ylabel: str, title: str, legend: bool = Tru
     ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))
     ax.grid(alpha=0.3)
     if legend:
-        ax.legend(fontsize=8)
+        entries = len(ax.get_legend_handles_labels()[1])
+        if entries > 3:  # beside many curves a legend inside the axes covers some of them: below it
+            ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+        else:
+            ax.legend(fontsize=8)
     return fig
 
 

@@ -98,6 +98,10 @@ NEWTON_TOL = 1e-9
 #: Eigenvalues of the normal-equation matrix below this fraction of its largest are treated as zero
 #: when solving for the unconstrained d (the pseudo-inverse of a rank-deficient system, T_eff < K).
 _EIG_RTOL = 1e-13
+#: A Cholesky solve is trusted where its smallest pivot is at least this fraction of its largest (so
+#: cond(G) is moderate, and d is accurate to far better than the ε it is used to evaluate); the other
+#: problems take the eigendecomposition.
+_CHOL_RTOL = 1e-8
 
 F64 = torch.float64
 
@@ -134,10 +138,30 @@ def _valid_only(name, x, m):
 
 
 def _free_minimiser(G: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """``argmin_d ½dᵀGd − cᵀd`` over ``R^K`` (the minimum-norm one, ``G⁺c``) for ``G [P, K, K]`` ⪰ 0."""
-    lam, Q = torch.linalg.eigh(G.to(F64))
+    """``argmin_d ½dᵀGd − cᵀd`` over ``R^K`` for ``G [P, K, K]`` ⪰ 0 (the minimum-norm one where ``G`` is
+    singular). A batched Cholesky solve where ``G`` is well conditioned — every problem of a long stream
+    of varied keys — and an eigendecomposition with small eigenvalues cut for the others (fewer tokens
+    than keys, repeated or one-hot keys): on a GPU the batched eigendecomposition costs about 1.6 ms a
+    problem at K = 128 (14.5 s for 9,216 problems on an H200, the Cholesky solve 0.02 s)."""
+    G, c = G.to(F64), c.to(F64)
+    d = torch.zeros_like(c)
+    if G.shape[0] == 0:
+        return d
+    L, info = torch.linalg.cholesky_ex(G)
+    pivots = torch.diagonal(L, dim1=-2, dim2=-1).square()  # LDLᵀ's pivots: their spread bounds cond(G) below
+    well = (info == 0) & (pivots.amin(-1) > _CHOL_RTOL * pivots.amax(-1))
+    if bool(well.any()):
+        d[well] = torch.cholesky_solve(c[well, :, None], L[well])[..., 0]
+    if not bool(well.all()):
+        d[~well] = _eig_minimiser(G[~well], c[~well])
+    return d
+
+
+def _eig_minimiser(G: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``G⁺c`` by an eigendecomposition, eigenvalues below :data:`_EIG_RTOL` of the largest cut."""
+    lam, Q = torch.linalg.eigh(G)
     keep = lam > _EIG_RTOL * lam.amax(-1, keepdim=True).clamp_min(torch.finfo(F64).tiny)
-    w = (Q.transpose(-1, -2) @ c.to(F64)[..., None])[..., 0]
+    w = (Q.transpose(-1, -2) @ c[..., None])[..., 0]
     w = torch.where(keep, w / torch.where(keep, lam, 1.0), 0.0)
     return (Q @ w[..., None])[..., 0]
 

@@ -426,3 +426,30 @@ def test_newton_flags_follow_the_valid_tokens():
     assert out["newton_feasible"].tolist() == [False, True, False]
     assert out["eps_free"][0].item() == pytest.approx(_lstsq_gap(k, beta, torch.ones(T, dtype=torch.bool)), rel=1e-9)
     assert math.isnan(out["eps_free"][2].item()) and not out["newton_feasible_box"][2].item()
+
+
+def test_newton_gap_mixes_cholesky_and_eigendecomposition(monkeypatch):
+    """One batch of a long varied stream (Cholesky), fewer tokens than keys and one-hot keys (singular:
+    the eigendecomposition): each problem's ε_free equals numpy's least squares, and only the singular
+    ones take the slow path (on a GPU it costs ~1.6 ms a problem at K = 128)."""
+    from osdn_diag.metrics import theorem as th
+
+    g = torch.Generator().manual_seed(8)
+    T, K = 48, 8
+    long_k, long_b = _unit_simplex_stream(g, T, K)
+    short_k, short_b = _unit_simplex_stream(g, T, K)
+    onehot = torch.zeros(T, K, dtype=F64)
+    onehot[torch.arange(T), torch.arange(T) % 3] = 1.0
+    k = torch.stack([long_k, short_k, onehot])
+    beta = torch.stack([long_b, short_b, 0.6 + 0.3 * torch.rand(T, generator=g, dtype=F64)])
+    valid = torch.ones(3, T, dtype=torch.bool)
+    valid[1, 5:] = False  # five equations in eight unknowns
+    seen = []
+    eig = th._eig_minimiser
+    monkeypatch.setattr(th, "_eig_minimiser", lambda G, c: seen.append(G.shape[0]) or eig(G, c))
+    out = theorem_d7(k, beta, None, torch.full((3, T), 0.5, dtype=F64), valid)
+    assert seen == [2]
+    for i in range(3):
+        ref = _lstsq_gap(k[i], beta[i], valid[i])
+        assert out["eps_free"][i].item() == pytest.approx(ref, rel=1e-9, abs=1e-20), i
+    assert out["newton_feasible"].tolist() == [False, True, False]

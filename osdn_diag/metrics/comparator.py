@@ -84,7 +84,10 @@ class BoxLSQResult:
     Attributes:
         d: ``[P, K]`` a minimiser (one of them when it is not unique).
         value: ``[P]`` ``ε_T(d)``.
-        kkt_residual: ``[P]`` ``‖d − Π_box(d − ∇ε_T(d))‖∞`` (projected-gradient stationarity).
+        kkt_residual: ``[P]`` ``‖d − Π_box(d − ∇ε_T(d))‖∞`` (projected-gradient stationarity);
+            ``kkt_residual² ≤ gap`` always (per coordinate ``min(|g_i|, r_i)² ≤ |g_i| r_i``, ``r_i`` the
+            distance to the bound ``g_i`` points to), and nothing tighter is promised: along a nearly
+            flat direction a certified value sits beside a gradient of ~√gap.
         gap: ``[P]`` ``max_{y∈box} ∇ε_T(d)ᵀ(d − y) ≥ 0``, a certified upper bound on ``value − min``.
         iterations: Newton iterations of the slowest problem.
         converged: ``[P]`` bool, ``gap ≤ tol · (1 + value)``.

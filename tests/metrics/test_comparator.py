@@ -92,11 +92,10 @@ def check_against_scipy(res, k, beta, mask, lo, hi):
     # 1e-12 (1 + v_ref): the two scorers' rounding (package: blocked fp64 sums; here: exact sums)
     assert (res.gap >= res.value - ref - 1e-12 * (1 + ref.abs())).all(), (res.gap, res.value - ref)
     assert (res.gap >= 0).all()
-    # Per coordinate kkt_i = min(|g_i|, dist_i) and gap_i = |g_i|·dist_i, so kkt² ≤ gap always; in a
-    # box a hair wide a small gap allows a large gradient, so the absolute bound needs a real box.
+    # Per coordinate kkt_i = min(|g_i|, dist_i) and gap_i = |g_i|·dist_i, so kkt² ≤ gap always, and no
+    # absolute bound beyond it: a certified gap of 1e-10 allows a gradient of 1e-7 along a nearly flat
+    # direction (tests/metrics/test_theorem.py met one), or a large one in a box a hair wide.
     assert (res.kkt_residual**2 <= res.gap * (1 + 1e-9) + 1e-300).all(), (res.kkt_residual, res.gap)
-    if hi - lo > 1e-3:
-        assert (res.kkt_residual <= 1e-8).all(), res.kkt_residual
     assert res.converged.all()
     assert ((res.d >= lo) & (res.d <= hi)).all()
     return ref

@@ -116,7 +116,11 @@ def test_slack_is_nonnegative_and_the_bound_is_am_gm(s):
     assert (out["log_prod_q"][~has] == 0).all() and (out["slack"][~has] == 0).all()
 
     # Certificates and the other columns.
-    assert (out["kkt_residual"] <= 1e-8).all() and (out["gap"] <= 1e-9).all()
+    # The solver certifies the gap (≤ 1e-10·(1 + ε)); stationarity follows from it, kkt² ≤ gap, and no
+    # tighter: on a nearly flat direction (β ≈ 1e-6 on one key, T < K) a certified-optimal value sits
+    # beside a gradient of 1e-7 (seed 1411576556 found kkt 1.8e-7 at gap 7.6e-11).
+    assert (out["gap"] <= 1e-9).all()
+    assert (out["kkt_residual"] ** 2 <= out["gap"] * (1 + 1e-9) + 1e-300).all(), (out["kkt_residual"], out["gap"])
     assert (out["eps_diag"] <= out["eps_at_ones"] + 1e-12).all()
     assert (out["eps_diag"] <= out["eps_at_final_d"] + 1e-12).all()
     for i in torch.nonzero(has)[:, 0].tolist():

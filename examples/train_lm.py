@@ -1,0 +1,492 @@
+"""Train small delta-rule language models on the Python standard library's sources, in lockstep.
+
+    python examples/train_lm.py prepare --data data/lm [--ship]
+    python examples/train_lm.py train --data data/lm --out checkpoints/lm \\
+        --arch deltanet osdn:0.003 osdn:0.03 osdn:0.3 osdn-apf gated-deltanet osgdn
+    python examples/train_lm.py ship --runs checkpoints/lm --paper-eta 0.003
+
+``prepare`` reads the running interpreter's standard library (:mod:`osdn_diag.prompts.corpus`: every
+``.py`` file, split into train and held-out by a hash of its path), trains a byte-level BPE tokenizer
+on the train split and writes ``DATA/``: ``tokenizer.json`` and ``tokenizer_config.json``,
+``train.bin`` (the train split's token ids as little-endian uint16, documents separated by
+``<|endoftext|>``), ``heldout.safetensors`` and ``corpus.json``. ``--ship`` also copies what the
+diagnostic needs (tokenizer, held-out tokens, corpus.json) into the package's
+``osdn_diag/builtin/lm-corpus/``.
+
+``train`` trains every architecture of ``--arch`` in one process on the *same* batches in the same
+order (random windows of ``--seq`` tokens from ``train.bin``, drawn from ``--seed``), with the same
+optimiser, schedule and seed, all stopping at the same step. An OSDN architecture may name its step
+size, ``osdn:ETA``; ``osdn`` alone takes ``--eta``. Every ``--eval-every`` steps each model's
+held-out loss is measured on fixed windows of the held-out split, once as written (*single*) and once
+with the window repeated before it (*twice*: the loss on the second copy, the same target tokens after
+the context was seen once). ``OUT/lm-<arch>/`` receives a bf16 Hugging Face checkpoint with the
+tokenizer, ``train_log.jsonl`` and a model card; ``OUT/train_summary.json`` the final numbers.
+
+``ship`` copies the checkpoints into ``osdn_diag/builtin/`` as the package's built-in language
+models: ``lm-deltanet``, ``lm-osdn`` (``--paper-eta``), ``lm-osdn-tuned`` (the OSDN step size of
+lowest held-out loss among those trained, when it is not the paper's), ``lm-osdn-apf``, ``lm-gdn``,
+``lm-osgdn`` — those that were trained.
+
+On a GPU ``train`` takes minutes. ``--device cpu`` runs the same loop with the differentiable
+reference recurrences: only useful as a smoke test at a handful of steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from osdn_diag.capture.store import atomic_write_text
+from osdn_diag.prompts import corpus
+
+#: ``--arch`` name -> the built-in name ``ship`` gives it (OSDN step sizes are handled apart).
+SHIP_NAMES = {"deltanet": "lm-deltanet", "osdn-apf": "lm-osdn-apf", "gated-deltanet": "lm-gdn", "osgdn": "lm-osgdn"}
+BASE_ARCHS = ("deltanet", "osdn", "osdn-apf", "gated-deltanet", "osgdn")
+
+
+# ----------------------------------------------------------------------------------------------- prepare
+def prepare(a: argparse.Namespace) -> dict:
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    docs = corpus.stdlib_documents()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=a.vocab, special_tokens=[corpus.END_OF_TEXT], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator((text for _, text in docs["train"]), trainer)
+    eot = tok.token_to_id(corpus.END_OF_TEXT)
+    assert eot == 0, eot
+
+    data = Path(a.data)
+    data.mkdir(parents=True, exist_ok=True)
+    tok.save(str(data / "tokenizer.json"))
+    # The class name every transformers release resolves (4.x and 5.x alike), no code of ours.
+    (data / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": corpus.END_OF_TEXT, "model_max_length": 1 << 20,
+    }, indent=2) + "\n")
+
+    def encode(split):
+        return [e.ids for e in tok.encode_batch([text for _, text in docs[split]])]
+
+    train = encode("train")
+    stream = np.fromiter((t for ids in train for t in [*ids, eot]), dtype=np.uint16)
+    (data / "train.bin").write_bytes(stream.astype("<u2").tobytes())
+    held = encode("heldout")
+    offsets = np.cumsum([0] + [len(x) for x in held]).astype(np.int64)
+    save_file({"tokens": np.concatenate([np.asarray(x, dtype=np.int16) for x in held]),
+               "offsets": offsets}, str(data / "heldout.safetensors"))
+    (data / "heldout.safetensors").chmod(0o644)  # safetensors writes 0600; shipped files are 0644
+
+    import hashlib
+
+    digest = hashlib.sha256()
+    for split in ("train", "heldout"):
+        for rel, text in docs[split]:
+            digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
+    info = {
+        "source": "the Python standard library's .py files (site-packages excluded)",
+        "license": "PSF License Version 2 (the Python Software Foundation License)",
+        "python": sys.version.split()[0],
+        "stdlib": str(corpus.stdlib_root()),
+        "sha256": digest.hexdigest(),
+        "split": f"held out: files whose path's sha256 starts with a byte < {corpus.HELDOUT_BYTE}",
+        "files": {split: len(docs[split]) for split in docs},
+        "characters": {split: sum(len(t) for _, t in docs[split]) for split in docs},
+        "tokenizer": {"kind": "byte-level BPE (Hugging Face tokenizers), trained on the train split",
+                      "vocab_size": tok.get_vocab_size(), "end_of_text": corpus.END_OF_TEXT, "end_of_text_id": eot},
+        "vocab_size": tok.get_vocab_size(),
+        "train_tokens": int(len(stream)),
+        "heldout_tokens": int(offsets[-1]),
+        "heldout_documents": len(held),
+    }
+    atomic_write_text(data / "corpus.json", json.dumps(info, indent=2) + "\n")
+    if a.ship:
+        dest = corpus.CORPUS_DIR
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "heldout.safetensors", "corpus.json"):
+            shutil.copy2(data / name, dest / name)
+    print(json.dumps(info, indent=2))
+    return info
+
+
+# ------------------------------------------------------------------------------------------------- train
+def parse_arch(spec: str, default_eta: float) -> tuple[str, str, float | None]:
+    """``(name, base architecture, eta)`` of an ``--arch`` entry: ``osdn:0.03`` -> ``("osdn-eta0.03", "osdn", 0.03)``."""
+    base, _, eta = spec.partition(":")
+    if base not in BASE_ARCHS:
+        raise SystemExit(f"argument --arch: unknown architecture {base!r}; choose from {', '.join(BASE_ARCHS)}")
+    if eta and base not in ("osdn", "osdn-apf", "osgdn"):
+        raise SystemExit(f"argument --arch: {base!r} has no step size (only osdn, osdn-apf and osgdn take :ETA)")
+    if not eta:
+        return base, base, (default_eta if base in ("osdn", "osdn-apf", "osgdn") else None)
+    try:
+        value = float(eta)
+    except ValueError:
+        raise SystemExit(f"argument --arch: {spec!r}: the step size after ':' must be a number") from None
+    return f"{base}-eta{eta}", base, value
+
+
+def build_config(base: str, eta: float | None, a: argparse.Namespace):
+    common = dict(
+        hidden_size=a.hidden, num_hidden_layers=a.layers, num_heads=a.heads, vocab_size=a.vocab_size,
+        intermediate_size=a.intermediate, max_position_embeddings=4 * a.seq, fuse_cross_entropy=False,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    if base == "deltanet":
+        from fla.models import DeltaNetConfig
+
+        return DeltaNetConfig(**common)
+    if base == "gated-deltanet":
+        from fla.models import GatedDeltaNetConfig
+
+        return GatedDeltaNetConfig(**common, head_dim=a.hidden // a.heads, expand_v=1.0)
+    osdn = dict(eta=eta, d_min=a.d_min, d_max=a.d_max)
+    if base in ("osdn", "osdn-apf"):
+        from osdn_diag.models import OSDNConfig
+
+        return OSDNConfig(**common, **osdn, apf=base == "osdn-apf")
+    from osdn_diag.models import OSGDNConfig
+
+    return OSGDNConfig(**common, **osdn, head_dim=a.hidden // a.heads, expand_v=1.0)
+
+
+def kernels(model):
+    """On a CPU the differentiable reference recurrences stand in for the Triton kernels."""
+    if next(model.parameters()).device.type == "cuda":
+        return nullcontext()
+    import osdn_diag
+
+    return osdn_diag.capture(model, kernels="reference", sink=lambda call: None)
+
+
+def eval_windows(seq: int, count: int) -> torch.Tensor:
+    """``[count, seq]`` fixed held-out windows: the first ``seq`` tokens of the ``count`` longest
+    held-out documents of at least ``seq`` tokens (ties by path order)."""
+    docs = corpus.heldout_documents(corpus.CORPUS_DIR if _DATA is None else _DATA)
+    long = sorted((d for d in docs if len(d) >= seq), key=len, reverse=True)[:count]
+    if not long:
+        raise SystemExit(f"no held-out document has {seq} tokens")
+    return torch.tensor([d[:seq] for d in long], dtype=torch.long)
+
+
+_DATA: Path | None = None
+
+
+@torch.no_grad()
+def heldout_nll(model, windows: torch.Tensor, amp, batch: int = 16) -> tuple[float, float]:
+    """Mean next-token NLL on ``windows[:, 1:]``: single (the window alone) and twice (the window
+    repeated, scored on the second copy: the same targets, the context seen once)."""
+    was = model.training
+    model.eval()
+    sums = [0.0, 0.0]
+    count = 0
+    L = windows.shape[1]
+    for i in range(0, len(windows), batch):
+        w = windows[i:i + batch]
+        for j, ids in enumerate((w, torch.cat([w, w], dim=1))):
+            with amp(), kernels(model):
+                logits = model(input_ids=ids).logits.float()
+            pred = logits[:, -L:-1] if j else logits[:, :L - 1]
+            sums[j] += float(torch.nn.functional.cross_entropy(
+                pred.reshape(-1, pred.shape[-1]), w[:, 1:].reshape(-1), reduction="sum"))
+        count += w[:, 1:].numel()
+    model.train(was)
+    return sums[0] / count, sums[1] / count
+
+
+def d_statistics(model, ids: torch.Tensor, amp, d_min: float, d_max: float) -> dict | None:
+    """Where phase 1's ``d`` went on held-out text (OSDN models only), read from the live kernels."""
+    import osdn_diag
+
+    with torch.no_grad(), osdn_diag.capture(model, offload=True) as cap, amp():
+        model(input_ids=ids)
+    ds = [c.d.flatten() for c in cap.calls if c.d is not None]
+    if not ds:
+        return None
+    d = torch.cat(ds).double()
+    tol = 1e-6
+    return {
+        "mean": float(d.mean()), "min": float(d.min()), "max": float(d.max()), "std": float(d.std()),
+        "fraction_at_d_min": float((d <= d_min + tol).double().mean()),
+        "fraction_at_d_max": float((d >= d_max - tol).double().mean()),
+        "fraction_moved": float(((d - 1).abs() > 1e-3).double().mean()),
+    }
+
+
+def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str) -> None:
+    """Write one checkpoint directory whole or not at all (a hidden sibling renamed at the end)."""
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    model.to(torch.bfloat16).save_pretrained(partial, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(data / name, partial / name)
+    (partial / "train_log.jsonl").write_text("".join(json.dumps(row) + "\n" for row in log))
+    (partial / "README.md").write_text(card)
+    (partial / "task.json").write_text(json.dumps({"suite": "lm-heldout", "length": 512}, indent=2) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+
+
+def model_card(name: str, config, a, res: dict, info: dict, command: str, lockstep: list[str]) -> str:
+    fields = {k: v for k, v in config.to_dict().items() if k in (
+        "model_type", "hidden_size", "num_hidden_layers", "num_heads", "vocab_size", "intermediate_size",
+        "eta", "d_min", "d_max", "apf", "beta_aware", "head_dim", "tie_word_embeddings",
+    )}
+    d = res.get("d")
+    d_line = "" if d is None else (
+        f"- preconditioner d on held-out text: mean {d['mean']:.3f}, range [{d['min']:.3f}, {d['max']:.3f}], "
+        f"{100 * d['fraction_moved']:.1f} % of entries moved from 1, {100 * d['fraction_at_d_min']:.1f} % at "
+        f"d_min, {100 * d['fraction_at_d_max']:.1f} % at d_max\n"
+    )
+    curve = "\n".join(f"| {r['step']} | {r['heldout_nll']:.4f} | {math.exp(r['heldout_nll']):.2f} | "
+                      f"{r['heldout_nll_twice']:.4f} |" for r in res["evals"])
+    return (
+        f"# {name}\n\n"
+        f"A {a.layers}-layer, hidden-{a.hidden}, {a.heads}-head `{fields['model_type']}` language model trained from "
+        f"scratch on the Python standard library's sources, for osdn-diag's diagnostic on text. It is a "
+        f"diagnostic specimen at a small scale ({res['parameters'] / 1e6:.2f} M parameters), not a "
+        f"general-purpose model.\n\n"
+        f"## Configuration\n\n```json\n{json.dumps(fields, indent=2)}\n```\n\n"
+        f"## Data\n\n"
+        f"- text: {info['source']}, Python {info['python']}; license: {info['license']}\n"
+        f"- split: {info['split']}: {info['files']['train']} train files, {info['files']['heldout']} held out "
+        f"(sha256 of the corpus {info['sha256'][:16]}…)\n"
+        f"- tokenizer: {info['tokenizer']['kind']}, {info['vocab_size']} tokens (shipped beside the weights); "
+        f"{info['train_tokens']:,} train tokens, {info['heldout_tokens']:,} held out\n\n"
+        f"## Training\n\n"
+        f"- {res['steps']} steps of {a.batch} windows of {a.seq} tokens ({res['steps'] * a.batch * a.seq / 1e6:.1f} M "
+        f"tokens), drawn at random from the train split (seed {a.seed}); AdamW (lr {a.lr}, weight decay "
+        f"{a.weight_decay}, {a.warmup} warm-up steps, cosine to {a.min_lr_ratio:g}×), gradient clip 1.0, "
+        f"{'bf16 autocast' if res['device'] != 'cpu' else 'fp32'} on {res['device']}, {res['seconds']:.0f} s for "
+        f"all models together; trained in lockstep with {', '.join(lockstep)} (same batches, same order)\n"
+        f"- final training loss {res['loss']:.4f}\n\n"
+        f"## Held-out loss ({a.eval_windows} windows of {a.seq} tokens)\n\n"
+        f"Next-token loss in nats per token on the windows' tokens 2…{a.seq}: *single* as written, *twice* on "
+        f"the second copy of the window repeated (the same tokens, after the context was seen once).\n\n"
+        f"| step | single NLL | single perplexity | twice NLL |\n|---|---|---|---|\n{curve}\n\n"
+        f"Final: perplexity {math.exp(res['heldout_nll']):.2f} single, {math.exp(res['heldout_nll_twice']):.2f} "
+        f"twice.\n\n"
+        f"{d_line}"
+        f"\n## Made by\n\n```\npython examples/train_lm.py prepare --data {a.data}\n{command}\n```\n"
+    )
+
+
+def train(a: argparse.Namespace) -> dict:
+    global _DATA
+    command = "python examples/train_lm.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    data = Path(a.data)
+    _DATA = data
+    info = corpus.corpus_info(data)
+    a.vocab_size = info["vocab_size"]
+    specs = [parse_arch(s, a.eta) for s in a.arch]
+    names = [n for n, _, _ in specs]
+    if len(set(names)) != len(names):
+        raise SystemExit("argument --arch: an architecture is named twice")
+
+    from osdn_diag.runtime import prepare as prepare_device
+
+    device = prepare_device(a.device)
+    import osdn_diag.models  # noqa: F401  (registers the OSDN configs with transformers)
+    from transformers import AutoModelForCausalLM
+
+    on_gpu = device.type == "cuda"
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else nullcontext
+    stream = torch.from_numpy(np.fromfile(data / "train.bin", dtype="<u2").astype(np.int64))
+    windows = eval_windows(a.seq, a.eval_windows).to(device)
+
+    models, opts = {}, {}
+    for name, base, eta in specs:
+        torch.manual_seed(a.seed)
+        models[name] = AutoModelForCausalLM.from_config(build_config(base, eta, a)).to(device).train()
+        params = dict(models[name].named_parameters())
+        decay = [p for n, p in params.items() if p.dim() >= 2 and "d0" not in n and "embed" not in n]
+        rest = [p for n, p in params.items() if not (p.dim() >= 2 and "d0" not in n and "embed" not in n)]
+        opts[name] = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                                        {"params": rest, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < a.warmup:
+            return a.lr * (step + 1) / a.warmup
+        t = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
+        return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = {n: [] for n in names}
+    evals = {n: [] for n in names}
+    gen = torch.Generator().manual_seed(a.seed)
+    start = time.perf_counter()
+    step, loss_val = 0, {}
+    busy = {n: 0.0 for n in names}  # seconds of each model's steps, with --time-each
+
+    def evaluate():
+        for n, model in models.items():
+            single, twice = heldout_nll(model, windows, amp)
+            row = {"step": step, "heldout_nll": single, "heldout_nll_twice": twice,
+                   "seconds": time.perf_counter() - start}
+            logs[n].append(row)
+            evals[n].append(row)
+
+    bar = tqdm(total=a.steps, desc="train " + "/".join(names), unit="step", disable=None)
+    while step < a.steps:
+        if a.time_budget is not None and time.perf_counter() - start > a.time_budget:
+            break
+        starts = torch.randint(0, len(stream) - a.seq - 1, (a.batch,), generator=gen)
+        batch = torch.stack([stream[s:s + a.seq] for s in starts.tolist()]).to(device)
+        lr = lr_at(step)
+        for n, model in models.items():
+            if a.time_each:
+                torch.cuda.synchronize() if on_gpu else None
+                t0 = time.perf_counter()
+            for group in opts[n].param_groups:
+                group["lr"] = lr
+            with amp(), kernels(model):
+                loss = model(input_ids=batch, labels=batch).loss
+            opts[n].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opts[n].step()
+            loss_val[n] = loss.detach()
+            if a.time_each:
+                torch.cuda.synchronize() if on_gpu else None
+                busy[n] += time.perf_counter() - t0
+        step += 1
+        bar.update(1)
+        last = step == a.steps
+        if step % a.log_every == 0 or last:
+            for n in names:
+                value = float(loss_val[n])
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"{n}: non-finite training loss {value} at step {step}")
+                logs[n].append({"step": step, "lr": lr, "loss": value, "seconds": time.perf_counter() - start})
+            bar.set_postfix({n: f"{float(v):.3f}" for n, v in loss_val.items()})
+        if step % a.eval_every == 0 or last:
+            evaluate()
+    bar.close()
+    if not evals[names[0]] or evals[names[0]][-1]["step"] != step:
+        evaluate()
+    seconds = time.perf_counter() - start
+
+    results = {}
+    for (name, base, eta), model in zip(specs, models.values()):
+        model.eval()
+        last_eval = evals[name][-1]
+        res = {
+            "arch": base, "eta": eta, "steps": step, "seconds": seconds,
+            "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            **({"seconds_own_steps": busy[name]} if a.time_each else {}),
+            "loss": float(loss_val[name]) if loss_val else float("nan"),
+            "heldout_nll": last_eval["heldout_nll"], "heldout_nll_twice": last_eval["heldout_nll_twice"],
+            "evals": evals[name],
+        }
+        if base in ("osdn", "osdn-apf", "osgdn"):
+            res["d"] = d_statistics(model, windows[:8], amp, a.d_min, a.d_max)
+        results[name] = res
+        card = model_card(f"lm-{name}", model.config, a, res, info, command, names)
+        save_checkpoint(out / f"lm-{name}", model, data, logs[name], card)
+        print(json.dumps({k: v for k, v in res.items() if k != "evals"}))
+    summary = {"command": command, "corpus": info, "results": results}
+    atomic_write_text(out / "train_summary.json", json.dumps(summary, indent=2) + "\n")
+    return results
+
+
+# -------------------------------------------------------------------------------------------------- ship
+def ship(a: argparse.Namespace) -> dict:
+    runs = Path(a.runs)
+    summary = json.loads((runs / "train_summary.json").read_text())
+    results = summary["results"]
+    chosen: dict[str, str] = {}
+    for name, res in results.items():
+        if res["arch"] in SHIP_NAMES and res["eta"] in (None, a.paper_eta):
+            chosen[SHIP_NAMES[res["arch"]]] = name
+    osdn = {n: r for n, r in results.items() if r["arch"] == "osdn"}
+    paper = [n for n, r in osdn.items() if r["eta"] == a.paper_eta]
+    if paper:
+        chosen["lm-osdn"] = paper[0]
+    if osdn:
+        best = min(osdn, key=lambda n: osdn[n]["heldout_nll"])
+        if osdn[best]["eta"] != a.paper_eta:
+            chosen["lm-osdn-tuned"] = best
+    dest_root = Path(a.to)
+    for target, name in chosen.items():
+        src, dest = runs / f"lm-{name}", dest_root / target
+        card = (src / "README.md").read_text().replace(f"# lm-{name}\n", f"# {target}\n", 1)
+        if target in ("lm-osdn", "lm-osdn-tuned") and len(osdn) > 1:
+            sweep = ", ".join(f"η = {r['eta']:g}: {r['heldout_nll']:.4f}" for r in
+                              sorted(osdn.values(), key=lambda r: r["eta"]))
+            best_eta = osdn[best]["eta"]
+            verdict = (f"η = {best_eta:g} had the lowest held-out NLL of the OSDN models trained in lockstep"
+                       + (", the paper's own step size, so no separate tuned model ships" if best_eta == a.paper_eta
+                          else f"; `lm-osdn` is the paper's η = {a.paper_eta:g}, `lm-osdn-tuned` this one"))
+            card += f"\n## Step size\n\n{verdict} (held-out NLL by η: {sweep}).\n"
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(src, dest)
+        (dest / "README.md").write_text(card)
+    table = {target: {"from": name, **{k: v for k, v in results[name].items() if k != "evals"}}
+             for target, name in chosen.items()}
+    atomic_write_text(dest_root / "lm_train_summary.json",
+                      json.dumps({"command": summary["command"], "corpus": summary["corpus"], "models": table},
+                                 indent=2) + "\n")
+    print(json.dumps({t: n for t, n in chosen.items()}, indent=2))
+    return chosen
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pp = sub.add_parser("prepare", help="build the corpus, tokenizer and token files")
+    pp.add_argument("--data", required=True)
+    pp.add_argument("--vocab", type=int, default=4096)
+    pp.add_argument("--ship", action="store_true", help="also copy tokenizer and held-out tokens into the package")
+    pt = sub.add_parser("train", help="train the architectures in lockstep")
+    pt.add_argument("--data", required=True)
+    pt.add_argument("--out", required=True)
+    pt.add_argument("--arch", nargs="+", default=["deltanet", "osdn", "osdn-apf"])
+    pt.add_argument("--device", default=None)
+    pt.add_argument("--hidden", type=int, default=256)
+    pt.add_argument("--layers", type=int, default=4)
+    pt.add_argument("--heads", type=int, default=4)
+    pt.add_argument("--intermediate", type=int, default=512)
+    pt.add_argument("--eta", type=float, default=0.003, help="OSDN step size where --arch names none (paper: 0.003)")
+    pt.add_argument("--d-min", type=float, default=0.5)
+    pt.add_argument("--d-max", type=float, default=2.0)
+    pt.add_argument("--seq", type=int, default=512)
+    pt.add_argument("--batch", type=int, default=32)
+    pt.add_argument("--steps", type=int, default=1500)
+    pt.add_argument("--time-budget", type=float, default=None)
+    pt.add_argument("--lr", type=float, default=3e-3)
+    pt.add_argument("--weight-decay", type=float, default=0.1)
+    pt.add_argument("--warmup", type=int, default=100)
+    pt.add_argument("--min-lr-ratio", type=float, default=0.1)
+    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--eval-windows", type=int, default=64)
+    pt.add_argument("--eval-every", type=int, default=250)
+    pt.add_argument("--log-every", type=int, default=25)
+    pt.add_argument("--time-each", action="store_true", help="time each model's steps apart (synchronises the GPU)")
+    ps = sub.add_parser("ship", help="copy trained checkpoints into the package as builtin:lm-*")
+    ps.add_argument("--runs", required=True)
+    ps.add_argument("--to", default=str(corpus.CORPUS_DIR.parent))
+    ps.add_argument("--paper-eta", type=float, default=0.003)
+    a = p.parse_args(argv)
+    return {"prepare": prepare, "train": train, "ship": ship}[a.command](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -18,9 +18,12 @@ from pathlib import Path
 
 __all__ = ["UsageError", "check_args", "parse_d_head", "check_safetensors", "check_writable_dir", "check_writable_file"]
 
+#: The built-in suites (osdn_diag.prompts.SUITES, named here without importing torch).
+BUILTIN_SUITES = ("random", "mqar", "mqar-pair", "lm-heldout", "lm-heldout-pair")
 #: The shortest --length each built-in suite can honour (mqar: one key-value pair and its query is
-#: four tokens; random --twice: a context of one token, repeated).
-MIN_LENGTH = {"mqar": 4, "mqar-pair": 4}
+#: four tokens; lm-heldout: a token and the next one it is scored on; random --twice: a context of one
+#: token, repeated).
+MIN_LENGTH = {"mqar": 4, "mqar-pair": 4, "lm-heldout": 2, "lm-heldout-pair": 2}
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -192,11 +195,11 @@ def check_args(args) -> None:
         _positive("--batch-size", args.batch_size)
         minimum = MIN_LENGTH.get(args.prompts, 2 if args.twice else 1)
         _positive("--length", args.length, minimum)
-        if args.prompts not in ("random", "mqar", "mqar-pair"):
+        if args.prompts not in BUILTIN_SUITES:
             path = Path(args.prompts)
             if not path.is_file():
                 raise UsageError(f"argument --prompts: {args.prompts!r} is neither a built-in suite "
-                                 "(random, mqar, mqar-pair) nor an existing JSONL file")
+                                 f"({', '.join(BUILTIN_SUITES)}) nor an existing JSONL file")
         check_writable_dir(args.out, "argument --out")
         _check_placement(args.out)
         _check_model(args.model)

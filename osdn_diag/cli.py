@@ -226,8 +226,8 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
                    help="a local Hugging Face directory of an fla or OSDN model, builtin:NAME "
                    "(a trained model shipped with the package) or random:PRESET")
     p.add_argument("--prompts", required=True, metavar="P",
-                   help="a built-in suite (random, mqar, mqar-pair) or a JSONL file of "
-                   "{input_ids|text, task} rows")
+                   help="a built-in suite (random, mqar, mqar-pair, lm-heldout, lm-heldout-pair) or a "
+                   "JSONL file of {input_ids|text, task} rows")
     p.add_argument("--out", required=True, metavar="DIR", help="the run directory to write")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run DIR already holds (its files are removed once MODEL and the "

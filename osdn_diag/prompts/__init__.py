@@ -1,6 +1,7 @@
 """Prompt suites and prompt files."""
 
 from .base import SUITES, Prompt, load_prompts, random_suite, read_jsonl
+from .lm import heldout_windows, lm_heldout_pair_suite, lm_heldout_suite
 from .mqar import (
     MQARSpec,
     mqar_batch,
@@ -14,6 +15,9 @@ __all__ = [
     "SUITES",
     "MQARSpec",
     "Prompt",
+    "heldout_windows",
+    "lm_heldout_pair_suite",
+    "lm_heldout_suite",
     "load_prompts",
     "mqar_batch",
     "mqar_pair_prompts",

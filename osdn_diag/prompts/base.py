@@ -153,7 +153,8 @@ def random_suite(*, num_prompts: int, length: int, vocab_size: int, seed: int, t
 
 
 #: Built-in suites: name -> builder(num_prompts, length, vocab_size, seed, twice). The MQAR suites
-#: (``mqar``, ``mqar-pair``) are added at the end of this module.
+#: (``mqar``, ``mqar-pair``) and the held-out text suites (``lm-heldout``, ``lm-heldout-pair``) are added
+#: at the end of this module.
 SUITES: dict[str, Callable[..., list[Prompt]]] = {"random": random_suite}
 
 
@@ -180,7 +181,9 @@ def load_prompts(
     return read_jsonl(path, tokenize=tokenize, twice=twice, vocab_size=vocab_size)
 
 
-# Imported last: mqar.py imports Prompt from this module, which is defined by now.
+# Imported last: mqar.py and lm.py import Prompt from this module, which is defined by now.
+from .lm import lm_heldout_pair_suite, lm_heldout_suite  # noqa: E402
 from .mqar import mqar_pair_suite, mqar_suite  # noqa: E402
 
-SUITES.update({"mqar": mqar_suite, "mqar-pair": mqar_pair_suite})
+SUITES.update({"mqar": mqar_suite, "mqar-pair": mqar_pair_suite,
+               "lm-heldout": lm_heldout_suite, "lm-heldout-pair": lm_heldout_pair_suite})

@@ -175,22 +175,54 @@ def _state_cell(s: dict) -> str:
     return f"{state['max_rel_error']:.1e} ({state['max_rounding_units']:.2g} × {'/'.join(precisions)} rounding)"
 
 
+#: ``summary.json["recall"][task]["scoring"]`` of a task scored on next-token prediction of text.
+TEXT_SCORING = "next-token"
+
+
+def _is_text(row: dict) -> bool:
+    return row.get("scoring") == TEXT_SCORING
+
+
+def _scored_count(rows: list[dict]) -> str:
+    """How many queries (tokens) were scored, and how many were excluded for NaN/Inf logits."""
+    queries = sum(r["queries"] for r in rows)
+    excluded = sum(r.get("excluded_nonfinite", 0) for r in rows)
+    return f"{queries:,}" + (f" (+{excluded:,} excluded: NaN/Inf logits)" if excluded else "")
+
+
 def _recall_table(runs) -> str | None:
     """Recall accuracy per task (the paper's Table 7 layout: single vs twice), for the measured runs
-    whose prompts carry answers (a what-if run has no forward pass of its own, so no row); ``None``
-    when none do. A task whose every query had non-finite logits shows "–"."""
+    whose prompts carry answers (a what-if run has no forward pass of its own, so no row), over the
+    recall tasks (not the text tasks: :func:`_text_table`); ``None`` when there are none. A task whose
+    every query had non-finite logits shows "–"."""
     measured = [(label, s) for label, _, s in runs if not s.get("counterfactual")]
-    tasks = sorted({t for _, s in measured for t in s.get("recall", {})})
+    tasks = sorted({t for _, s in measured for t, r in s.get("recall", {}).items() if not _is_text(r)})
     if not tasks:
         return None
     header = ["model", *[f"{t} accuracy ↑" for t in tasks], "queries"]
     rows = []
     for label, s in measured:
-        rec = s.get("recall", {})
-        queries = sum(r["queries"] for r in rec.values())
-        excluded = sum(r.get("excluded_nonfinite", 0) for r in rec.values())
-        count = f"{queries:,}" + (f" (+{excluded:,} excluded: NaN/Inf logits)" if excluded else "")
-        rows.append([label, *[_f(rec.get(t, {}).get("accuracy")) for t in tasks], count])
+        rec = {t: r for t, r in s.get("recall", {}).items() if not _is_text(r)}
+        rows.append([label, *[_f(rec.get(t, {}).get("accuracy")) for t in tasks],
+                     _scored_count(list(rec.values()))])
+    return _table(header, rows)
+
+
+def _text_table(runs) -> str | None:
+    """Held-out text per task (Table 7's spirit: single vs twice): per measured run, the perplexity
+    (2 decimals) of every text task, then its next-token accuracy (3 decimals), then the tokens
+    scored; ``None`` when no task is scored on text. "–" where nothing was scored (or a run written
+    before the nll was recorded)."""
+    measured = [(label, s) for label, _, s in runs if not s.get("counterfactual")]
+    tasks = sorted({t for _, s in measured for t, r in s.get("recall", {}).items() if _is_text(r)})
+    if not tasks:
+        return None
+    header = ["model", *[f"{t} perplexity ↓" for t in tasks], *[f"{t} accuracy ↑" for t in tasks], "tokens"]
+    rows = []
+    for label, s in measured:
+        rec = {t: r for t, r in s.get("recall", {}).items() if _is_text(r)}
+        rows.append([label, *[_f(rec.get(t, {}).get("perplexity"), 2) for t in tasks],
+                     *[_f(rec.get(t, {}).get("accuracy")) for t in tasks], _scored_count(list(rec.values()))])
     return _table(header, rows)
 
 
@@ -452,6 +484,20 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
             "NaN/Inf is excluded, not counted wrong.",
             "",
             recall,
+            "",
+        ]
+    text = _text_table(runs)
+    if text:
+        parts += [
+            "## Held-out text: perplexity and next-token accuracy (the paper's Table 7 layout)",
+            "",
+            "Next-token prediction of held-out text, on the same forward pass that was captured: "
+            "perplexity = exp(mean negative log-likelihood per scored token), accuracy = the share of "
+            "tokens where the argmax of the logits is the next token. A twice prompt is its window "
+            "written twice, scored on the second copy: the same target tokens as the single prompt, "
+            "after the whole window was seen once. A token whose logits hold NaN/Inf is excluded.",
+            "",
+            text,
             "",
         ]
     if counterfactual and any("answers" in p for _, m, _ in runs for p in m.get("prompts", [])):

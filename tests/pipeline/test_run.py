@@ -305,7 +305,7 @@ def test_nonfinite_streams_are_flagged_excluded_and_reported(tmp_path, kernels):
     assert summary["n"] == q.numel() == 6 * 8
     assert summary["q_geo"] == pytest.approx(math.exp(q.clamp_min(1e-30).log().mean().item()), rel=1e-9)
     assert summary["recall"]["mqar"] == {"accuracy": None, "correct": 0, "queries": 0, "excluded_nonfinite": 4,
-                                         "prompts": 2}
+                                         "prompts": 2, "nll": None, "perplexity": None, "scoring": "recall"}
     report = (out / "report.md").read_text()
     headline = report.index("## Residual contraction")
     note = report.index("2 of 8 (prompt, layer, head) streams excluded")

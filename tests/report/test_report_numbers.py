@@ -292,6 +292,42 @@ def test_family_tables_of_a_comparison(runs, tmp_path):
     assert "## By family" not in runs["deltanet"]["report"]
 
 
+@pytest.mark.parametrize("name", ["deltanet", "gated"])
+def test_recall_numbers_are_those_of_the_manifest(runs, name):
+    """summary.json -> recall and the report's recall table, recomputed from the manifest's per-prompt
+    counts: accuracy = Σ correct / Σ queries, nll = Σ recall_nll / Σ queries (nats per query),
+    perplexity = exp(nll); MQAR prompts are recall prompts, so there is no held-out text table. (Each
+    prompt's recall_nll against cross_entropy: tests/pipeline/test_recall.py, tests/report/test_text_report.py.)"""
+    run = runs[name]
+    per_task = defaultdict(lambda: [0, 0, 0, [], 0])
+    for p in run["manifest"]["prompts"]:
+        acc = per_task[p["task"]]
+        acc[0] += p["recall_correct"]
+        acc[1] += p["recall_queries"]
+        acc[2] += p.get("recall_excluded", 0)
+        acc[3].append(p["recall_nll"])
+        acc[4] += 1
+    got = run["summary"]["recall"]
+    assert set(got) == set(per_task) == {"mqar", "mqar-twice"}
+    for task, (correct, queries, excluded, nlls, prompts) in per_task.items():
+        nll = math.fsum(nlls) / queries
+        assert (got[task]["correct"], got[task]["queries"], got[task]["excluded_nonfinite"], got[task]["prompts"]) \
+            == (correct, queries, excluded, prompts)
+        assert got[task]["accuracy"] == pytest.approx(correct / queries, rel=REL, abs=0)
+        assert got[task]["nll"] == pytest.approx(nll, rel=REL, abs=0) and nll > 0
+        assert got[task]["perplexity"] == pytest.approx(math.exp(nll), rel=REL, abs=0)
+        assert got[task]["scoring"] == "recall"
+    header, rows = _table_after(run["report"], "Recall accuracy (the paper's Table 7 layout)")
+    assert header == ["model", "mqar accuracy ↑", "mqar-twice accuracy ↑", "queries"]
+    (row,) = rows
+    assert row[0] == run["label"]
+    for cell, task in zip(row[1:3], ("mqar", "mqar-twice")):
+        correct, queries = per_task[task][:2]
+        _printed(cell, got[task]["accuracy"], correct / queries)
+    assert row[3] == f"{sum(v[1] for v in per_task.values()):,}"
+    assert "## Held-out text" not in run["report"]
+
+
 # ---------------------------------------------------------------------------- comparator aggregates
 
 NEWTON_TOL = 1e-9  # docs/metrics.md: the Newton system counts as solved at eps <= 1e-9

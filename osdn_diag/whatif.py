@@ -31,7 +31,17 @@ from .rundir import (
     start_stage,
 )
 
-__all__ = ["WhatIf", "source_run", "what_if_out", "what_if_run"]
+__all__ = ["NOT_APPLICABLE", "WhatIf", "source_run", "what_if_out", "what_if_run"]
+
+#: Families whose write is not a delta-rule write along the loss's read key, so that swapping in
+#: ``d ⊙ k`` as the write key is not "the same writes under OSDN's preconditioner" (at η = 0 it would
+#: not even reproduce the model): what-if refuses their runs (docs/families.md says why, per family).
+NOT_APPLICABLE: dict[str, str] = {
+    "comba": "Comba writes along k and removes along p, against the undecayed state",
+    "gdn2": "GDN-2 writes along k, not along its read key b ⊙ k",
+    "momentum_delta_rule": "MomentumDeltaNet writes through a momentum buffer",
+    "rwkv7": "RWKV-7 writes v kᵀ along a key other than its removal key",
+}
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,14 @@ def what_if_run(
     absolute path (see :func:`source_run` for a what-if output moved with its source)."""
     run_dir = Path(run_dir)
     reader = CaptureReader(run_dir)  # refuses a run without a usable capture, naming why
+    for layer in reader.manifest.get("layers", []):
+        family = layer.get("family")
+        if family in NOT_APPLICABLE:
+            raise RunDirectoryError(
+                f"{run_dir}: what-if does not apply to layer {layer.get('layer')}'s family {family} "
+                f"({NOT_APPLICABLE[family]}): it replays delta-rule writes with OSDN's write key d ⊙ k "
+                "(docs/families.md); nothing was written"
+            )
     out = what_if_out(run_dir, settings, out_dir)
     with output_lock(out):
         return _what_if(run_dir, reader, settings, out, overwrite=overwrite, then=then, **replay_kw)

@@ -31,17 +31,10 @@ from .rundir import (
     start_stage,
 )
 
+from .replay.families import NOT_APPLICABLE
+
 __all__ = ["NOT_APPLICABLE", "WhatIf", "source_run", "what_if_out", "what_if_run"]
 
-#: Families whose write is not a delta-rule write along the loss's read key, so that swapping in
-#: ``d ⊙ k`` as the write key is not "the same writes under OSDN's preconditioner" (at η = 0 it would
-#: not even reproduce the model): what-if refuses their runs (docs/families.md says why, per family).
-NOT_APPLICABLE: dict[str, str] = {
-    "comba": "Comba writes along k and removes along p, against the undecayed state",
-    "gdn2": "GDN-2 writes along k, not along its read key b ⊙ k",
-    "momentum_delta_rule": "MomentumDeltaNet writes through a momentum buffer",
-    "rwkv7": "RWKV-7 writes v kᵀ along a key other than its removal key",
-}
 
 
 @dataclass(frozen=True)

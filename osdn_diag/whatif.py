@@ -31,7 +31,10 @@ from .rundir import (
     start_stage,
 )
 
-__all__ = ["WhatIf", "source_run", "what_if_out", "what_if_run"]
+from .replay.families import NOT_APPLICABLE
+
+__all__ = ["NOT_APPLICABLE", "WhatIf", "source_run", "what_if_out", "what_if_run"]
+
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,14 @@ def what_if_run(
     absolute path (see :func:`source_run` for a what-if output moved with its source)."""
     run_dir = Path(run_dir)
     reader = CaptureReader(run_dir)  # refuses a run without a usable capture, naming why
+    for layer in reader.manifest.get("layers", []):
+        family = layer.get("family")
+        if family in NOT_APPLICABLE:
+            raise RunDirectoryError(
+                f"{run_dir}: what-if does not apply to layer {layer.get('layer')}'s family {family} "
+                f"({NOT_APPLICABLE[family]}): it replays delta-rule writes with OSDN's write key d ⊙ k "
+                "(docs/families.md); nothing was written"
+            )
     out = what_if_out(run_dir, settings, out_dir)
     with output_lock(out):
         return _what_if(run_dir, reader, settings, out, overwrite=overwrite, then=then, **replay_kw)

@@ -295,7 +295,20 @@ class Capture:
             if use_reference:  # the reference reads every argument, defaults included
                 out = site.adapter.reference({**{n: x for n, x in kw.items() if n != PHASE1_D}, **overrides})
             else:  # fla gets what the caller gave, by name, plus the overrides
-                out = original(**{**_bind(original, args, kwargs, defaults=False), **overrides})
+                try:
+                    out = original(**{**_bind(original, args, kwargs, defaults=False), **overrides})
+                except AssertionError as err:
+                    if "does not support float32" not in str(err):
+                        raise
+                    # fla 0.6.0's chunk entry points assert on fp32 inputs: the model's dtype, an
+                    # input the user chose, not a fault of the kernel or of this package.
+                    where = "" if self._current is None else f"layer {self._current[0]} ({self._current[1]}): "
+                    raise ValueError(
+                        f"{where}fla's {site.name} refuses float32 inputs ({err}); run the model in bf16 "
+                        "(--dtype bf16, on a GPU: Triton's interpreter gets bf16 dot products wrong), "
+                        "with prompts of at most 64 tokens (the layer's fused recurrent kernel), or with "
+                        "--kernels reference"
+                    ) from None
             if trajectory:
                 kw[PHASE1_D] = out.d
             if recording:

@@ -188,6 +188,14 @@ class CaptureReader:
                 f"{run_dir}: a what-if output (a counterfactual replay of {manifest.get('source_run')}), "
                 f"which stores no capture of its own; {untouched}. Run what-if on the source run instead"
             )
+        if manifest.get("merge_needed") and batches is None:
+            # Rank 0's directory of a multi-node run without a shared file system: the other nodes'
+            # shards are in their own --out, so the capture here is not damaged, only partial.
+            raise RunDirectoryError(
+                f"{run_dir}: rank 0's part of a run whose other ranks wrote under their own nodes' --out "
+                f"(merge_needed); {untouched}. Assemble it with `osdn-diag merge {run_dir} NODE_DIR... "
+                "--out MERGED` and use MERGED"
+            )
         require_stage(run_dir, manifest, "capture")
         if manifest.get("capture_stored") is False:
             raise RunDirectoryError(

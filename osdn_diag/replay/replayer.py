@@ -392,6 +392,14 @@ def comparator_summary(table: pa.Table, box: tuple[float, float]) -> dict:
 
 
 def _add_retention(acc, call, prompt_ids, prompts, lengths) -> None:
+    if call.family in families.NOT_APPLICABLE:
+        # The probes recompute states with the delta rule along the record's k (d ⊙ k): not these
+        # families' writes, so their numbers would describe another model.
+        raise ValueError(
+            f"layer {call.layer} ({call.layer_name}): --retained does not apply to the family "
+            f"{call.family} ({families.NOT_APPLICABLE[call.family]}): its probes replay delta-rule writes "
+            "(docs/families.md); replay without --retained"
+        )
     for seq, (pid, length) in enumerate(zip(prompt_ids, lengths)):
         info = prompts.get(int(pid), {})
         repeat = int(info.get("repeat_start", -1))

@@ -335,3 +335,17 @@ def test_osdn_d_is_phase_one_of_the_stored_keys(fla_runs, name):
                 wk = tensors["write_key"][row, span].double()
                 assert ((wk - want * k).abs() <= 1e-5 * k.abs()).all()
     assert moved > 0.01
+
+
+@pytest.mark.parametrize("preset", ["deltanet-tiny", "gated-deltaproduct-tiny"])
+def test_fp32_refused_by_a_chunk_kernel_is_one_line(preset, tmp_path, capsys):
+    """fla 0.6.0's chunk entry points assert on fp32 inputs (here: 80 tokens on the CPU, the default
+    fp32): a one-line error naming the kernel and what to do, exit status 2, not fla's traceback."""
+    from osdn_diag.cli import entry
+
+    assert entry(["run", f"random:{preset}", "--prompts", "random", "--num-prompts", "1", "--length", "80",
+                  "--kernels", "fla", "--device", "cpu", "--dtype", "fp32", "--out", str(tmp_path / "r"),
+                  "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refuses float32 inputs" in err and "--dtype bf16" in err, err
+    assert "layer 0 (" in err and "chunk_" in err, err

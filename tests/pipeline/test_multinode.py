@@ -189,3 +189,33 @@ def test_a_nodes_own_out_holding_parts(tmp_path):
     _prepare_node_output(out, "b" * 32, overwrite=True, resume=False)
     assert not shard.exists() and not (out / "ranks").exists()
     assert (out / "capture" / "batch_00001" / "notes.txt").read_text() == "mine"
+
+
+def test_replay_and_what_if_of_rank_0s_part_say_merge(tmp_path, capsys):
+    """Rank 0's --out of a run without a shared file system holds only its own shards: replay and
+    what-if on it say to merge (not that the capture is damaged and must be captured again)."""
+    import torch
+
+    from osdn_diag.capture import CaptureWriter, KernelCall
+    from osdn_diag.math import deltanet
+
+    gen = torch.Generator().manual_seed(0)
+    q, v = torch.randn(1, 6, 1, 4, generator=gen), torch.randn(1, 6, 1, 4, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, 6, 1, 4, generator=gen), dim=-1)
+    beta = torch.rand(1, 6, 1, generator=gen)
+    run = tmp_path / "node0"
+    w = CaptureWriter(run)
+    w.begin({"model": {"spec": "synthetic"}, "prompts": [{"id": 0, "task": "a", "length": 6, "repeat_start": -1},
+                                                          {"id": 1, "task": "a", "length": 6, "repeat_start": -1}]})
+    for b in (0, 1):
+        w.write(b, [b], KernelCall(layer=0, layer_name="l0", family="delta_rule", kernel="x", q=q, k=k, v=v,
+                                   beta=beta, o=deltanet(q, k, v, beta).o, scale=0.5))
+    w.finish()
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**manifest, "world_size": 2, "shared_out": False,
+                                                   "merge_needed": True}))
+    shutil.rmtree(run / "capture" / "batch_00001")  # rank 1's shards are on the other node
+    for argv in (["replay", str(run)], ["what-if", str(run), "--out", str(tmp_path / "wi")]):
+        err = _one_line([*argv, "-q"], capsys)
+        assert "merge_needed" in err and "osdn-diag merge" in err and "damaged" not in err, err
+    assert not (tmp_path / "wi").exists()

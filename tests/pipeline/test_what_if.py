@@ -86,3 +86,38 @@ def test_what_if_reports_no_recall(run_dir):
 def test_bad_settings():
     with pytest.raises(ValueError, match="'retention'"):
         WhatIf(retention=1.5)
+
+
+@pytest.mark.parametrize("preset,family", [("comba-tiny", "comba"), ("gdn2-tiny", "gdn2"),
+                                           ("momentum-deltanet-tiny", "momentum_delta_rule"),
+                                           ("rwkv7-tiny", "rwkv7")])
+def test_refused_for_families_whose_write_is_not_the_delta_rule(preset, family, tmp_path, capsys):
+    """Comba, GDN-2, MomentumDeltaNet and RWKV-7 do not write along their read key: swapping in d ⊙ k
+    is not their writes under OSDN's d (GDN-2's at η = 0 would not even be the model's own), so
+    what-if refuses them on one line, before anything is written. (Reference kernels: a tiny run.)"""
+    from osdn_diag.cli import entry
+
+    run = tmp_path / "run"
+    assert main(["run", f"random:{preset}", "--prompts", "random", "--num-prompts", "1", "--length", "8",
+                 "--out", str(run), "--device", "cpu", "-q"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "wi"
+    assert entry(["what-if", str(run), "--eta", "0", "--out", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"family {family}" in err and "does not apply" in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("preset,family", [("gdn2-tiny", "gdn2"), ("rwkv7-tiny", "rwkv7")])
+def test_retained_refused_for_those_families(preset, family, tmp_path, capsys):
+    """The retention probe replays delta-rule writes along the record's k: for these families that is
+    another model's state, so `--retained` is refused on one line rather than reported."""
+    from osdn_diag.cli import entry
+
+    run = tmp_path / "run"
+    assert main(["run", f"random:{preset}", "--prompts", "random", "--num-prompts", "1", "--length", "8",
+                 "--out", str(run), "--device", "cpu", "-q"]) == 0
+    capsys.readouterr()
+    assert entry(["replay", str(run), "--retained", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"family {family}" in err and "--retained does not apply" in err, err

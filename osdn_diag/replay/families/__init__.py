@@ -29,7 +29,18 @@ import importlib
 from collections.abc import Callable
 from functools import cache
 
-__all__ = ["MODULES", "column_types", "columns", "hints", "replays"]
+__all__ = ["MODULES", "NOT_APPLICABLE", "column_types", "columns", "hints", "replays"]
+
+#: Families whose write is not a delta-rule write along the loss's read key, so that swapping in
+#: ``d ⊙ k`` as the write key is not "the same writes under OSDN's preconditioner" (at η = 0 it would
+#: not even reproduce the model): what-if refuses their runs, and so does the retention probe
+#: (``--retained``), which replays delta-rule writes (docs/families.md says why, per family).
+NOT_APPLICABLE: dict[str, str] = {
+    "comba": "Comba writes along k and removes along p, against the undecayed state",
+    "gdn2": "GDN-2 writes along k, not along its read key b ⊙ k",
+    "momentum_delta_rule": "MomentumDeltaNet writes through a momentum buffer",
+    "rwkv7": "RWKV-7 writes v kᵀ along a key other than its removal key",
+}
 
 #: The family modules, in the order their columns are listed.
 MODULES: tuple[str, ...] = ("comba", "gated_deltaproduct", "momentum_delta_rule", "rwkv7")

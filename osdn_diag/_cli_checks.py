@@ -204,7 +204,15 @@ def check_args(args) -> None:
         _check_placement(args.out)
         _check_model(args.model)
     if cmd == "demo":
-        _positive("--num-prompts", args.num_prompts)
+        if args.out is None:
+            args.out = "osdn-demo-lm" if args.lm else "osdn-demo"
+        if args.num_prompts is not None:
+            _positive("--num-prompts", args.num_prompts)
+        if args.length is not None:
+            if not args.lm:
+                raise UsageError("argument --length: the MQAR demo asks its models at the shape they were "
+                                 "trained on; --length applies to the language-model demo (--lm) only")
+            _positive("--length", args.length, 2)
         check_writable_dir(args.out, "argument --out")
     if cmd in ("replay", "what-if"):
         directory = Path(args.dir)

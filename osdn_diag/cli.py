@@ -193,11 +193,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import format_rows, run_demo
 
     start = time.perf_counter()
-    report, rows = run_demo(args.out, num_prompts=args.num_prompts, models=args.models,
-                            device=args.device, seed=args.seed, progress=not args.quiet,
+    report, rows = run_demo(args.out, num_prompts=args.num_prompts, models=args.models, lm=args.lm,
+                            length=args.length, device=args.device, seed=args.seed, progress=not args.quiet,
                             overwrite=args.overwrite)
     print(f"\n{format_rows(rows)}")
-    print(f"\nq: residual ratio per write (lower = stronger contraction); acc: recall accuracy. "
+    scored = ("ppl: held-out perplexity (twice: on the repeated window)" if args.lm
+              else "acc: recall accuracy")
+    print(f"\nq: residual ratio per write (lower = stronger contraction); {scored}. "
           f"{time.perf_counter() - start:.0f} s.")
     print(f"report: {report}")
     return 0
@@ -379,11 +381,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the diagnostic on the built-in trained models, offline",
                           description="Capture and replay the built-in MQAR-trained DeltaNet, OSDN and "
                           "OSDN-APF models on MQAR and MQAR-twice prompts and write one report "
-                          "comparing them (contraction table, recall accuracy, contraction curve). "
+                          "comparing them (contraction table, recall accuracy, contraction curve); with "
+                          "--lm, the built-in language models on held-out text, single and repeated "
+                          "(contraction table, held-out perplexity, contraction curve). "
                           "Runs on the CPU when there is no GPU.")
-    demo.add_argument("--out", default="osdn-demo", metavar="DIR", help="where to write (./osdn-demo)")
-    demo.add_argument("--num-prompts", type=int, default=16,
-                      help="MQAR contexts per model, each asked single and twice (16)")
+    demo.add_argument("--lm", action="store_true",
+                      help="the built-in language models (lm-deltanet, lm-osdn, lm-osdn-apf) on held-out "
+                      "text instead of the MQAR models")
+    demo.add_argument("--out", default=None, metavar="DIR",
+                      help="where to write (./osdn-demo, or ./osdn-demo-lm with --lm)")
+    demo.add_argument("--num-prompts", type=int, default=None,
+                      help="MQAR contexts (16), or with --lm held-out windows (4), per model, each asked "
+                      "single and twice")
+    demo.add_argument("--length", type=int, default=None,
+                      help="with --lm: tokens per held-out window (256)")
     demo.add_argument("--models", nargs="+", metavar="NAME",
                       help="built-in model names (default: mqar-deltanet mqar-osdn mqar-osdn-apf)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the prompt suite (0)")
@@ -426,6 +437,26 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+#: The commands that run a model or a replay (the others read and write files only).
+_MODEL_COMMANDS = ("capture", "replay", "run", "what-if", "demo")
+
+
+def _cpu_threads(device: str | None) -> None:
+    """On the CPU, one torch thread unless ``OMP_NUM_THREADS`` says otherwise: the work is many small
+    operations (Triton's interpreter, per-token recurrences), where a second thread gains little on
+    an idle machine and, beside one other busy process on two cores, made the demo 7× slower
+    (docs/performance.md). torchrun sets ``OMP_NUM_THREADS`` itself."""
+    import os
+
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    on_cpu = str(device).startswith("cpu") if device else not torch.cuda.is_available()
+    if on_cpu:
+        torch.set_num_threads(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command; errors propagate (for use from Python and tests). The arguments are checked
     (:func:`osdn_diag._cli_checks.check_args`) before fla is imported or anything is written."""
@@ -435,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     check_args(args)
     if args.command != "prove":
         _quiet_libraries()
+    if args.command in _MODEL_COMMANDS:
+        _cpu_threads(getattr(args, "device", None))
     try:
         return args.func(args)
     finally:

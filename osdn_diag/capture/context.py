@@ -176,6 +176,8 @@ class Capture:
                     continue
                 setattr(module, site.name, self._wrap(site, original))
                 self._patched.append((module, site.name, original))
+            if self.kernels != "fla":
+                self._patch_short_conv()
             for site in hf.loaded_sites():
                 module = sys.modules[site.module]
                 original = getattr(module, site.name, None)
@@ -263,6 +265,33 @@ class Capture:
                 )
 
         return hook
+
+    def _patch_short_conv(self) -> None:
+        """Where the reference stands in for the delta-rule kernels on the CPU, fla's short
+        convolution runs in torch too (:func:`~osdn_diag.math.short_conv.causal_conv1d_reference`):
+        under Triton's interpreter it cost more than the rest of the forward pass. Calls with a
+        carried convolution state (decoding) or on a GPU still go to fla."""
+        from fla.modules.causal_conv1d import ops
+
+        from ..math.short_conv import causal_conv1d_reference
+
+        original = ops.causal_conv1d
+
+        def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                          activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                          cp_context=None, **kwargs):
+            if (weight is None or initial_state is not None or output_final_state or cp_context is not None
+                    or not self._use_reference(x)):
+                return original(x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
+                                output_final_state=output_final_state, activation=activation, backend=backend,
+                                cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+                                cp_context=cp_context, **kwargs)
+            y = causal_conv1d_reference(x, weight, bias, residual, activation, cu_seqlens)
+            return y, None
+
+        causal_conv1d.__wrapped__ = original
+        ops.causal_conv1d = causal_conv1d
+        self._patched.append((ops, "causal_conv1d", original))
 
     def _use_reference(self, x: torch.Tensor) -> bool:
         return self.kernels == "reference" or (self.kernels == "auto" and x.device.type != "cuda")

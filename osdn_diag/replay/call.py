@@ -36,6 +36,7 @@ from . import families
 
 __all__ = [
     "CallReplay",
+    "CHUNK16_TOLERANCE",
     "DEFAULT_TOLERANCE",
     "FidelityError",
     "ZERO_RESIDUAL",
@@ -55,9 +56,18 @@ DEFAULT_TOLERANCE = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 1e-2, "float1
 TF32_TOLERANCE = 1e-2
 
 
+#: fla's chunk kernels on 16-bit inputs also keep their intra-chunk products and intermediates in
+#: that dtype, and their output error grows beyond the output's own rounding: on an H200, trained
+#: 4-layer language models (``builtin:lm-*``, 16 prompts of 512 and 1,024 tokens) gave 3.9e-3 to
+#: 1.06e-2 (up to 2.7 units of bf16 rounding) while their final states stayed within 1.1 units.
+#: Accepted up to the 16-bit state tolerance, 5e-2 (12.8 units).
+CHUNK16_TOLERANCE = 5e-2
+
+
 def default_tolerance(call: KernelCall) -> float:
     """The fidelity tolerance for a call: by input dtype, relaxed to tf32 accuracy for fp32 inputs
-    to fla's chunk kernels on a GPU."""
+    to fla's chunk kernels on a GPU and to :data:`CHUNK16_TOLERANCE` where fla's chunk kernels compute
+    in 16 bits (:func:`working_precision`)."""
     if (
         call.input_dtype == "float32"
         and call.kernel.startswith("chunk")
@@ -65,6 +75,8 @@ def default_tolerance(call: KernelCall) -> float:
         and call.flags.get("device") == "cuda"
     ):
         return TF32_TOLERANCE
+    if working_precision(call) in ("bfloat16", "float16") and call.flags.get("path", "chunk") == "chunk":
+        return CHUNK16_TOLERANCE
     return DEFAULT_TOLERANCE.get(call.input_dtype, 1e-2)
 
 
@@ -328,9 +340,14 @@ def replay_call(
     if not math.isfinite(worst) or worst > tol:
         hint = families.hints().get(call.family)  # a family's known kernel limit, and what to do
         hint = None if hint is None else hint(call)
+        # In units of the working precision's rounding, as the state check reports (a kernel's own
+        # rounding is a few units; a record that misdescribes the kernel is usually far more).
+        units = worst / unit_roundoff(working_precision(call))
         raise FidelityError(
-            f"{where}: replayed outputs differ from the kernel's by {worst:.3g} (relative), above the "
-            f"tolerance {tol:.1g} — " + (hint or "the capture adapter does not describe this kernel")
+            f"{where}: replayed outputs differ from the kernel's by {worst:.3g} (relative; {units:.3g} units "
+            f"of {working_precision(call)} rounding), above the tolerance {tol:.1g} — "
+            + (hint or "the capture adapter does not describe this kernel (if the error is the kernel's own "
+                       "rounding, --tolerance accepts it)")
         )
     if state_tolerance is None:
         state_tol = math.inf if tolerance is not None and math.isinf(tolerance) else default_state_tolerance(call)

@@ -140,6 +140,15 @@ class RatioAccumulator:
             groups[key_of(*key)] += stats
         return {k: groups[k].as_dict() for k in sorted(groups)}
 
+    def per_token(self, families: Mapping[int, str]) -> dict:
+        """The overall and per-family statistics only (``{"all": ..., "by_family": {...}}``): what
+        the summary adds for the per-token ratio (``token_ratio``, see :class:`RatioAccumulator`)."""
+        total = RatioStats()
+        for stats in self.cells.values():
+            total += stats
+        return {"all": total.as_dict(),
+                "by_family": self._by(lambda layer, head, task, b: families.get(layer, "unknown"))}
+
     def _bins(self, select: Callable[..., bool]) -> dict:
         totals = [RatioStats() for _ in range(self.num_bins)]
         for key, stats in self.cells.items():

@@ -97,6 +97,10 @@ class Replayer:
         self.np_dtype = "float64" if dtype == torch.float64 else "float32"
         self.ratios = RatioAccumulator("residual_ratio")
         self.post = RatioAccumulator("residual_ratio_post")
+        # One ratio per token (a micro-step family's token_ratio on its step-0 rows, every other
+        # family's residual_ratio): the summary's per-token q_geo, comparable across families.
+        self.tokens = RatioAccumulator("token_ratio")
+        self.tokens_post = RatioAccumulator("token_ratio_post")
         self.audit = AuditAccumulator()
         self.retention = RetentionAccumulator() if retained else None
         self.box = box
@@ -138,6 +142,9 @@ class Replayer:
         tasks = [str(self.prompts.get(p, {}).get("task", "")) for p in stored.prompts]
         for acc in (self.ratios, self.post):
             acc.add(call.layer, res.device_columns, tasks, res.sequence_lengths, call.num_heads)
+        per_token = _token_columns(res.device_columns)
+        for acc in (self.tokens, self.tokens_post):
+            acc.add(call.layer, per_token, tasks, res.sequence_lengths, call.num_heads)
         self.audit.add(call, res.grid["loss_before"], res.grid["finite"])
         if self.retention is not None:
             _add_retention(self.retention, call, stored.prompts, self.prompts, res.sequence_lengths)
@@ -179,6 +186,8 @@ class Replayer:
         self.flush()
         self.ratios.merge(other.ratios)
         self.post.merge(other.post)
+        self.tokens.merge(other.tokens)
+        self.tokens_post.merge(other.tokens_post)
         self.audit.merge(other.audit)
         if self.retention is not None and other.retention is not None:
             self.retention.merge(other.retention)
@@ -201,7 +210,7 @@ class Replayer:
         """What :meth:`merge` needs, picklable (sent between ranks)."""
         self.flush()
         return {name: getattr(self, name) for name in (
-            "ratios", "post", "audit", "retention", "fidelity", "against", "families", "tolerances", "nonfinite",
+            "ratios", "post", "tokens", "tokens_post", "audit", "retention", "fidelity", "against", "families", "tolerances", "nonfinite",
             "excluded_streams", "streams", "state_fidelity", "state_meta", "comparator_tables")}
 
     def _add_against(self, layer: int, kernels: str) -> None:
@@ -227,8 +236,10 @@ class Replayer:
     def summary(self) -> dict:
         boundary = repeat_boundaries(self.prompts.values())
         summary = self.ratios.summary(boundary, self.families)
+        _add_per_token(summary, self.tokens.per_token(self.families))
         if self.post.cells:
             summary["post_decay"] = self.post.summary(boundary, self.families)
+            _add_per_token(summary["post_decay"], self.tokens_post.per_token(self.families))
         # The headline error counts only layers checked against a live kernel: replaying the stand-in
         # reproduces it by construction, so its agreement is no evidence (null when no kernel ran).
         live = [v for k, v in self.fidelity.items() if self.against.get(k, "fla") != "reference"]
@@ -271,6 +282,36 @@ class Replayer:
         if table is not None:
             summary["comparator"] = comparator_summary(table, self.box)
         return summary
+
+
+def _token_columns(columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One row per (sequence, head, token) with its ratio as ``token_ratio`` (``token_ratio_post``):
+    a micro-step family's rows (``step`` present) at ``step = 0``, where its ``token_ratio`` is the
+    product of the token's micro-step ratios; every other family's rows as they are, its
+    ``residual_ratio`` (``residual_ratio_post``) being the token's ratio."""
+    if "step" not in columns:
+        out = {k: columns[k] for k in ("sequence", "head", "pos", "finite")}
+        out["token_ratio"] = columns["residual_ratio"]
+        if "residual_ratio_post" in columns:
+            out["token_ratio_post"] = columns["residual_ratio_post"]
+        return out
+    first = columns["step"] == 0
+    return {k: columns[k][first] for k in ("sequence", "head", "pos", "finite", "token_ratio", "token_ratio_post")
+            if k in columns}
+
+
+def _add_per_token(summary: dict, per_token: dict) -> None:
+    """Add the per-token statistics to a summary (or its ``post_decay``): ``q_geo_per_token`` and
+    ``n_tokens`` overall and in every ``by_family`` entry, and there the ``unit`` of the entry's
+    ``q_geo``, ``q_arith`` and ``n`` — ``"micro-step"`` for a family of several writes per token
+    (:data:`families.MICRO_STEP_FAMILIES`), else ``"token"`` (where the two statistics coincide)."""
+    summary["q_geo_per_token"] = per_token["all"]["q_geo"]
+    summary["n_tokens"] = per_token["all"]["n"]
+    for family, entry in summary.get("by_family", {}).items():
+        stats = per_token["by_family"].get(family, {"q_geo": float("nan"), "n": 0})
+        entry["unit"] = "micro-step" if family in families.MICRO_STEP_FAMILIES else "token"
+        entry["q_geo_per_token"] = stats["q_geo"]
+        entry["n_tokens"] = stats["n"]
 
 
 class _Problems:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from ..capture.store import atomic_write_text
+from ..replay.families import MICRO_STEP_FAMILIES, NOT_APPLICABLE
 from ..replay.results import load_run
 from ..rundir import (
     MANIFEST,
@@ -57,6 +58,50 @@ def _f(x, digits: int = 3) -> str:
     return "–" if x is None or x != x else f"{x:.{digits}f}"
 
 
+def _q(x) -> str:
+    """A ratio statistic: 3 decimals, or 3 significant digits below 0.01 (a per-token ratio of a
+    micro-step family is a product of several ratios, often far below what 3 decimals show)."""
+    if x is None or x != x:
+        return "–"
+    return f"{x:.3f}" if x >= 0.01 else f"{x:.2e}"
+
+
+#: The token-local loss of the families whose loss is not ``½‖S k_t − v_t‖²`` on the write's own key
+#: (docs/families.md); a GatedDeltaProduct micro-step's loss is that form on the micro-step's key.
+OWN_LOSS = {
+    "comba": "`½‖S p_t − v_t‖²` (read with its removal key p_t)",
+    "gdn2": "`½‖S (b_t ⊙ k_t) − w_t ⊙ v_t‖²` (erase gate b_t, write gate w_t)",
+    "rwkv7": "`½‖S κ̂_t − v_t‖²` (read with its normalised removal key κ̂_t)",
+}
+
+
+def _families(m: dict) -> set[str]:
+    return {layer.get("family", "") for layer in m.get("layers", [])}
+
+
+def _micro_steps(m: dict, s: dict) -> list[int] | None:
+    """The micro-steps per token of a run whose ratios are per micro-step (a GatedDeltaProduct
+    layer's), from its layers' ``micro_steps`` flag; ``None`` for a run of one write per token."""
+    units = {e.get("unit") for e in s.get("by_family", {}).values()}
+    if "micro-step" not in units and not _families(m) & MICRO_STEP_FAMILIES:
+        return None
+    return sorted({int(layer.get("flags", {}).get("micro_steps", 1)) for layer in m.get("layers", [])
+                   if layer.get("family") in MICRO_STEP_FAMILIES})
+
+
+def _writes_cell(m: dict, s: dict) -> str:
+    steps = _micro_steps(m, s)
+    if steps is None:
+        return "per token"
+    return f"per micro-step ({' or '.join(map(str, steps))} per token)"
+
+
+def _unit_label(label: str, m: dict, s: dict) -> str:
+    """A run's label where its per-write numbers stand beside others': marked when they are per
+    micro-step."""
+    return label if _micro_steps(m, s) is None else f"{label} (per micro-step)"
+
+
 def _cell(text) -> str:
     """A table cell: ``|`` escaped and line breaks made spaces (task names and labels are the user's)."""
     return " ".join(str(text).replace("\\", "\\\\").replace("|", "\\|").splitlines())
@@ -73,31 +118,49 @@ def _label(run_dir: Path, manifest: dict) -> str:
     return spec if len(spec) <= 40 else run_dir.name
 
 
-def _contraction_table(runs) -> str:
-    """Table 8's layout: q_geo, q_arith, then q_geo per task."""
+def _contraction_table(runs, micro: bool = False) -> str:
+    """Table 8's layout: q_geo, q_arith, then q_geo per task. With ``micro`` (a run of the report
+    makes several writes per token), the unit of each row's numbers ("writes") and the per-token
+    q_geo and token count, which compare across families, follow."""
     tasks = sorted({t for _, _, s in runs for t in s["by_task"]})
-    header = ["model", "q_geo ↓", "q_arith ↓", *[f"{t} q_geo ↓" for t in tasks], "n"]
+    header = ["model", *(["writes"] if micro else []), "q_geo ↓", "q_arith ↓",
+              *[f"{t} q_geo ↓" for t in tasks], "n", *(["q_geo per token ↓", "tokens"] if micro else [])]
     rows = []
-    for label, _, s in runs:
+    for label, m, s in runs:
         by_task = s["by_task"]
+        tokens = s.get("n_tokens")
         rows.append(
-            [label, _f(s["q_geo"]), _f(s["q_arith"]),
-             *[_f(by_task.get(t, {}).get("q_geo")) for t in tasks], f"{s['n']:,}"]
+            [label, *([_writes_cell(m, s)] if micro else []), _q(s["q_geo"]), _q(s["q_arith"]),
+             *[_q(by_task.get(t, {}).get("q_geo")) for t in tasks], f"{s['n']:,}",
+             *([_q(s.get("q_geo_per_token")), "–" if tokens is None else f"{tokens:,}"] if micro else [])]
         )
     return _table(header, rows)
+
+
+def _units_note(runs) -> list[str]:
+    """Beside a table where a run's numbers are per micro-step: what that means, and which column
+    compares across families."""
+    micro = [label for label, m, s in runs if _micro_steps(m, s) is not None]
+    if not micro:
+        return []
+    return [f"Units: {', '.join(micro)} {'makes' if len(micro) == 1 else 'make'} several writes "
+            "(micro-steps) per token (GatedDeltaProduct): its q_geo, q_arith, per-task q_geo and n are per "
+            "micro-step write, every other family's per token. `q_geo per token` is the geometric mean "
+            "of each token's ratio (the product of its micro-steps' ratios, `token_ratio`), i.e. "
+            "q_geo^n for n micro-steps per token: it is the column that compares across families.", ""]
 
 
 def _bins_table(runs) -> str:
     edges = runs[0][2]["position_bins"]["edges"]
     header = ["model", *[f"[{a:.1f}, {b:.1f})" for a, b in zip(edges[:-1], edges[1:])]]
-    rows = [[label, *[_f(x) for x in s["position_bins"]["q_geo"]]] for label, _, s in runs]
+    rows = [[_unit_label(label, m, s), *[_q(x) for x in s["position_bins"]["q_geo"]]] for label, m, s in runs]
     return _table(header, rows)
 
 
 def _layer_table(runs) -> str:
     layers = sorted({layer for _, _, s in runs for layer in s["by_layer"]}, key=int)
-    header = ["layer", *[label for label, _, _ in runs]]
-    rows = [[str(int(layer)), *[_f(s["by_layer"].get(layer, {}).get("q_geo")) for _, _, s in runs]]
+    header = ["layer", *[_unit_label(label, m, s) for label, m, s in runs]]
+    rows = [[str(int(layer)), *[_q(s["by_layer"].get(layer, {}).get("q_geo")) for _, _, s in runs]]
             for layer in layers]
     return _table(header, rows)
 
@@ -109,6 +172,10 @@ def _family_tables(runs) -> list[str]:
     if sum(len(s.get("by_family", {})) for _, _, s in runs) < 2:
         return []
     gated = any("post_decay" in s for _, _, s in runs)  # the post-decay column only where there is one
+    # Where a family of several writes per token is in the report, every table says per what its
+    # numbers are and adds the per-token ones, the columns that compare across families.
+    micro = any(f in MICRO_STEP_FAMILIES or e.get("unit") == "micro-step"
+                for _, _, s in runs for f, e in s.get("by_family", {}).items())
     parts = []
     for family in families:
         rows = []
@@ -117,10 +184,23 @@ def _family_tables(runs) -> list[str]:
             if stats is None:
                 continue
             layers = [layer["layer"] for layer in m.get("layers", []) if layer.get("family") == family]
-            post = s.get("post_decay", {}).get("by_family", {}).get(family, {}).get("q_geo")
-            rows.append([label, str(len(layers)), _f(stats["q_geo"]), _f(stats["q_arith"]),
-                         *([_f(post)] if gated else []), f"{stats['n']:,}"])
-        header = ["model", "layers", "q_geo ↓", "q_arith ↓", *(["post-decay q_geo ↓"] if gated else []), "n"]
+            post_stats = s.get("post_decay", {}).get("by_family", {}).get(family, {})
+            row = [label, str(len(layers))]
+            if micro:
+                unit = stats.get("unit") or ("micro-step" if family in MICRO_STEP_FAMILIES else "token")
+                row.append(f"per {unit}")
+            row += [_q(stats["q_geo"]), _q(stats["q_arith"]), *([_q(post_stats.get("q_geo"))] if gated else []),
+                    f"{stats['n']:,}"]
+            if micro:
+                tokens = stats.get("n_tokens")
+                row += [_q(stats.get("q_geo_per_token")),
+                        *([_q(post_stats.get("q_geo_per_token"))] if gated else []),
+                        "–" if tokens is None else f"{tokens:,}"]
+            rows.append(row)
+        header = ["model", "layers", *(["writes"] if micro else []), "q_geo ↓", "q_arith ↓",
+                  *(["post-decay q_geo ↓"] if gated else []), "n",
+                  *(["q_geo per token ↓", *(["post-decay q_geo per token ↓"] if gated else []), "tokens"]
+                    if micro else [])]
         parts += [f"### {family}", "", _table(header, rows), ""]
     return parts
 
@@ -341,6 +421,42 @@ def _comparator_table(runs) -> str:
     return _table(header, rows)
 
 
+def _comparator_runs(runs) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """``(shown, left_out)``: the runs' ``(label, summary["comparator"])``, split by whether Theorem
+    D.7's comparator is that of the run's writes. It models a delta-rule write along ``d ⊙ k`` for
+    the key the loss reads; Comba, GDN-2, MomentumDeltaNet and RWKV-7 write otherwise
+    (:data:`NOT_APPLICABLE`, docs/families.md), so a run all of whose layers are of those families is
+    left out of the table (its rows stay in comparator.parquet)."""
+    shown, left_out = [], []
+    for label, m, s in runs:
+        if not s.get("comparator"):
+            continue
+        fams = _families(m)
+        (left_out if fams and fams <= set(NOT_APPLICABLE) else shown).append((label, s["comparator"]))
+    return shown, left_out
+
+
+def _not_applicable_note(left_out, runs) -> list[str]:
+    """The note naming the runs left out of the comparator table, and why; and, for a run of both
+    kinds of layers, that its row includes layers the theorem does not describe."""
+    lines = []
+    if left_out:
+        fams = sorted({f for label, m, _ in runs for f in _families(m) if label in {n for n, _ in left_out}})
+        lines.append(
+            f"Not shown: {', '.join(n for n, _ in left_out)} ({', '.join(fams)}). Theorem D.7's comparator "
+            "models a delta-rule write along d ⊙ k for the key the loss reads, which is not these "
+            "families' write (" + "; ".join(NOT_APPLICABLE[f] for f in fams) + "): their rows in "
+            "comparator.parquet are the comparator of the same keys under a plain delta rule, not a "
+            "bound on the model's ratios (docs/families.md).")
+    shown = {n for n, _, s in runs if s.get("comparator")} - {n for n, _ in left_out}
+    for label, m, _ in runs:
+        mixed = sorted(_families(m) & set(NOT_APPLICABLE))
+        if label in shown and mixed:
+            lines.append(f"{label}'s row includes its {', '.join(mixed)} layers, to which the theorem does "
+                         "not apply (docs/families.md).")
+    return [line for text in lines for line in (text, "")]
+
+
 def eps_q_series(paths, names) -> list[tuple[str, list[float], list[float]]]:
     """``(label, ε_T^diag per stream, q_geo per stream)`` of each run that has ``comparator.parquet``
     (the stream's q_geo is ``exp(log_prod_q / n_valid)``; streams with no valid write are left out)."""
@@ -371,6 +487,37 @@ def _retained_table(retained) -> str:
             rows.append([label, task, _f(r["mean_error_at_last_token"]),
                          _f(r["mean_error_of_first_copy_at_last_token"]), dist])
     return _table(header, rows)
+
+
+def _preamble(runs) -> str:
+    """What the ratios are: the loss each family's write is a step on (its own for Comba, GDN-2 and
+    RWKV-7), and per what write they are taken (a micro-step for GatedDeltaProduct)."""
+    fams = set().union(*(_families(m) for _, m, _ in runs))
+    own = sorted(fams & set(OWN_LOSS))
+    loss = "`f_t` the token-local loss the layer's write is a step on" if own else "`f_t(S) = ½‖S k_t − v_t‖²`"
+    text = (f"Residual ratio of every write, replayed in fp32 from what the kernels received: "
+            f"`q_t = f_t(S_t) / f_t(S_{{t−1}})` with {loss} (lower is stronger contraction; `q_t = 1` where "
+            "`f_t(S_{t−1}) = 0`). `q_geo` is the geometric mean over every (prompt, layer, head, position), "
+            "`q_arith` the arithmetic mean.")
+    if own:
+        others = sorted(fams - set(OWN_LOSS) - MICRO_STEP_FAMILIES)
+        text += (" Each family's loss is its own: "
+                 + "; ".join(f"{f}: {OWN_LOSS[f]}" for f in own)
+                 + (f"; {', '.join(others)}: `½‖S k_t − v_t‖²`" if others else "")
+                 + (f"; gated_delta_product: each micro-step's `½‖S k_{{t,j}} − v_{{t,j}}‖²`"
+                    if fams & MICRO_STEP_FAMILIES else "")
+                 + " (docs/families.md" + ("; the By family section below gives each family's numbers"
+                                          if _has_family_section(runs) else "") + ").")
+    if fams & MICRO_STEP_FAMILIES:
+        text += (" GatedDeltaProduct layers make several writes (micro-steps) per token, each a step on "
+                 "`½‖S k_{t,j} − v_{t,j}‖²` with the micro-step's own key and value: their ratios are per "
+                 "micro-step, and `q_geo per token` (of each token's product of its micro-step ratios) is "
+                 "the number that compares with other families.")
+    return text
+
+
+def _has_family_section(runs) -> bool:
+    return sum(len(s.get("by_family", {})) for _, _, s in runs) >= 2
 
 
 def write_report(
@@ -444,7 +591,8 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
         }, indent=2))
     remove_report_files(out)  # plots of an earlier report that this one may not draw
     plots = out / "plots"
-    pairs = [(n, s) for n, _, s in runs]
+    micro = any(_micro_steps(m, s) is not None for _, m, s in runs)
+    pairs = [(_unit_label(n, m, s), s) for n, m, s in runs]  # the plots' q_geo are per write
     save(plot_contraction(pairs), plots / "contraction.png")
     save(plot_q_bars(pairs), plots / "q_geo.png")
     save(plot_by_layer(pairs), plots / "by_layer.png")
@@ -452,16 +600,16 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
     retained_runs = [(n, s["retained"]) for n, _, s in runs if s.get("retained")]
     if retained_runs:
         save(plot_retained(retained_runs), plots / "retained.png")
-    eps_plot = _eps_vs_q_plot(paths, names, plots / "eps_vs_q.png")
+    comparators, not_applicable = _comparator_runs(runs)
+    shown = {n for n, _ in comparators}
+    eps_plot = _eps_vs_q_plot([p for p, n in zip(paths, names) if n in shown], [n for n in names if n in shown],
+                              plots / "eps_vs_q.png")
     d_plot = None if d_trajectory is None else save(plot_d_trajectory(*d_trajectory), plots / "d_trajectory.png")
 
     parts = [
         "# osdn-diag report",
         "",
-        "Residual ratio of every write, replayed in fp32 from what the kernels received: "
-        "`q_t = f_t(S_t) / f_t(S_{t−1})` with `f_t(S) = ½‖S k_t − v_t‖²` (lower is stronger "
-        "contraction; `q_t = 1` where `f_t(S_{t−1}) = 0`). `q_geo` is the geometric mean over every "
-        "(prompt, layer, head, position), `q_arith` the arithmetic mean.",
+        _preamble(runs),
         "",
         "## Runs",
         "",
@@ -469,8 +617,9 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
         "",
         "## Residual contraction (the paper's Table 8 layout)",
         "",
-        _contraction_table(runs),
+        _contraction_table(runs, micro),
         "",
+        *_units_note(runs),
         *_nonfinite_note(runs),
     ]
     recall = _recall_table(runs)
@@ -522,7 +671,11 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
     if family_tables:
         parts += ["## By family", "",
                   "The layers of each kernel family together, run by run (`by_family` in summary.json). "
-                  "What the ratio measures in each family: docs/families.md.", "", *family_tables]
+                  "What the ratio measures in each family: docs/families.md."
+                  + (" `writes` says per what q_geo, q_arith and n are: per micro-step for "
+                     "GatedDeltaProduct, per token for every other family; `q_geo per token` is per token "
+                     "for every family and is the column to compare across families." if micro else ""),
+                  "", *family_tables]
     if d_plot is not None:
         parts += ["## The preconditioner d", "", f"![d trajectory](plots/{d_plot.name})", "",
                   "The write-key preconditioner of one head over the first prompt: eight channels and "
@@ -548,9 +701,8 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
             _audit_table(runs),
             "",
         ]
-    comparators = [(n, s["comparator"]) for n, _, s in runs if s.get("comparator")]
-    if comparators:
-        box = comparators[0][1]["box"]
+    if comparators or not_applicable:
+        box = (comparators or not_applicable)[0][1]["box"]
         parts += [
             "## Comparator gap and Theorem D.7",
             "",
@@ -563,8 +715,8 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
             "reduces to AM–GM, so it must hold there; the informative numbers are ε_T^diag and the "
             "regret.",
             "",
-            _comparator_table(comparators),
-            "",
+            *([_comparator_table(comparators), ""] if comparators else []),
+            *_not_applicable_note(not_applicable, runs),
         ]
         if eps_plot is not None:
             parts += [f"![comparator gap against q_geo](plots/{eps_plot.name})", ""]
@@ -591,7 +743,7 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
             "`f_t(S_t) / f_t(S̄_{t−1})`, against the state after the layer's own decay — the ratio the "
             "write itself controls (the table above uses the paper's pre-decay definition).",
             "",
-            _contraction_table(gated),
+            _contraction_table(gated, micro),
             "",
         ]
     text = "\n".join(parts)

@@ -29,7 +29,7 @@ import importlib
 from collections.abc import Callable
 from functools import cache
 
-__all__ = ["MODULES", "NOT_APPLICABLE", "column_types", "columns", "hints", "replays"]
+__all__ = ["MICRO_STEP_FAMILIES", "MODULES", "NOT_APPLICABLE", "column_types", "columns", "hints", "replays"]
 
 #: Families whose write is not a delta-rule write along the loss's read key, so that swapping in
 #: ``d ⊙ k`` as the write key is not "the same writes under OSDN's preconditioner" (at η = 0 it would
@@ -41,6 +41,11 @@ NOT_APPLICABLE: dict[str, str] = {
     "momentum_delta_rule": "MomentumDeltaNet writes through a momentum buffer",
     "rwkv7": "RWKV-7 writes v kᵀ along a key other than its removal key",
 }
+
+#: Families that make several writes (micro-steps) per token, one row each: their ``residual_ratio``,
+#: and so ``q_geo``, ``q_arith`` and ``n``, are per micro-step; ``token_ratio`` (on the ``step = 0``
+#: rows) is the token's product of them (docs/families.md, GatedDeltaProduct).
+MICRO_STEP_FAMILIES: frozenset[str] = frozenset({"gated_delta_product"})
 
 #: The family modules, in the order their columns are listed.
 MODULES: tuple[str, ...] = ("comba", "gated_deltaproduct", "momentum_delta_rule", "rwkv7")

@@ -60,6 +60,9 @@ def prepare(a: argparse.Namespace) -> dict:
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    if a.vocab > 32768:  # heldout.safetensors holds the ids as int16
+        raise SystemExit(f"argument --vocab: the held-out tokens are stored as int16; expected --vocab <= 32768, "
+                         f"got {a.vocab}")
     root = corpus.stdlib_root() if a.stdlib is None else Path(a.stdlib)
     docs = corpus.stdlib_documents(root)
     tok = Tokenizer(models.BPE())
@@ -454,7 +457,7 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     pp = sub.add_parser("prepare", help="build the corpus, tokenizer and token files")
     pp.add_argument("--data", required=True)
-    pp.add_argument("--vocab", type=int, default=4096)
+    pp.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary (4096; at most 32768)")
     pp.add_argument("--stdlib", default=None, metavar="DIR",
                     help="the library to read (default: the running interpreter's standard library)")
     pp.add_argument("--ship", action="store_true", help="also copy tokenizer and held-out tokens into the package")

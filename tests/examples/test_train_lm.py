@@ -197,6 +197,18 @@ def test_prepare_defaults_to_the_interpreters_library(script, monkeypatch, tmp_p
     assert seen == [corpus.stdlib_root()]
 
 
+def test_prepare_refuses_a_vocabulary_beyond_int16(prepared, script, tmp_path):
+    """heldout.safetensors stores token ids as int16 (osdn_diag.prompts.corpus): a larger vocabulary is
+    refused before any work, rather than failing after the tokenizer was trained."""
+    lib, _, _, _ = prepared
+    with pytest.raises(SystemExit, match="--vocab <= 32768, got 32769"):
+        script.main(["prepare", "--data", str(tmp_path / "d"), "--stdlib", str(lib), "--vocab", "32769"])
+    assert not (tmp_path / "d").exists()
+    from safetensors.numpy import load_file
+
+    assert load_file(str(corpus.CORPUS_DIR / "heldout.safetensors"))["tokens"].dtype == np.int16  # as documented
+
+
 # --- train ------------------------------------------------------------------------------------------
 
 

@@ -5,9 +5,9 @@
         --arch deltanet osdn:0.003 osdn:0.03 osdn:0.3 osdn-apf gated-deltanet osgdn
     python examples/train_lm.py ship --runs checkpoints/lm --paper-eta 0.003
 
-``prepare`` reads the running interpreter's standard library (:mod:`osdn_diag.prompts.corpus`: every
-``.py`` file, split into train and held-out by a hash of its path), trains a byte-level BPE tokenizer
-on the train split and writes ``DATA/``: ``tokenizer.json`` and ``tokenizer_config.json``,
+``prepare`` reads the running interpreter's standard library, or the directory ``--stdlib`` names
+(:mod:`osdn_diag.prompts.corpus`: every ``.py`` file, split into train and held-out by a hash of its
+path relative to that directory), trains a byte-level BPE tokenizer on the train split and writes ``DATA/``: ``tokenizer.json`` and ``tokenizer_config.json``,
 ``train.bin`` (the train split's token ids as little-endian uint16, documents separated by
 ``<|endoftext|>``), ``heldout.safetensors`` and ``corpus.json``. ``--ship`` also copies what the
 diagnostic needs (tokenizer, held-out tokens, corpus.json) into the package's
@@ -60,7 +60,11 @@ def prepare(a: argparse.Namespace) -> dict:
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    docs = corpus.stdlib_documents()
+    if a.vocab > 32768:  # heldout.safetensors holds the ids as int16
+        raise SystemExit(f"argument --vocab: the held-out tokens are stored as int16; expected --vocab <= 32768, "
+                         f"got {a.vocab}")
+    root = corpus.stdlib_root() if a.stdlib is None else Path(a.stdlib)
+    docs = corpus.stdlib_documents(root)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -102,7 +106,7 @@ def prepare(a: argparse.Namespace) -> dict:
         "source": "the Python standard library's .py files (site-packages excluded)",
         "license": "PSF License Version 2 (the Python Software Foundation License)",
         "python": sys.version.split()[0],
-        "stdlib": str(corpus.stdlib_root()),
+        "stdlib": str(root),
         "sha256": digest.hexdigest(),
         "split": f"held out: files whose path's sha256 starts with a byte < {corpus.HELDOUT_BYTE}",
         "files": {split: len(docs[split]) for split in docs},
@@ -453,7 +457,9 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     pp = sub.add_parser("prepare", help="build the corpus, tokenizer and token files")
     pp.add_argument("--data", required=True)
-    pp.add_argument("--vocab", type=int, default=4096)
+    pp.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary (4096; at most 32768)")
+    pp.add_argument("--stdlib", default=None, metavar="DIR",
+                    help="the library to read (default: the running interpreter's standard library)")
     pp.add_argument("--ship", action="store_true", help="also copy tokenizer and held-out tokens into the package")
     pt = sub.add_parser("train", help="train the architectures in lockstep")
     pt.add_argument("--data", required=True)

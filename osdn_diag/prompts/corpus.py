@@ -10,9 +10,9 @@ The package ships what the diagnostic needs of it, in ``osdn_diag/builtin/lm-cor
 
 * ``tokenizer.json`` / ``tokenizer_config.json`` — the byte-level BPE tokenizer trained on the train
   split (also copied into every ``builtin:lm-*`` model, so ``{"text": ...}`` prompts work there);
-* ``heldout.safetensors`` — the held-out split tokenised: ``tokens`` (int32, every held-out document
-  one after another) and ``offsets`` (int64, ``[num_docs + 1]``: document ``i`` is
-  ``tokens[offsets[i]:offsets[i + 1]]``), documents in path order;
+* ``heldout.safetensors`` — the held-out split tokenised: ``tokens`` (int16, every held-out document
+  one after another; so a vocabulary of at most 32,768 tokens) and ``offsets`` (int64,
+  ``[num_docs + 1]``: document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``), documents in path order;
 * ``corpus.json`` — where the text came from (Python version, file counts, a sha256 over every path
   and file), the tokenizer's settings and the token counts of both splits.
 

@@ -25,6 +25,7 @@ from osdn_diag.catalog.builtin import (  # noqa: E402
 
 # Spelled out so that the test fails if a model is added, renamed or lost from the package data.
 NAMES = ["mqar-deltanet", "mqar-osdn", "mqar-osdn-apf"]
+LM_NAMES = ["lm-deltanet", "lm-osdn", "lm-osdn-apf"]  # the language models: tests/models/test_builtin_lm.py
 CLASS = {"mqar-deltanet": "DeltaNetForCausalLM", "mqar-osdn": "OSDNForCausalLM",
          "mqar-osdn-apf": "OSDNForCausalLM"}
 MODEL_TYPE = {"mqar-deltanet": "delta_net", "mqar-osdn": "osdn", "mqar-osdn-apf": "osdn"}
@@ -35,9 +36,9 @@ def _log(name):
             if line.strip()]
 
 
-def test_names_are_exactly_the_three_shipped_models():
-    assert builtin_names() == NAMES
-    assert builtin_names(BUILTIN_ROOT) == NAMES
+def test_names_are_exactly_the_shipped_models():
+    assert builtin_names() == sorted(NAMES + LM_NAMES)
+    assert builtin_names(BUILTIN_ROOT) == sorted(NAMES + LM_NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)

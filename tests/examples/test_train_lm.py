@@ -1,0 +1,407 @@
+"""examples/train_lm.py — ``prepare``, ``train`` and ``ship`` — on a small synthetic library, on the CPU.
+
+The script runs in this process (imported from its path, ``main(argv)``) rather than as a subprocess
+as tests/examples/test_examples.py runs the others: a subprocess would pay fla's import again (~5–10 s),
+and ``train`` is the only costly step (~8 s for three 1-layer models, 2 steps). ``train`` seeds torch's
+global generator, so it runs inside ``torch.random.fork_rng``.
+
+The library is a handful of generated ``.py`` files whose paths fall on both sides of the corpus split
+(:func:`osdn_diag.prompts.corpus.split_of`), beside files ``prepare`` must leave out (site-packages,
+bytecode caches, not UTF-8, not ``.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from osdn_diag.prompts import corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_FILES = ["mod1.py", "mod2.py", "mod3.py", "pkg/sub1.py"]
+HELDOUT_FILES = ["mod28.py", "pkg/sub6.py"]  # sha256 of the path starts with a byte < 13
+VOCAB = 300
+SEQ = 32
+TRAIN_ARGV = ["train", "--device", "cpu", "--arch", "deltanet", "osdn:0.003", "osdn:0.03", "--hidden", "32",
+              "--layers", "1", "--heads", "2", "--intermediate", "64", "--seq", str(SEQ), "--batch", "2",
+              "--steps", "2", "--eval-windows", "2", "--warmup", "1", "--lr", "0.01"]
+# --arch entry -> (checkpoint name, class, eta)
+ARCHS = {"deltanet": ("deltanet", "DeltaNetForCausalLM", None),
+         "osdn:0.003": ("osdn-eta0.003", "OSDNForCausalLM", 0.003),
+         "osdn:0.03": ("osdn-eta0.03", "OSDNForCausalLM", 0.03)}
+# |summary NLL - NLL recomputed here|: train evaluates its fp32 weights, the checkpoint holds them
+# rounded to bf16 (relative error <= 2^-9 per weight). On these models the rounding moves the mean
+# NLL by <= 3e-4 (measured); a target shifted by one token moves it by >= 0.1 and the twice NLL
+# differs from the single one by >= 5e-3, so 2e-3 tells the right number from those.
+NLL_TOL = 2e-3
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("train_lm_under_test", ROOT / "examples" / "train_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _source(seed: int, functions: int) -> str:
+    r = random.Random(seed)
+    words = "value index count result name items data None True False".split()
+    return "\n".join(
+        f"def f{seed}_{i}(x, y):\n    \"\"\"Return the {r.choice(words)} of x.\"\"\"\n"
+        f"    return x {r.choice('+-*')} y * {r.randint(0, 9)}\n" for i in range(functions))
+
+
+def _library(root: Path) -> dict[str, str]:
+    """Write the synthetic library; returns the ``.py`` files prepare must read, ``{relpath: text}``."""
+    files = {rel: _source(i, 30) for i, rel in enumerate(TRAIN_FILES + HELDOUT_FILES)}
+    files["mod2.py"] += "\n# non-ASCII text survives: π ≈ 3.14159, «quoted», 日本\n"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+    for rel in ("site-packages/third.py", "pkg/__pycache__/cached.py", "dist-packages/other.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("def third_party():\n    return 1\n")
+    (root / "latin1.py").write_bytes(b"# caf\xe9\n")  # not UTF-8: skipped
+    (root / "notes.txt").write_text("not a Python file\n")
+    return files
+
+
+@pytest.fixture(scope="module")
+def script():
+    return _load_script()
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, script):
+    base = tmp_path_factory.mktemp("lm")
+    lib = base / "lib"
+    files = _library(lib)
+    data = base / "data"
+    info = script.main(["prepare", "--data", str(data), "--stdlib", str(lib), "--vocab", str(VOCAB)])
+    return lib, files, data, info
+
+
+@pytest.fixture(scope="module")
+def trained(prepared, script, fla_interpreter):
+    _, _, data, _ = prepared
+    out = data.parent / "runs"
+    argv = [*TRAIN_ARGV, "--data", str(data), "--out", str(out)]
+    with pytest.MonkeyPatch.context() as mp, torch.random.fork_rng():
+        mp.setattr(sys, "argv", ["examples/train_lm.py", *argv])  # what the card's "Made by" quotes
+        results = script.main(argv)
+    return out, results, argv
+
+
+def _split(files, split):
+    return sorted((rel, text) for rel, text in files.items() if corpus.split_of(rel) == split)
+
+
+# --- prepare ----------------------------------------------------------------------------------------
+
+
+def test_the_synthetic_library_falls_on_both_sides_of_the_split():
+    assert [corpus.split_of(p) for p in TRAIN_FILES] == ["train"] * len(TRAIN_FILES)
+    assert [corpus.split_of(p) for p in HELDOUT_FILES] == ["heldout"] * len(HELDOUT_FILES)
+
+
+def test_prepare_tokenizer_loads_with_transformers_and_round_trips(prepared):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    _, files, data, info = prepared
+    assert {p.name for p in data.iterdir()} == {
+        "tokenizer.json", "tokenizer_config.json", "train.bin", "heldout.safetensors", "corpus.json"}
+    tok = AutoTokenizer.from_pretrained(str(data))
+    assert isinstance(tok, PreTrainedTokenizerFast)  # the class every transformers release resolves
+    assert tok.eos_token == corpus.END_OF_TEXT and tok.convert_tokens_to_ids(corpus.END_OF_TEXT) == 0
+    assert len(tok) == info["vocab_size"] == info["tokenizer"]["vocab_size"]
+    assert 256 < info["vocab_size"] <= VOCAB  # every byte, the special token, some merges
+    for rel, text in files.items():  # held-out text too: byte-level BPE encodes anything
+        ids = tok(text)["input_ids"]
+        assert 0 not in ids and len(ids) < len(text)  # merges learnt, no special token inside text
+        assert tok.decode(ids) == text, rel
+
+
+def test_prepare_train_bin_is_the_train_documents_each_followed_by_end_of_text(prepared):
+    from tokenizers import Tokenizer
+
+    _, files, data, info = prepared
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    want = [t for _, text in _split(files, "train") for t in [*tok.encode(text).ids, 0]]
+    raw = (data / "train.bin").read_bytes()
+    got = np.frombuffer(raw, dtype="<u2").tolist()
+    assert len(raw) == 2 * len(want) and got == want
+    assert info["train_tokens"] == len(want)
+
+
+def test_prepare_heldout_decodes_to_the_heldout_files(prepared):
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    _, files, data, info = prepared
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    held = _split(files, "heldout")
+    docs = corpus.heldout_documents(data)
+    assert [tok.decode(d) for d in docs] == [text for _, text in held]
+    assert docs == [tok.encode(text).ids for _, text in held]
+    raw = load_file(str(data / "heldout.safetensors"))
+    assert raw["offsets"].dtype == np.int64 and raw["offsets"].tolist() == np.cumsum(
+        [0, *map(len, docs)]).tolist()
+    assert (data / "heldout.safetensors").stat().st_mode & 0o777 == 0o644
+    assert info["heldout_tokens"] == sum(map(len, docs)) and info["heldout_documents"] == len(held)
+
+
+def test_prepare_corpus_json_counts_the_files_read(prepared):
+    lib, files, data, info = prepared
+    assert json.loads((data / "corpus.json").read_text()) == info == corpus.corpus_info(data)
+    train, held = _split(files, "train"), _split(files, "heldout")
+    assert info["files"] == {"train": len(train), "heldout": len(held)}  # nothing of the excluded files
+    assert info["characters"] == {"train": sum(len(t) for _, t in train), "heldout": sum(len(t) for _, t in held)}
+    assert info["stdlib"] == str(lib)
+    assert info["python"] == sys.version.split()[0]
+    assert info["tokenizer"]["end_of_text"] == corpus.END_OF_TEXT and info["tokenizer"]["end_of_text_id"] == 0
+    assert str(corpus.HELDOUT_BYTE) in info["split"]
+    digest = hashlib.sha256()
+    for rel, text in train + held:
+        digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
+    assert info["sha256"] == digest.hexdigest()
+
+
+def test_prepare_is_deterministic(prepared, script, tmp_path):
+    lib, _, data, _ = prepared
+    script.main(["prepare", "--data", str(tmp_path), "--stdlib", str(lib), "--vocab", str(VOCAB)])
+    for name in ("tokenizer.json", "tokenizer_config.json", "train.bin", "heldout.safetensors", "corpus.json"):
+        assert (tmp_path / name).read_bytes() == (data / name).read_bytes(), name
+
+
+def test_prepare_defaults_to_the_interpreters_library(script, monkeypatch, tmp_path):
+    """Without --stdlib the library is corpus.stdlib_root() (stopped at the first read, not run)."""
+    seen = []
+
+    def stop(root=None):
+        seen.append(root)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(corpus, "stdlib_documents", stop)
+    with pytest.raises(RuntimeError, match="stop"):
+        script.main(["prepare", "--data", str(tmp_path / "d")])
+    assert seen == [corpus.stdlib_root()]
+
+
+def test_prepare_refuses_a_vocabulary_beyond_int16(prepared, script, tmp_path):
+    """heldout.safetensors stores token ids as int16 (osdn_diag.prompts.corpus): a larger vocabulary is
+    refused before any work, rather than failing after the tokenizer was trained."""
+    lib, _, _, _ = prepared
+    with pytest.raises(SystemExit, match="--vocab <= 32768, got 32769"):
+        script.main(["prepare", "--data", str(tmp_path / "d"), "--stdlib", str(lib), "--vocab", "32769"])
+    assert not (tmp_path / "d").exists()
+    from safetensors.numpy import load_file
+
+    assert load_file(str(corpus.CORPUS_DIR / "heldout.safetensors"))["tokens"].dtype == np.int16  # as documented
+
+
+# --- train ------------------------------------------------------------------------------------------
+
+
+def test_train_writes_bf16_checkpoints_that_load_with_their_tokenizer(trained, prepared):
+    from safetensors import safe_open
+
+    from osdn_diag.models import load_model
+
+    out, results, _ = trained
+    _, _, data, info = prepared
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [*(f"lm-{name}" for name, _, _ in ARCHS.values()), "train_summary.json"])  # nothing half-written
+    for name, cls, eta in ARCHS.values():
+        d = out / f"lm-{name}"
+        loaded = load_model(str(d))
+        assert type(loaded.model).__name__ == cls
+        cfg = loaded.config
+        assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_heads"], cfg["intermediate_size"]) == (
+            32, 1, 2, 64)
+        assert cfg["vocab_size"] == info["vocab_size"] and cfg["tie_word_embeddings"] is True
+        assert cfg.get("eta") == eta
+        assert cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] == "bfloat16"
+        with safe_open(str(d / "model.safetensors"), "pt") as f:
+            assert f.keys() and {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        for tf in ("tokenizer.json", "tokenizer_config.json"):
+            assert (d / tf).read_bytes() == (data / tf).read_bytes()
+        assert json.loads((d / "task.json").read_text())["suite"] == "lm-heldout"
+        assert sum(p.numel() for p in loaded.model.parameters()) == results[name]["parameters"]
+
+
+def test_train_summary_log_and_card_agree(trained):
+    out, results, argv = trained
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["command"] == "python examples/train_lm.py " + " ".join(argv)
+    assert set(summary["results"]) == {name for name, _, _ in ARCHS.values()}
+    assert summary["results"].keys() == results.keys()
+    steps = {}
+    for spec, (name, _, eta) in ARCHS.items():
+        res = summary["results"][name]
+        assert res["arch"] == spec.partition(":")[0] and res["eta"] == eta
+        assert res["steps"] == 2 and res["device"] == "cpu"
+        rows = [json.loads(x) for x in (out / f"lm-{name}" / "train_log.jsonl").read_text().splitlines()]
+        losses = [r for r in rows if "loss" in r]
+        evals = [r for r in rows if "heldout_nll" in r]
+        assert losses[-1]["step"] == 2 and losses[-1]["loss"] == res["loss"]
+        assert evals == res["evals"] and evals[-1]["step"] == 2
+        assert (res["heldout_nll"], res["heldout_nll_twice"]) == (evals[-1]["heldout_nll"],
+                                                                   evals[-1]["heldout_nll_twice"])
+        assert all(math.isfinite(r["heldout_nll"]) and 0 < r["heldout_nll"] < math.log(1000) for r in evals)
+        steps[name] = [r["step"] for r in rows]
+
+        card = (out / f"lm-{name}" / "README.md").read_text()
+        assert card.startswith(f"# lm-{name}\n")
+        assert f"final training loss {res['loss']:.4f}" in card
+        for r in evals:
+            assert (f"| {r['step']} | {r['heldout_nll']:.4f} | {math.exp(r['heldout_nll']):.2f} | "
+                    f"{r['heldout_nll_twice']:.4f} |") in card
+        assert (f"Final: perplexity {math.exp(res['heldout_nll']):.2f} single, "
+                f"{math.exp(res['heldout_nll_twice']):.2f} twice.") in card
+        assert f"({res['parameters'] / 1e6:.2f} M parameters)" in card
+        assert f"## Held-out loss (2 windows of {SEQ} tokens)" in card
+        assert summary["command"] in card
+        config = json.loads(card.split("```json\n", 1)[1].split("\n```", 1)[0])
+        assert config["hidden_size"] == 32 and config.get("eta") == eta
+        d = res.get("d")
+        assert (d is not None) is (eta is not None)
+        if d is not None:  # OSDN's preconditioner, read from the kernels, in its box
+            assert 0.5 - 1e-6 <= d["min"] <= d["mean"] <= d["max"] <= 2.0 + 1e-6
+            assert f"- preconditioner d on held-out text: mean {d['mean']:.3f}" in card
+        else:
+            assert "preconditioner d" not in card
+    assert len(set(map(tuple, steps.values()))) == 1  # lockstep
+
+
+def _eval_windows(data: Path, count: int) -> torch.Tensor:
+    """The first SEQ tokens of the ``count`` longest held-out documents (train's documented rule)."""
+    docs = [d for d in corpus.heldout_documents(data) if len(d) >= SEQ]
+    return torch.tensor([d[:SEQ] for d in sorted(docs, key=len, reverse=True)[:count]])
+
+
+def test_train_heldout_nll_equals_a_cross_entropy_of_the_saved_model(trained, prepared):
+    import osdn_diag
+    from osdn_diag.models import load_model
+
+    out, results, _ = trained
+    _, _, data, _ = prepared
+    w = _eval_windows(data, 2)
+    assert w.shape == (2, SEQ)  # both held-out documents are long enough for a window
+    for name, _, _ in ARCHS.values():
+        model = load_model(str(out / f"lm-{name}")).model.float().eval()
+        with torch.no_grad(), osdn_diag.capture(model, kernels="reference", sink=lambda call: None):
+            single = model(input_ids=w).logits.double()
+            twice = model(input_ids=torch.cat([w, w], dim=1)).logits.double()
+        ce = torch.nn.functional.cross_entropy
+        targets = w[:, 1:].reshape(-1)
+        nll_single = float(ce(single[:, :SEQ - 1].reshape(-1, single.shape[-1]), targets))
+        nll_twice = float(ce(twice[:, SEQ:2 * SEQ - 1].reshape(-1, twice.shape[-1]), targets))
+        assert results[name]["heldout_nll"] == pytest.approx(nll_single, abs=NLL_TOL), name
+        assert results[name]["heldout_nll_twice"] == pytest.approx(nll_twice, abs=NLL_TOL), name
+
+
+def test_train_refuses_a_window_longer_than_every_heldout_document(prepared, script, tmp_path):
+    _, _, data, _ = prepared
+    longest = max(map(len, corpus.heldout_documents(data)))
+    argv = [*TRAIN_ARGV, "--data", str(data), "--out", str(tmp_path / "runs")]
+    argv[argv.index("--seq") + 1] = str(longest + 1)
+    with pytest.raises(SystemExit, match=f"no held-out document has {longest + 1} tokens"):
+        script.main(argv)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("arch, message", [
+    (["nope"], "unknown architecture 'nope'"),
+    (["deltanet:0.1"], "'deltanet' has no step size"),
+    (["osdn:fast"], "must be a number"),
+    (["osdn:0.03", "osdn:0.03"], "named twice"),
+])
+def test_train_refuses_bad_arch_entries(prepared, script, tmp_path, arch, message):
+    _, _, data, _ = prepared
+    with pytest.raises(SystemExit, match=message):
+        script.main(["train", "--data", str(data), "--out", str(tmp_path / "runs"), "--device", "cpu",
+                     "--arch", *arch])
+    assert not (tmp_path / "runs").exists()
+
+
+# --- ship -------------------------------------------------------------------------------------------
+
+
+def _runs_with(trained, tmp_path, nll: dict[str, float]) -> Path:
+    """A copy of the trained runs whose summary gives the OSDN models these held-out NLLs."""
+    out, _, _ = trained
+    runs = tmp_path / "runs"
+    shutil.copytree(out, runs)
+    summary = json.loads((runs / "train_summary.json").read_text())
+    for name, value in nll.items():
+        summary["results"][name]["heldout_nll"] = value
+    (runs / "train_summary.json").write_text(json.dumps(summary))
+    return runs
+
+
+def _ship(script, runs, dest):
+    return script.main(["ship", "--runs", str(runs), "--to", str(dest), "--paper-eta", "0.003"])
+
+
+def _check_shipped(runs, dest, chosen):
+    summary = json.loads((runs / "train_summary.json").read_text())
+    assert sorted(p.name for p in dest.iterdir()) == sorted([*chosen, "lm_train_summary.json"])
+    for target, name in chosen.items():
+        src = runs / f"lm-{name}"
+        assert sorted(p.name for p in (dest / target).iterdir()) == sorted(p.name for p in src.iterdir())
+        for f in ("model.safetensors", "config.json", "tokenizer.json", "train_log.jsonl", "task.json"):
+            assert (dest / target / f).read_bytes() == (src / f).read_bytes()
+        card = (dest / target / "README.md").read_text()
+        assert card.startswith(f"# {target}\n")  # renamed from lm-NAME
+        assert card.startswith((src / "README.md").read_text().replace(f"# lm-{name}\n", f"# {target}\n", 1))
+    table = json.loads((dest / "lm_train_summary.json").read_text())
+    assert table["command"] == summary["command"] and table["corpus"] == summary["corpus"]
+    assert table["models"] == {
+        target: {"from": name, **{k: v for k, v in summary["results"][name].items() if k != "evals"}}
+        for target, name in chosen.items()}
+
+
+def _step_size(card: str) -> str:
+    assert card.count("## Step size") == 1
+    return card.split("## Step size\n\n", 1)[1]
+
+
+def test_ship_without_a_better_step_size_ships_the_paper_eta_alone(trained, script, tmp_path):
+    runs = _runs_with(trained, tmp_path, {"osdn-eta0.003": 1.5, "osdn-eta0.03": 1.75})
+    dest = tmp_path / "builtin"
+    chosen = _ship(script, runs, dest)
+    assert chosen == {"lm-deltanet": "deltanet", "lm-osdn": "osdn-eta0.003"}
+    _check_shipped(runs, dest, chosen)
+    assert "## Step size" not in (dest / "lm-deltanet" / "README.md").read_text()
+    section = _step_size((dest / "lm-osdn" / "README.md").read_text())
+    assert section.startswith("η = 0.003 had the lowest held-out NLL of the OSDN models trained in lockstep, "
+                              "the paper's own step size, so no separate tuned model ships")
+    assert "(held-out NLL by η: η = 0.003: 1.5000, η = 0.03: 1.7500)." in section
+
+
+def test_ship_with_a_better_step_size_adds_lm_osdn_tuned(trained, script, tmp_path):
+    runs = _runs_with(trained, tmp_path, {"osdn-eta0.003": 1.75, "osdn-eta0.03": 1.5})
+    dest = tmp_path / "builtin"
+    stale = dest / "lm-osdn"  # an earlier ship is replaced whole
+    stale.mkdir(parents=True)
+    (stale / "old.bin").write_bytes(b"old")
+    chosen = _ship(script, runs, dest)
+    assert chosen == {"lm-deltanet": "deltanet", "lm-osdn": "osdn-eta0.003", "lm-osdn-tuned": "osdn-eta0.03"}
+    _check_shipped(runs, dest, chosen)
+    for target in ("lm-osdn", "lm-osdn-tuned"):
+        section = _step_size((dest / target / "README.md").read_text())
+        assert section.startswith("η = 0.03 had the lowest held-out NLL of the OSDN models trained in lockstep; "
+                                  "`lm-osdn` is the paper's η = 0.003, `lm-osdn-tuned` this one")
+        assert "(held-out NLL by η: η = 0.003: 1.7500, η = 0.03: 1.5000)." in section
+    assert json.loads((dest / "lm-osdn-tuned" / "config.json").read_text())["eta"] == 0.03
+    assert json.loads((dest / "lm-osdn" / "config.json").read_text())["eta"] == 0.003

@@ -232,7 +232,7 @@ def d_statistics(model, ids: torch.Tensor, amp, d_min: float, d_max: float) -> d
     }
 
 
-def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str) -> None:
+def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str, seq: int) -> None:
     """Write one checkpoint directory whole or not at all (a hidden sibling renamed at the end)."""
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -242,7 +242,7 @@ def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str)
         shutil.copy2(data / name, partial / name)
     (partial / "train_log.jsonl").write_text("".join(json.dumps(row) + "\n" for row in log))
     (partial / "README.md").write_text(card)
-    (partial / "task.json").write_text(json.dumps({"suite": "lm-heldout", "length": 512}, indent=2) + "\n")
+    (partial / "task.json").write_text(json.dumps({"suite": "lm-heldout", "length": seq}, indent=2) + "\n")
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
 
@@ -404,7 +404,7 @@ def train(a: argparse.Namespace) -> dict:
             res["d"] = d_statistics(model, windows[:8], amp, a.d_min, a.d_max)
         results[name] = res
         card = model_card(f"lm-{name}", model.config, a, res, info, command, names)
-        save_checkpoint(out / f"lm-{name}", model, data, logs[name], card)
+        save_checkpoint(out / f"lm-{name}", model, data, logs[name], card, a.seq)
         print(json.dumps({k: v for k, v in res.items() if k != "evals"}))
     summary = {"command": command, "corpus": info, "results": results}
     atomic_write_text(out / "train_summary.json", json.dumps(summary, indent=2) + "\n")
@@ -429,6 +429,11 @@ def ship(a: argparse.Namespace) -> dict:
         if osdn[best]["eta"] != a.paper_eta:
             chosen["lm-osdn-tuned"] = best
     dest_root = Path(a.to)
+    # What an earlier ship left that this training run does not replace (a tuned OSDN that is no longer
+    # the best, a family not trained this time) would otherwise stay a built-in model without a line in
+    # lm_train_summary.json: removed.
+    for stale in sorted({"lm-osdn", "lm-osdn-tuned", *SHIP_NAMES.values()} - set(chosen)):
+        shutil.rmtree(dest_root / stale, ignore_errors=True)
     for target, name in chosen.items():
         src, dest = runs / f"lm-{name}", dest_root / target
         card = (src / "README.md").read_text().replace(f"# lm-{name}\n", f"# {target}\n", 1)

@@ -235,7 +235,7 @@ def test_train_writes_bf16_checkpoints_that_load_with_their_tokenizer(trained, p
             assert f.keys() and {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
         for tf in ("tokenizer.json", "tokenizer_config.json"):
             assert (d / tf).read_bytes() == (data / tf).read_bytes()
-        assert json.loads((d / "task.json").read_text())["suite"] == "lm-heldout"
+        assert json.loads((d / "task.json").read_text()) == {"suite": "lm-heldout", "length": SEQ}
         assert sum(p.numel() for p in loaded.model.parameters()) == results[name]["parameters"]
 
 
@@ -379,7 +379,13 @@ def _step_size(card: str) -> str:
 def test_ship_without_a_better_step_size_ships_the_paper_eta_alone(trained, script, tmp_path):
     runs = _runs_with(trained, tmp_path, {"osdn-eta0.003": 1.5, "osdn-eta0.03": 1.75})
     dest = tmp_path / "builtin"
+    for stale in ("lm-osdn-tuned", "lm-gdn"):  # an earlier ship's models that this run does not make
+        (dest / stale).mkdir(parents=True)
+        (dest / stale / "config.json").write_text("{}")
+    (dest / "mqar-osdn").mkdir()  # not a language model: left alone
     chosen = _ship(script, runs, dest)
+    assert (dest / "mqar-osdn").is_dir()
+    shutil.rmtree(dest / "mqar-osdn")
     assert chosen == {"lm-deltanet": "deltanet", "lm-osdn": "osdn-eta0.003"}
     _check_shipped(runs, dest, chosen)
     assert "## Step size" not in (dest / "lm-deltanet" / "README.md").read_text()

@@ -43,17 +43,26 @@ def causal_conv1d_reference(
                          f"got {tuple(weight.shape)}")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"argument 'x': packed sequences (cu_seqlens) need a batch of 1, got {B}")
-    kernel = weight.float().unsqueeze(1)  # [D, 1, W]: one filter per channel (groups = D)
-    b = None if bias is None else bias.float()
-    bounds = [(0, T)] if cu_seqlens is None else list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
-    pieces = []
-    for start, end in bounds:
-        seq = x[:, start:end].float().transpose(1, 2)  # [B, D, L]
-        # Left padding of W − 1 zeros: the output at t reads x[t − W + 1 … t] of this sequence only.
-        pieces.append(F.conv1d(F.pad(seq, (W - 1, 0)), kernel, b, groups=D).transpose(1, 2))
-    y = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+    # Tap by tap, in fla's order (j = 0 … W − 1: the oldest input first), one product and one addition
+    # each in fp32: elementwise work, so a token's output does not depend on where it sits in a packed
+    # batch (a library convolution picks its algorithm, and its rounding, by the tensor's shape).
+    xf, wf = x.float(), weight.float()
+    t = torch.arange(T, device=x.device)
+    if cu_seqlens is None:
+        first = torch.zeros(T, dtype=torch.long, device=x.device)  # each row's sequence starts at 0
+    else:
+        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        first = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])  # [T]: where each token's sequence starts
+    y = torch.zeros_like(xf)
+    for j in range(W):
+        lag = W - 1 - j  # tap j reads x[t − lag]
+        shifted = F.pad(xf, (0, 0, lag, 0))[:, :T] if lag else xf
+        inside = (t - lag >= first)[None, :, None]  # zero before the sequence's first token (where, not
+        y = y + torch.where(inside, shifted, 0.0) * wf[:, j]  # a product: NaN must not cross sequences)
+    if bias is not None:
+        y = y + bias.float()
     if activation is not None:
-        y = F.silu(y)
+        y = y * torch.sigmoid(y)
     if residual is not None:
         y = y + residual.float()
     return y.to(x.dtype)

@@ -133,3 +133,20 @@ def test_capture_uses_the_stand_in_on_the_cpu_only_in_reference_mode_and_restore
     with osdn_diag.capture(model, kernels="reference"), torch.no_grad():
         model(input_ids=ids, use_cache=True)
     assert not seen
+
+
+def test_a_sequence_gives_the_same_bits_alone_and_packed_and_nan_stays_in_its_sequence():
+    """Packing must not change a token's output (batched runs equal one-by-one runs, tests/pipeline/
+    test_run.py), and a NaN in one packed sequence must not reach the next."""
+    g = torch.Generator().manual_seed(11)
+    lengths = [5, 1, 9, 3]
+    x = torch.randn(1, sum(lengths), 16, generator=g)
+    w, bias = torch.randn(16, 4, generator=g), torch.randn(16, generator=g)
+    cu = torch.tensor([0, 5, 6, 15, 18])
+    packed = causal_conv1d_reference(x, w, bias, None, "silu", cu)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = causal_conv1d_reference(x[:, s:e], w, bias, None, "silu", None)
+        assert torch.equal(packed[:, s:e], alone)
+    x[0, 4, 3] = float("nan")  # last token of the first sequence
+    out = causal_conv1d_reference(x, w, bias, None, "silu", cu)
+    assert torch.isnan(out[0, 4, 3]) and torch.isfinite(out[0, 5:]).all()

@@ -50,6 +50,10 @@ from tqdm import tqdm
 from osdn_diag.capture.store import atomic_write_text
 from osdn_diag.prompts import corpus
 
+# The MQAR script beside this one: its CPU stand-in for the kernels and its d statistics serve here too.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_mqar import d_statistics, kernels  # noqa: E402
+
 #: ``--arch`` name -> the built-in name ``ship`` gives it (OSDN step sizes are handled apart).
 SHIP_NAMES = {"deltanet": "lm-deltanet", "osdn-apf": "lm-osdn-apf", "gated-deltanet": "lm-gdn", "osgdn": "lm-osgdn"}
 BASE_ARCHS = ("deltanet", "osdn", "osdn-apf", "gated-deltanet", "osgdn")
@@ -169,15 +173,6 @@ def build_config(base: str, eta: float | None, a: argparse.Namespace):
     return OSGDNConfig(**common, **osdn, head_dim=a.hidden // a.heads, expand_v=1.0)
 
 
-def kernels(model):
-    """On a CPU the differentiable reference recurrences stand in for the Triton kernels."""
-    if next(model.parameters()).device.type == "cuda":
-        return nullcontext()
-    import osdn_diag
-
-    return osdn_diag.capture(model, kernels="reference", sink=lambda call: None)
-
-
 def eval_windows(seq: int, count: int) -> torch.Tensor:
     """``[count, seq]`` fixed held-out windows: the first ``seq`` tokens of the ``count`` longest
     held-out documents of at least ``seq`` tokens (ties by path order)."""
@@ -211,25 +206,6 @@ def heldout_nll(model, windows: torch.Tensor, amp, batch: int = 16) -> tuple[flo
         count += w[:, 1:].numel()
     model.train(was)
     return sums[0] / count, sums[1] / count
-
-
-def d_statistics(model, ids: torch.Tensor, amp, d_min: float, d_max: float) -> dict | None:
-    """Where phase 1's ``d`` went on held-out text (OSDN models only), read from the live kernels."""
-    import osdn_diag
-
-    with torch.no_grad(), osdn_diag.capture(model, offload=True) as cap, amp():
-        model(input_ids=ids)
-    ds = [c.d.flatten() for c in cap.calls if c.d is not None]
-    if not ds:
-        return None
-    d = torch.cat(ds).double()
-    tol = 1e-6
-    return {
-        "mean": float(d.mean()), "min": float(d.min()), "max": float(d.max()), "std": float(d.std()),
-        "fraction_at_d_min": float((d <= d_min + tol).double().mean()),
-        "fraction_at_d_max": float((d >= d_max - tol).double().mean()),
-        "fraction_moved": float(((d - 1).abs() > 1e-3).double().mean()),
-    }
 
 
 def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str, seq: int) -> None:

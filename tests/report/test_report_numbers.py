@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from osdn_diag.cli import main
+from _markdown import table_after as _table_after
 
 REL = 1e-9
 FLOOR = 1e-30
@@ -142,22 +143,6 @@ def _check_summary(got: dict, exp: dict, what: str) -> None:
     for t, e in exp["position_bins"]["by_task"].items():
         _same_bins(bins["by_task"][t], e, f"{what} position bins[{t}]")
     assert got["excluded_nonfinite"] == exp["excluded_nonfinite"], what
-
-
-def _table_after(report: str, heading: str) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the first markdown table after ``## heading``."""
-    lines = report.splitlines()
-    start = lines.index(f"## {heading}")
-    rows = []
-    for line in lines[start + 1:]:
-        if line.startswith("## "):
-            break
-        if line.startswith("|"):
-            rows.append([cell.strip() for cell in line.strip()[1:-1].split(" | ")])
-        elif rows:
-            break
-    assert len(rows) >= 3 and set("".join(rows[1])) == {"-", "|"}, f"no table under '## {heading}'"
-    return rows[0], rows[2:]
 
 
 def _printed(cell: str, reported, expected) -> None:

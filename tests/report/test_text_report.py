@@ -25,6 +25,7 @@ from safetensors.numpy import save_file
 from osdn_diag.cli import main
 from osdn_diag.prompts import corpus
 from osdn_diag.report.markdown import _recall_table, _text_table
+from _markdown import table_after as _table_after
 
 MODELS = {"dn": "random:deltanet-tiny", "gdn": "random:gated-deltanet-tiny"}
 VOCAB = 256  # the tiny presets' vocabulary (osdn_diag/catalog/presets.py)
@@ -97,21 +98,6 @@ def _expected(docs, run) -> tuple[dict, dict]:
 def expected(runs):
     docs, out, _ = runs
     return {name: _expected(docs, run) for name, run in out.items()}
-
-
-def _table_after(report: str, heading: str) -> tuple[list[str], list[list[str]]]:
-    lines = report.splitlines()
-    start = lines.index(f"## {heading}")
-    rows = []
-    for line in lines[start + 1:]:
-        if line.startswith("## "):
-            break
-        if line.startswith("|"):
-            rows.append([cell.strip() for cell in line.strip()[1:-1].split(" | ")])
-        elif rows:
-            break
-    assert len(rows) >= 3 and set("".join(rows[1])) == {"-", "|"}, f"no table under '## {heading}'"
-    return rows[0], rows[2:]
 
 
 def _printed(cell: str, reported: float, expected: float, digits: int) -> None:

@@ -23,13 +23,19 @@ import argparse
 import cProfile
 import importlib
 import io
+import json
+import os
 import platform
 import pstats
 import resource
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 from _common import fidelity_text, write_json
@@ -119,19 +125,110 @@ def _one(mode: str, loaded, out: str, a, ranks, progress=False) -> dict:
     return replay_run(out, progress=progress)
 
 
+def wall_command(a, out: str) -> list[str]:
+    """The command line ``--wall`` times: what a user types for this benchmark's run (``osdn-diag`` as
+    ``python -m osdn_diag``, with this interpreter)."""
+    cmd = [sys.executable, "-m", "osdn_diag", "run", a.model, "--prompts", a.suite,
+           "--num-prompts", str(a.prompts), "--length", str(a.T), "--batch-size", str(a.batch_size)]
+    if a.mode == "stream":
+        cmd.append("--stream")
+    if a.device:
+        cmd += ["--device", a.device]
+    return cmd + ["--out", out]
+
+
+def _gpu_name() -> str | None:
+    """The GPU's name, asked after the timed runs (this process never touches the GPU before them)."""
+    try:
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except RuntimeError:
+        return None
+
+
+def wall_clock(a) -> dict:
+    """``--wall N``: the command as typed, timed N times as a fresh process from start to exit; the
+    first with an empty Triton cache of its own, the others warm."""
+    from importlib.metadata import version
+
+    if a.wall < 1:
+        raise SystemExit(f"--wall: expected at least one run, got {a.wall}")
+    if a.mode not in ("stream", "stored"):
+        raise SystemExit(f"--wall times one command: --mode stream or --mode stored, not {a.mode!r}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("--wall starts its own processes: run it with python, not under torchrun")
+    root = Path(a.dir or tempfile.mkdtemp(prefix="osdn_wall_"))
+    root.mkdir(parents=True, exist_ok=True)
+    caches = root / "caches"  # private and empty at the first run: "first run on a fresh machine"
+    if caches.exists():
+        shutil.rmtree(caches)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton"),
+           "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
+    load_before = os.getloadavg()
+    print(f"{a.model}, {a.prompts} prompts x {a.T} tokens, batch {a.batch_size}, {a.mode}: the command as "
+          f"typed, {a.wall} run(s), the first with an empty TRITON_CACHE_DIR ({caches / 'triton'}); "
+          f"load average {load_before[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
+    print("  " + " ".join(wall_command(a, "DIR")), flush=True)
+    seconds, summary = [], None
+    for i in range(a.wall):
+        out = root / f"wall-{i}"
+        if out.exists():  # --dir reused from an earlier invocation: every run gets a fresh --out
+            shutil.rmtree(out)
+        log = root / f"wall-{i}.log"
+        with open(log, "w") as f:
+            t0 = time.perf_counter()
+            done = subprocess.run(wall_command(a, str(out)), env=env, stdout=f, stderr=subprocess.STDOUT)
+            elapsed = time.perf_counter() - t0
+        if done.returncode != 0:
+            tail = log.read_text()[-3000:]
+            raise SystemExit(f"run {i + 1} exited with status {done.returncode} after {elapsed:.1f} s; "
+                             f"its output ({log}) ends:\n{tail}")
+        seconds.append(elapsed)
+        summary = json.loads((out / "summary.json").read_text())
+        kind = "first, empty Triton cache" if i == 0 else "warm"
+        print(f"run {i + 1}/{a.wall} ({kind}): {elapsed:8.2f} s  n = {summary['n']:,}  q_geo "
+              f"{summary['q_geo']:.4f}", flush=True)
+    warm = seconds[1:]
+    result = dict(
+        mode="wall", model=a.model, suite=a.suite, prompts=a.prompts, T=a.T, batch_size=a.batch_size,
+        stream=a.mode == "stream", device=a.device, command=wall_command(a, "DIR"), runs=a.wall,
+        first_s=seconds[0], warm_s=warm, warm_median_s=statistics.median(warm) if warm else None,
+        n=summary["n"], q_geo=summary["q_geo"], gpu=_gpu_name(), host=platform.machine(),
+        cpus=os.cpu_count(), load_before=list(load_before), load_after=list(os.getloadavg()),
+        torch=version("torch"), run_dir=str(root) if a.dir else None,
+    )
+    median = f"{result['warm_median_s']:.2f} s" if warm else "-"
+    print(f"\nfirst run {seconds[0]:.2f} s; warm median {median} over {len(warm)} run(s); "
+          f"on {result['gpu'] or result['host']}")
+    if a.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+    write_json(a.json, result)
+    return result
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="random:deltanet-340m")
     p.add_argument("--prompts", type=int, default=48)
     p.add_argument("--T", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--mode", default="stream,stored", help="comma-separated: stream, stored")
+    p.add_argument("--mode", help="comma-separated: stream, stored (default: both; with --wall: stream)")
+    p.add_argument("--wall", type=int, metavar="N",
+                   help="time the command as typed, as a fresh process, N times (the first with an empty "
+                   "Triton cache, the others warm) instead of the pipeline in this process")
+    p.add_argument("--suite", default="random", help="with --wall: the command's --prompts (random)")
+    p.add_argument("--device", help="with --wall: the command's --device (default: the command's own)")
     p.add_argument("--dir", help="where run directories go (default: a temporary directory)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--stages", action="store_true", help="also an untimed stream run timed stage by stage")
     p.add_argument("--device-map", help="spread the model over this machine's GPUs: auto, balanced, sequential")
     p.add_argument("--json")
     a = p.parse_args(argv)
+    if a.wall is not None:
+        a.mode = a.mode or "stream"
+        return wall_clock(a)
+    if a.suite != "random" or a.device:
+        p.error("--suite and --device go with --wall")
+    a.mode = a.mode or "stream,stored"
 
     from osdn_diag import runtime
     from osdn_diag.distributed import init_from_env

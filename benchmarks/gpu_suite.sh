@@ -5,7 +5,8 @@
 #
 # Ends with benchmarks/targets.py: the performance targets beside their measured values.
 # Steps (default: all, in this order): tests, families (fla's further kernel families, bf16), hf_tests (transformers models, bf16), layers, phase1, replay, comparator, capture, e2e,
-# e2e_stored, e2e_1b, memory, e2e_hf (realistic transformers-model layer shapes); and, not in the default list, e2e_ddp (every GPU of the machine under
+# e2e_stored, e2e_1b, memory, e2e_hf (realistic transformers-model layer shapes), wall (the paper-scale
+# command as typed, timed from the shell: first run with an empty Triton cache of its own, then warm); and, not in the default list, e2e_ddp (every GPU of the machine under
 # torchrun) and device_map (the 1.3B shape spread over every GPU by --device-map, against one GPU).
 # Two lanes on a two-GPU machine: pin each to its own cores (taskset, OMP_NUM_THREADS), or the
 # host-side work of one slows the other tenfold.
@@ -27,7 +28,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/osdn_diag_triton_cache}
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 PY=${PYTHON:-python3}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests families hf_tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf)
+[ ${#steps[@]} -eq 0 ] && steps=(tests families hf_tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall)
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
@@ -80,6 +81,8 @@ for step in "${steps[@]}"; do
                         --json "$OUT/e2e_1b.json" ;;
         memory)     run_step memory 300 "$PY" benchmarks/bench_e2e.py --prompts 1 --T 20000 --batch-size 1 \
                         --json "$OUT/memory.json" ;;
+        wall)       run_step wall 570 "$PY" benchmarks/bench_e2e.py --wall "${WALL_RUNS:-4}" --mode stream \
+                        --json "$OUT/wall.json" ;;
         device_map) run_step device_map 420 bash -c '
                         set -e; common=(--model random:deltanet-1.3b --prompts 8 --mode stream)
                         "$0" benchmarks/bench_e2e.py "${common[@]}" --device-map balanced --dir /tmp/osdn_dm \
@@ -89,7 +92,7 @@ for step in "${steps[@]}"; do
                         "$0" benchmarks/compare_runs.py --rtol 1e-5 /tmp/osdn_dm/stream /tmp/osdn_1gpu/stream' "$PY" "$OUT" ;;
         e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
                         benchmarks/bench_e2e.py --mode stream --json "$OUT/e2e_ddp.json" ;;
-        *) echo "unknown step $step (tests families hf_tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_ddp device_map)"; exit 2 ;;
+        *) echo "unknown step $step (tests families hf_tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall e2e_ddp device_map)"; exit 2 ;;
     esac
 done
 # The targets, each beside its measured value, from whatever the steps above left in $OUT.

@@ -464,16 +464,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     check_args(args)
-    if args.command != "prove":
+    if args.command in _MODEL_COMMANDS:  # the others never import transformers (nor torch, for prove)
         _quiet_libraries()
-    if args.command in _MODEL_COMMANDS:
         _cpu_threads(getattr(args, "device", None))
     try:
         return args.func(args)
     finally:
-        from .distributed import shutdown
+        if "torch.distributed" in sys.modules:  # else no process group can have been joined
+            from .distributed import shutdown
 
-        shutdown()
+            shutdown()
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

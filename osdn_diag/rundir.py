@@ -53,6 +53,7 @@ from ._atomic import atomic_write_text, remove_stale_temporaries
 from ._json import dumps as strict_json
 
 __all__ = [
+    "IncompleteRunError",
     "LOCK_FILE",
     "MANIFEST",
     "PLOT_FILES",
@@ -61,6 +62,8 @@ __all__ = [
     "RUN_ID_KEY",
     "STAGES",
     "RunDirectoryError",
+    "read_manifest",
+    "require_stage",
     "check_output",
     "check_placement",
     "check_table_run_ids",
@@ -456,3 +459,46 @@ def out_inside_input(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> 
     except ValueError:
         return False
     return not rel.parts or rel.parts[0] in RUN_FILES
+
+
+# --- reading a run's manifest (osdn_diag.capture.store re-exports these) ------------------------------
+
+class IncompleteRunError(RuntimeError):
+    """A run directory whose stage a command needs did not finish."""
+
+
+def read_manifest(run_dir: str | os.PathLike) -> dict:
+    """The manifest of a run directory written by this version (one with a run id)."""
+    path = Path(run_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no manifest.json — is {run_dir} a run directory?")
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path}: not valid JSON ({err}); the run directory is damaged, run it again") from None
+    if isinstance(manifest, dict) and manifest.get("kind") == "report" and "run_id" not in manifest:
+        raise RunDirectoryError(f"{path}: a report of other runs (`osdn-diag report ... --out`), not a run; "
+                                "give a run directory")
+    if not isinstance(manifest, dict) or "run_id" not in manifest or "stages" not in manifest:
+        raise RunDirectoryError(f"{path}: no run id (written by an earlier osdn-diag, or not by "
+                                "osdn-diag): its files cannot be checked to belong together; run it again")
+    return manifest
+
+
+def require_stage(run_dir: str | os.PathLike, manifest: dict, stage: str) -> None:
+    """Refuse a run whose ``stage`` did not finish, saying what to do."""
+    if stage_done(manifest, stage):
+        return
+    path = Path(run_dir) / MANIFEST
+    if stage == "capture":
+        raise IncompleteRunError(f"{path}: the capture is incomplete (stages.capture is not true): the run "
+                                 "that wrote it was interrupted or failed; run it again")
+    if (manifest.get("counterfactual") or manifest.get("capture_stored") is False or stage != "replay"
+            or not stage_done(manifest, "capture")):
+        again = "run it again"
+    else:
+        again = f"run `osdn-diag replay {run_dir}` (its capture is complete)"
+    if stage not in manifest.get("stages", {}):
+        raise IncompleteRunError(f"{path}: the run has no {stage} stage yet; {again}")
+    raise IncompleteRunError(f"{path}: {stage} did not finish (stages.{stage} is not true): the command "
+                             f"was interrupted or failed, and its results are not this run's; {again}")

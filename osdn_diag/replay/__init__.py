@@ -17,19 +17,6 @@ The package is callable: ``osdn_diag.replay(cap)`` is :func:`replay`.
 
 from __future__ import annotations
 
-from .call import (
-    DEFAULT_TOLERANCE,
-    STATE_TOLERANCE,
-    CallReplay,
-    FidelityError,
-    default_state_tolerance,
-    default_tolerance,
-    replay_call,
-    working_precision,
-)
-from .replayer import CONTRACT_COLUMNS, Replayer
-from .results import Results, load_run, replay
-
 __all__ = [
     "CONTRACT_COLUMNS",
     "DEFAULT_TOLERANCE",
@@ -45,6 +32,30 @@ __all__ = [
     "replay_call",
     "working_precision",
 ]
+
+#: Where each name lives: loaded on first use, so that reading a finished run (``load_run``, what
+#: ``osdn-diag report`` needs) does not import torch.
+_HOME = {
+    **dict.fromkeys(("DEFAULT_TOLERANCE", "STATE_TOLERANCE", "CallReplay", "FidelityError",
+                     "default_state_tolerance", "default_tolerance", "replay_call", "working_precision"), "call"),
+    "CONTRACT_COLUMNS": "runs", "load_run": "runs", "Replayer": "replayer", "Results": "results",
+    "replay": "results",
+}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 from .._callable import make_callable  # noqa: E402
 

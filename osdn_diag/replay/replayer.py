@@ -26,15 +26,14 @@ from ..metrics.ratios import RatioAccumulator
 from ..metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
 from . import families
 from .call import ZERO_RESIDUAL, replay_call, working_precision
+from .runs import CONTRACT_COLUMNS, VALUE_COLUMNS
 
 __all__ = ["CONTRACT_COLUMNS", "Replayer", "comparator_summary", "repeat_boundaries"]
 
 #: Key entries (``P·L·K``, doubled when d is captured) of comparator problems solved together.
 THEOREM_BATCH_ELEMS = 1 << 28
-_VALUE_COLUMNS = ("beta", "key_sqnorm", "write_gain", "loss_before", "loss_after", "residual_ratio")
+_VALUE_COLUMNS = VALUE_COLUMNS
 _GATED_COLUMNS = ("loss_before_decayed", "residual_ratio_post")
-#: The per-token table's columns that the interface contract guarantees.
-CONTRACT_COLUMNS = ("prompt", "task", "layer", "head", "pos", "rel_pos", "repeat_start", *_VALUE_COLUMNS)
 
 
 def _schema(value_type: pa.DataType) -> pa.Schema:

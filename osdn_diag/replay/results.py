@@ -12,8 +12,6 @@ tasks and repeat positions).
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ from ..capture.record import KernelCall
 from ..capture.store import StoredCall
 from ..prompts import Prompt
 from .replayer import Replayer
+from .runs import load_run
 
 __all__ = ["Results", "load_run", "replay"]
 
@@ -109,47 +108,3 @@ def replay(
         ids = list(range(offsets[call.forward], offsets[call.forward] + n))
         tables.append(replayer.add(StoredCall(batch=call.forward, prompts=ids, call=call)))
     return Results(table=pa.concat_tables(tables), summary=replayer.summary())
-
-
-def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
-    """``(manifest, summary)`` of a run whose replay finished; errors name the file that is missing or
-    wrong, or that another run wrote (its run id differs from the manifest's)."""
-    import pyarrow.parquet as pq
-
-    from ..capture.store import read_manifest, require_stage
-    from ..rundir import check_table_run_ids
-    from .replayer import CONTRACT_COLUMNS
-
-    run_dir = Path(run_dir)
-    manifest = read_manifest(run_dir)
-    require_stage(run_dir, manifest, "replay")
-    if manifest.get("merge_needed"):
-        from ..rundir import RunDirectoryError
-
-        raise RunDirectoryError(
-            f"{run_dir / 'manifest.json'}: rank 0's part of a run whose other ranks wrote under their own "
-            f"nodes' --out (merge_needed); assemble it with `osdn-diag merge {run_dir} NODE_DIR... --out "
-            "MERGED` and use MERGED"
-        )
-    path = run_dir / "summary.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
-    try:
-        summary = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); run `osdn-diag replay {run_dir}` again") from None
-    table = run_dir / "residuals.parquet"
-    if not table.exists():
-        raise FileNotFoundError(f"{table}: no per-token table — run `osdn-diag replay {run_dir}` first")
-    names = pq.ParquetDataset(table).schema.names  # a file, or a directory of parts
-    missing = [c for c in CONTRACT_COLUMNS if c not in names]
-    if missing:
-        raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
-    check_table_run_ids(run_dir, manifest, summary)
-    if manifest.get("shards") and (run_dir / "capture").is_dir():
-        # The capture the tables came from is still the one the manifest lists (names and sizes here;
-        # the d plot hashes the shards it reads). A deleted capture/ is a run without one, not damage.
-        from ..capture.store import CaptureReader
-
-        CaptureReader(run_dir)
-    return manifest, summary

@@ -7,9 +7,9 @@ import math
 import os
 from pathlib import Path
 
-from ..capture.store import atomic_write_text
+from .._atomic import atomic_write_text
 from ..replay.families import MICRO_STEP_FAMILIES, NOT_APPLICABLE
-from ..replay.results import load_run
+from ..replay.runs import load_run
 from ..rundir import (
     MANIFEST,
     RunDirectoryError,
@@ -365,16 +365,19 @@ def d_trajectory_of(paths, names, manifests, head: tuple[int, int] | None):
     source capture, which must still be the run it replayed: see :func:`osdn_diag.whatif.source_run`).
     Runs without a stored capture, or without a d, are passed over; ``None`` if no run has one. Reads
     only (the shards it loads are hashed), so that a report refused here has written nothing."""
-    from ..capture.store import CaptureReader
-    from ..whatif import WhatIf, source_run
-
     for path, name, manifest in zip(paths, names, manifests):
         transform = None
         if manifest.get("counterfactual"):
+            from ..whatif import WhatIf, source_run
+
             path, transform = source_run(path, manifest), WhatIf(**manifest["what_if"])
         elif manifest.get("capture_stored") is False or not (path / "capture").is_dir() or not any(
                 layer.get("has_d") for layer in manifest.get("layers", [])):
             continue
+        # Imported here, not above: the capture's reader imports torch, which a report of runs without
+        # a stored d never needs (`osdn-diag report` of a --stream run reads JSON and parquet only).
+        from ..capture.store import CaptureReader
+
         reader = CaptureReader(path)
         if transform is not None and reader.run_id != manifest.get("source_run_id"):
             raise RunDirectoryError(f"{path}: no longer the run this what-if output replayed (run id "

@@ -32,6 +32,25 @@ def _e2e(seconds: float, T: int = 2048, prompts: int = 48, rss: float = 2.4) -> 
             "rows": [{"mode": "stream", "seconds": seconds, "n": 10, "peak_rss_gib": rss}]}
 
 
+def _wall(first: float, *warm: float, model: str = "random:deltanet-340m", prompts: int = 48, T: int = 2048,
+          stream: bool = True) -> dict:
+    """What ``bench_e2e.py --wall`` writes (the keys the table reads, and a few more)."""
+    return {"mode": "wall", "model": model, "suite": "random", "prompts": prompts, "T": T, "batch_size": 8,
+            "stream": stream, "device": None, "command": ["python", "-m", "osdn_diag", "run"],
+            "runs": 1 + len(warm), "first_s": first, "warm_s": list(warm),
+            "warm_median_s": sorted(warm)[len(warm) // 2] if warm else None, "gpu": "NVIDIA H200"}
+
+
+WARM, FIRST = "paper-scale run as typed, warm", "paper-scale run as typed, first"
+
+
+def _wall_rows(targets, folder: Path) -> tuple[dict, dict]:
+    rows = targets.rows(folder)
+    (warm,) = [r for r in rows if r["target"].startswith(WARM)]
+    (first,) = [r for r in rows if r["target"].startswith(FIRST)]
+    return warm, first
+
+
 def _phase1(gpu1: float, gpu2: float) -> dict:
     return {"device_and_host_ms": {"phase1 parallel fwd": [gpu1, 0.5],
                                    "fla chunk_delta_rule fwd (phase 2)": [gpu2, 0.6]},
@@ -47,15 +66,45 @@ def test_each_target_is_judged_by_its_threshold(targets, tmp_path, capsys):
     _write(tmp_path, "comparator.json", {"seconds": {"total": 0.6}, "shape": {"P": 9216, "T": 2048, "K": 128},
                                          "max_gap": 1e-10})
     _write(tmp_path, "memory.json", _e2e(1.0, T=20000, prompts=1, rss=8.5))  # over 8 GiB
+    _write(tmp_path, "wall.json", _wall(58.0, 16.0, 14.0, 14.5))  # warm median 14.5 s, first 58 s: both met
     rows = targets.main([str(tmp_path)])
     got = {r["target"]: r for r in rows}
-    assert len(got) == 9
+    assert len(got) == 11
     met = [r["met"] for r in rows]
     # replay 1.6x (met), stretch (not), K=64 and K=256 reported / not measured, e2e over, 1.3B reported,
-    # phase 1 met, comparator met, memory over.
-    assert met == [True, False, None, None, False, None, True, True, False]
+    # phase 1 met, comparator met, memory over, wall clock warm and first met.
+    assert met == [True, False, None, None, False, None, True, True, False, True, True]
     assert rows[3]["measured"] is None and "not measured" in capsys.readouterr().out
     assert rows[6]["ratio"] == "24.0 %"
+
+
+@pytest.mark.parametrize("wall,warm_met,first_met", [
+    (_wall(105.6, 27.5, 33.3, 30.1), False, False),            # issue 23's stopwatch: neither met
+    (_wall(61.0, 15.0, 14.0, 15.0), True, False),              # 15.0 s is within, 61 s is not
+    (_wall(60.0, 15.1, 15.2, 14.0), False, True),
+    (_wall(9.0, 7.0, model="random:deltanet-tiny", prompts=2, T=32), False, False),  # not the paper's run
+    (_wall(40.0, 12.0, stream=False), False, False),           # the stored run is not the command timed
+])
+def test_the_wall_clock_targets(targets, tmp_path, wall, warm_met, first_met):
+    _write(tmp_path, "wall.json", wall)
+    warm, first = _wall_rows(targets, tmp_path)
+    assert (warm["met"], first["met"]) == (warm_met, first_met), (warm, first)
+    assert f"{wall['first_s']:.1f} s (first run" in first["measured"] and "NVIDIA H200" in first["measured"]
+    assert first["ratio"] == f"{wall['first_s'] / 60:.2f} of the limit"
+    assert f"median of {len(wall['warm_s'])} warm runs" in warm["measured"]
+
+
+def test_wall_clock_without_a_measurement_is_never_met(targets, tmp_path, capsys):
+    """No wall.json: both rows not measured; a --wall 1 file measures the first run only."""
+    for warm, first in (_wall_rows(targets, tmp_path),):
+        assert warm == {"target": warm["target"], "measured": None, "ratio": None, "met": None}
+        assert first["measured"] is None and first["met"] is None
+    targets.main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert sum("paper-scale run as typed" in line and "not measured" in line for line in out.splitlines()) == 2
+    _write(tmp_path, "wall.json", _wall(50.0))
+    warm, first = _wall_rows(targets, tmp_path)
+    assert warm["measured"] is None and warm["met"] is None and first["met"] is True
 
 
 def test_an_inaccurate_replay_misses_its_target_however_fast(targets, tmp_path):
@@ -78,6 +127,7 @@ def test_a_truncated_file_is_named(targets, tmp_path):
 @pytest.mark.parametrize("name,data,field", [
     ("phase1.json", {"ms": {}}, "device_and_host_ms"),             # an older bench_phase1, say
     ("e2e.json", _e2e(4.6) | {"rows": [{"mode": "stored", "seconds": 9.0}]}, "stream"),
+    ("wall.json", _e2e(4.6), "mode"),                              # bench_e2e's JSON without --wall
 ])
 def test_a_file_without_a_field_is_named_with_its_writer(targets, tmp_path, name, data, field):
     _write(tmp_path, name, data)
@@ -100,6 +150,9 @@ def test_the_recorded_results_still_parse(targets, tmp_path):
     for name, src in recorded.items():
         shutil.copy(RESULTS / src, tmp_path / name)
     rows = targets.rows(tmp_path)
-    assert all(r["measured"] is not None for r in rows)
+    # No wall-clock measurement is recorded yet (bench_e2e.py --wall is new): its rows are not measured.
+    timed = [r for r in rows if not r["target"].startswith("paper-scale run as typed")]
+    assert len(timed) == 9 and all(r["measured"] is not None for r in timed)
+    assert [r["met"] for r in rows[9:]] == [None, None] and [r["measured"] for r in rows[9:]] == [None, None]
     # Every target met but the replay's 3x stretch; the "reported" rows have no threshold.
-    assert [r["met"] for r in rows] == [True, False, None, None, True, None, True, True, True], rows
+    assert [r["met"] for r in timed] == [True, False, None, None, True, None, True, True, True], rows

@@ -1,0 +1,60 @@
+"""What `osdn-diag --help`, `prove` and `report` of an existing run import, each in a fresh interpreter:
+none of torch, fla and transformers (seconds each on a cold start; issue 23: `--help` ≤ 0.5 s).
+
+`report` of a run that stored its capture does import torch: the report checks that capture against
+the manifest (``CaptureReader``, names and sizes) and reads its shards for the d plot, and
+``osdn_diag.capture.store`` holds tensors. A `--stream` run has no capture: JSON and parquet only."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from osdn_diag.cli import main
+
+HEAVY = ("torch", "fla", "transformers")
+
+# Runs ``entry(argv)`` in this fresh interpreter and prints which of HEAVY it imported. ``prove`` runs
+# six of the ledger's quick claims (the whole ledger takes ~25 s here; none of its claims imports torch).
+CODE = """
+import contextlib, io, json, sys
+argv = json.loads(sys.argv[1])
+if argv[0] == "prove":
+    from osdn_diag.proofs import ledger
+    ledger.CLAIMS = ledger.CLAIMS[2:8]
+from osdn_diag.cli import entry
+out = io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+    rc = entry(argv)
+assert rc == 0, (rc, out.getvalue())
+print(json.dumps([m for m in %r if m in sys.modules]))
+""" % (HEAVY,)
+
+
+def _imported(argv: list[str]) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", CODE, json.dumps(argv)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def stream_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("imports") / "run"
+    assert main(["run", "random:deltanet-tiny", "--prompts", "random", "--num-prompts", "1", "--length", "16",
+                 "--device", "cpu", "--stream", "--out", str(out), "-q"]) == 0
+    (out / "report.md").unlink()  # written by run; report writes it again
+    return out
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["report", "--help"], ["prove", "-q"]], ids=" ".join)
+def test_help_and_prove_import_none_of_torch_fla_transformers(argv):
+    assert _imported(argv) == []
+
+
+def test_report_of_a_stream_run_imports_none_of_them(stream_run):
+    assert _imported(["report", str(stream_run)]) == []
+    assert (stream_run / "report.md").is_file()

@@ -96,8 +96,9 @@ class Replayer:
         self.np_dtype = "float64" if dtype == torch.float64 else "float32"
         self.ratios = RatioAccumulator("residual_ratio")
         self.post = RatioAccumulator("residual_ratio_post")
-        # One ratio per token (a micro-step family's token_ratio on its step-0 rows, every other
-        # family's residual_ratio): the summary's per-token q_geo, comparable across families.
+        # A micro-step family's one ratio per token (token_ratio on its step-0 rows), for the summary's
+        # per-token q_geo; every other family's per-token ratio is its residual_ratio, already in
+        # self.ratios / self.post (see _per_token), so only micro-step calls are accumulated here.
         self.tokens = RatioAccumulator("token_ratio")
         self.tokens_post = RatioAccumulator("token_ratio_post")
         self.audit = AuditAccumulator()
@@ -141,9 +142,10 @@ class Replayer:
         tasks = [str(self.prompts.get(p, {}).get("task", "")) for p in stored.prompts]
         for acc in (self.ratios, self.post):
             acc.add(call.layer, res.device_columns, tasks, res.sequence_lengths, call.num_heads)
-        per_token = _token_columns(res.device_columns)
-        for acc in (self.tokens, self.tokens_post):
-            acc.add(call.layer, per_token, tasks, res.sequence_lengths, call.num_heads)
+        if "step" in res.device_columns:  # a micro-step family: its token rows, apart
+            first = {k: v[res.device_columns["step"] == 0] for k, v in res.device_columns.items()}
+            for acc in (self.tokens, self.tokens_post):
+                acc.add(call.layer, first, tasks, res.sequence_lengths, call.num_heads)
         self.audit.add(call, res.grid["loss_before"], res.grid["finite"])
         if self.retention is not None:
             _add_retention(self.retention, call, stored.prompts, self.prompts, res.sequence_lengths)
@@ -235,10 +237,10 @@ class Replayer:
     def summary(self) -> dict:
         boundary = repeat_boundaries(self.prompts.values())
         summary = self.ratios.summary(boundary, self.families)
-        _add_per_token(summary, self.tokens.per_token(self.families))
+        _add_per_token(summary, _per_token(self.ratios, self.tokens, self.families))
         if self.post.cells:
             summary["post_decay"] = self.post.summary(boundary, self.families)
-            _add_per_token(summary["post_decay"], self.tokens_post.per_token(self.families))
+            _add_per_token(summary["post_decay"], _per_token(self.post, self.tokens_post, self.families))
         # The headline error counts only layers checked against a live kernel: replaying the stand-in
         # reproduces it by construction, so its agreement is no evidence (null when no kernel ran).
         live = [v for k, v in self.fidelity.items() if self.against.get(k, "fla") != "reference"]
@@ -283,20 +285,16 @@ class Replayer:
         return summary
 
 
-def _token_columns(columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One row per (sequence, head, token) with its ratio as ``token_ratio`` (``token_ratio_post``):
-    a micro-step family's rows (``step`` present) at ``step = 0``, where its ``token_ratio`` is the
-    product of the token's micro-step ratios; every other family's rows as they are, its
-    ``residual_ratio`` (``residual_ratio_post``) being the token's ratio."""
-    if "step" not in columns:
-        out = {k: columns[k] for k in ("sequence", "head", "pos", "finite")}
-        out["token_ratio"] = columns["residual_ratio"]
-        if "residual_ratio_post" in columns:
-            out["token_ratio_post"] = columns["residual_ratio_post"]
-        return out
-    first = columns["step"] == 0
-    return {k: columns[k][first] for k in ("sequence", "head", "pos", "finite", "token_ratio", "token_ratio_post")
-            if k in columns}
+def _per_token(writes: RatioAccumulator, tokens: RatioAccumulator, layer_families: dict[int, str]) -> dict:
+    """The per-token statistics (:meth:`RatioAccumulator.per_token`): a micro-step family's layers
+    from ``tokens`` (their ``token_ratio``, the product of each token's micro-step ratios), every other
+    layer from ``writes`` (one write per token: its ratio is the token's)."""
+    combined = RatioAccumulator(tokens.column, writes.num_bins)
+    for key, stats in writes.cells.items():
+        if layer_families.get(key[0]) not in families.MICRO_STEP_FAMILIES:
+            combined.cells[key] += stats
+    combined.merge(tokens)
+    return combined.per_token(layer_families)
 
 
 def _add_per_token(summary: dict, per_token: dict) -> None:

@@ -19,7 +19,7 @@ modules import triton and fla, which on a machine without a GPU must wait until
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_names
 
 _PUBLIC = {
     "osdn_precondition": "phase1",
@@ -31,13 +31,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str):
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
+__getattr__, __dir__ = lazy_names(__name__, _PUBLIC)

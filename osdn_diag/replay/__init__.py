@@ -17,6 +17,8 @@ The package is callable: ``osdn_diag.replay(cap)`` is :func:`replay`.
 
 from __future__ import annotations
 
+from .._lazy import lazy_names
+
 __all__ = [
     "CONTRACT_COLUMNS",
     "DEFAULT_TOLERANCE",
@@ -43,19 +45,7 @@ _HOME = {
 }
 
 
-def __getattr__(name: str):
-    import importlib
-
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+__getattr__, __dir__ = lazy_names(__name__, _HOME)
 
 from .._callable import make_callable  # noqa: E402
 

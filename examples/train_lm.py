@@ -173,17 +173,14 @@ def build_config(base: str, eta: float | None, a: argparse.Namespace):
     return OSGDNConfig(**common, **osdn, head_dim=a.hidden // a.heads, expand_v=1.0)
 
 
-def eval_windows(seq: int, count: int) -> torch.Tensor:
+def eval_windows(data: Path, seq: int, count: int) -> torch.Tensor:
     """``[count, seq]`` fixed held-out windows: the first ``seq`` tokens of the ``count`` longest
     held-out documents of at least ``seq`` tokens (ties by path order)."""
-    docs = corpus.heldout_documents(corpus.CORPUS_DIR if _DATA is None else _DATA)
+    docs = corpus.heldout_documents(data)
     long = sorted((d for d in docs if len(d) >= seq), key=len, reverse=True)[:count]
     if not long:
         raise SystemExit(f"no held-out document has {seq} tokens")
     return torch.tensor([d[:seq] for d in long], dtype=torch.long)
-
-
-_DATA: Path | None = None
 
 
 @torch.no_grad()
@@ -267,11 +264,16 @@ def model_card(name: str, config, a, res: dict, info: dict, command: str, lockst
     )
 
 
+def _synchronized_clock(on_gpu: bool) -> float:
+    """``time.perf_counter()`` once the GPU's queued work is done (for --time-each)."""
+    if on_gpu:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def train(a: argparse.Namespace) -> dict:
-    global _DATA
     command = "python examples/train_lm.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     data = Path(a.data)
-    _DATA = data
     info = corpus.corpus_info(data)
     a.vocab_size = info["vocab_size"]
     specs = [parse_arch(s, a.eta) for s in a.arch]
@@ -288,7 +290,7 @@ def train(a: argparse.Namespace) -> dict:
     on_gpu = device.type == "cuda"
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else nullcontext
     stream = torch.from_numpy(np.fromfile(data / "train.bin", dtype="<u2").astype(np.int64))
-    windows = eval_windows(a.seq, a.eval_windows).to(device)
+    windows = eval_windows(data, a.seq, a.eval_windows).to(device)
 
     models, opts = {}, {}
     for name, base, eta in specs:
@@ -332,8 +334,7 @@ def train(a: argparse.Namespace) -> dict:
         lr = lr_at(step)
         for n, model in models.items():
             if a.time_each:
-                torch.cuda.synchronize() if on_gpu else None
-                t0 = time.perf_counter()
+                t0 = _synchronized_clock(on_gpu)
             for group in opts[n].param_groups:
                 group["lr"] = lr
             with amp(), kernels(model):
@@ -344,8 +345,7 @@ def train(a: argparse.Namespace) -> dict:
             opts[n].step()
             loss_val[n] = loss.detach()
             if a.time_each:
-                torch.cuda.synchronize() if on_gpu else None
-                busy[n] += time.perf_counter() - t0
+                busy[n] += _synchronized_clock(on_gpu) - t0
         step += 1
         bar.update(1)
         last = step == a.steps

@@ -19,6 +19,7 @@ from ._cli_checks import what_if_settings_error
 from .capture.record import KernelCall
 from .capture.store import CaptureReader
 from .math.phase1 import osdn_phase1
+from .replay.families import NOT_APPLICABLE
 from .rundir import (
     RunDirectoryError,
     enclosing_runs,
@@ -31,10 +32,7 @@ from .rundir import (
     start_stage,
 )
 
-from .replay.families import NOT_APPLICABLE
-
-__all__ = ["NOT_APPLICABLE", "WhatIf", "source_run", "what_if_out", "what_if_run"]
-
+__all__ = ["WhatIf", "source_run", "what_if_out", "what_if_run"]
 
 
 @dataclass(frozen=True)

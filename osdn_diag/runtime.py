@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from ._fla_import import is_lazy
+
 __all__ = ["default_device", "prepare"]
 
 
@@ -27,7 +29,8 @@ def prepare(device: str | torch.device | None = None) -> torch.device:
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
-            if "triton" in sys.modules or "fla" in sys.modules:
+            # (fla loaded through shells has built no kernel yet: osdn_diag._fla_import)
+            if "triton" in sys.modules or ("fla" in sys.modules and not is_lazy()):
                 from ._interpret import InterpreterUnavailable
 
                 raise InterpreterUnavailable(

@@ -24,7 +24,6 @@ the reference otherwise.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import sys
 from dataclasses import replace
@@ -63,8 +62,15 @@ PADDED_LAYERS = (
 )
 
 
+def _loaded_classes(names: tuple[tuple[str, str], ...]) -> tuple[type, ...]:
+    """The classes ``(module, name)`` of the modules imported so far. A model's layers are instances
+    of classes whose modules it imported; the others are not imported here (fla loads lazily:
+    :mod:`osdn_diag._fla_import`)."""
+    return tuple(c for c in (getattr(sys.modules.get(m), n, None) for m, n in names) if c is not None)
+
+
 def _padded_layer_classes() -> tuple[type, ...]:
-    return tuple(c for c in (getattr(importlib.import_module(m), n, None) for m, n in PADDED_LAYERS) if c is not None)
+    return _loaded_classes(PADDED_LAYERS)
 
 
 def _supported_text() -> str:
@@ -85,12 +91,7 @@ def _check_fla_version() -> None:
 
 
 def _layer_classes() -> tuple[type, ...]:
-    classes = []
-    for module, name in SUPPORTED_LAYERS:
-        cls = getattr(importlib.import_module(module), name, None)
-        if cls is not None:
-            classes.append(cls)
-    return tuple(classes) + hf.layer_classes()
+    return _loaded_classes(SUPPORTED_LAYERS) + hf.layer_classes()
 
 
 def _bind(fn: Callable, args: tuple, kwargs: dict, *, defaults: bool = True) -> dict:
@@ -170,7 +171,9 @@ class Capture:
     def __enter__(self) -> Capture:
         try:
             for site in ADAPTERS:
-                module = importlib.import_module(site.module)
+                # A kernel is called through the module of the layer that calls it, which the
+                # model imported: sites in modules not imported have nothing to patch.
+                module = sys.modules.get(site.module)
                 original = getattr(module, site.name, None)
                 if original is None:
                     continue

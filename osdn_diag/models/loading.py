@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .._fla_import import config_class, import_model_type
 from ..catalog.presets import PRESETS
 
 __all__ = ["DEVICE_MAPS", "PRESETS", "LoadedModel", "load_model"]
@@ -41,15 +42,15 @@ class LoadedModel:
 _PACKAGE_CONFIGS = ("GDN2Config", "MomentumDeltaNetConfig")
 
 
-def _fla():
+def _register_fla() -> None:
+    """Fail with the install command if fla is missing (its models register themselves with
+    transformers' Auto classes as they are imported: :mod:`osdn_diag._fla_import`)."""
     try:
-        import fla  # noqa: F401  (registers fla's configs and models with transformers' Auto classes)
-        import fla.models
+        import fla  # noqa: F401
     except ImportError as err:  # pragma: no cover - fla is a dependency
         raise RuntimeError(
             "flash-linear-attention (fla) is required to load models: pip install flash-linear-attention"
         ) from err
-    return fla.models
 
 
 def load_model(
@@ -69,7 +70,7 @@ def load_model(
     ``{module name: device}``. Blocks are never split. Each block then runs on its own GPU and
     capture records it there, tagged with its layer as always.
     """
-    models = _fla()
+    _register_fla()
     from transformers import AutoModelForCausalLM  # OSDN / OSGDN registered by importing this package
 
     if spec.startswith("random:"):
@@ -80,8 +81,9 @@ def load_model(
                 + ", ".join(f"random:{p}" for p in PRESETS)
             )
         cls_name, kwargs = PRESETS[name]
-        if hasattr(models, cls_name):
-            config = getattr(models, cls_name)(**kwargs)
+        fla_config = config_class(cls_name)
+        if fla_config is not None:
+            config = fla_config(**kwargs)
         elif cls_name in _PACKAGE_CONFIGS:  # a config this package provides where fla has none
             import osdn_diag.models as package_models
 
@@ -90,7 +92,12 @@ def load_model(
             import transformers
 
             config = getattr(transformers, cls_name)(**kwargs)
-        with torch.random.fork_rng(devices=[]):
+        # Built and initialised where it will run: on a GPU, a 340M model's CPU initialisation
+        # alone took 3 s of the command's wall clock. CUDA's generator gives the same weights on any
+        # GPU (so --device-map, which builds on the first GPU, matches a one-GPU run); they differ
+        # from a CPU build's.
+        build = _build_device(device, device_map)
+        with torch.random.fork_rng(devices=[build.index] if build.type == "cuda" else []), build:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config)
         source, directory, hub = "random", None, None
@@ -147,6 +154,16 @@ def load_model(
     return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory, hub=hub)
 
 
+def _build_device(device: str | torch.device, device_map) -> torch.device:
+    """Where a random preset is built: ``device``, or the first GPU for a ``device_map``."""
+    if device_map is not None:
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _refuse_remote_code(spec: str, directory: Path) -> dict:
     """``directory``'s config.json, after checking that loading it runs no code of its own: no
     ``auto_map`` (in config.json or tokenizer_config.json) and a ``model_type`` that transformers, fla
@@ -164,6 +181,7 @@ def _refuse_remote_code(spec: str, directory: Path) -> dict:
             raise ValueError(f"MODEL {spec!r}: {directory / name} asks for custom code (auto_map: "
                              f"{listed}){what} (if its model_type is one, delete auto_map)")
     model_type = config.get("model_type") if isinstance(config, dict) else None
+    import_model_type(model_type if isinstance(model_type, str) else None)  # fla's model of that type
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"MODEL {spec!r}: {directory / 'config.json'} has model_type {model_type!r}, "
                          f"which no installed library provides{what}")

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch.nn as nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from fla.layers import MomentumDeltaNet
 from fla.layers.delta_net import DeltaNet
-from fla.models import DeltaNetConfig
+from fla.layers.momentum_deltanet import MomentumDeltaNet
+from fla.models.delta_net.configuration_delta_net import DeltaNetConfig
 from fla.models.delta_net.modeling_delta_net import DeltaNetBlock, DeltaNetPreTrainedModel
 from fla.models.generation_utils import FLAUnsupportedCacheGenerationMixin
 from fla.models.modeling_utils import FLAForCausalLM, FLAModel

@@ -441,20 +441,20 @@ def _quiet_libraries() -> None:
 _MODEL_COMMANDS = ("capture", "replay", "run", "what-if", "demo")
 
 
-def _cpu_threads(device: str | None) -> None:
+def _cpu_threads(device: str | None) -> bool:
     """On the CPU, one torch thread unless ``OMP_NUM_THREADS`` says otherwise: the work is many small
     operations (Triton's interpreter, per-token recurrences), where a second thread gains little on
     an idle machine and, beside one other busy process on two cores, made the demo 7× slower
-    (docs/performance.md). torchrun sets ``OMP_NUM_THREADS`` itself."""
+    (docs/performance.md). torchrun sets ``OMP_NUM_THREADS`` itself. Returns whether the command
+    runs on the CPU."""
     import os
 
-    if "OMP_NUM_THREADS" in os.environ:
-        return
     import torch
 
     on_cpu = str(device).startswith("cpu") if device else not torch.cuda.is_available()
-    if on_cpu:
+    if on_cpu and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
+    return on_cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -465,8 +465,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     if args.command in _MODEL_COMMANDS:  # the others never import transformers (nor torch, for prove)
+        from ._fla_import import import_lazily
+
+        import_lazily()  # only the fla modules the model uses (OSDN_DIAG_FLA_IMPORT=full: all of fla)
         _quiet_libraries()
-        _cpu_threads(getattr(args, "device", None))
+        if _cpu_threads(getattr(args, "device", None)) is False:
+            from ._autotune import compile_configs_in_parallel
+
+            # On a GPU (triton may be imported now): fla's first-run autotuning, compiled in parallel.
+            compile_configs_in_parallel()
     try:
         return args.func(args)
     finally:
@@ -494,6 +501,9 @@ def entry(argv: list[str] | None = None) -> int:
     after one line; ``--debug`` (or ``OSDN_DIAG_DEBUG=1``) shows the traceback instead."""
     import os
 
+    from ._bytecode import keep_bytecode
+
+    keep_bytecode()  # a process of its own: PYTHONDONTWRITEBYTECODE no longer recompiles torch each time
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("OSDN_DIAG_DEBUG") == "1"
     try:

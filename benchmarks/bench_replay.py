@@ -31,6 +31,9 @@ def main(argv=None) -> dict:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--skip-torch", action="store_true", help="skip the slow torch reference loop")
+    p.add_argument("--gate", choices=("none", "head", "channel"), default="none",
+                   help="a decay gate (log decay in [-0.1, 0)): per head, against fla's "
+                        "fused_recurrent_gated_delta_rule(g=...), or per key channel (gk=...)")
     p.add_argument("--sweep", action="store_true",
                    help="also time every launch configuration (block_v x num_warps) of the fused replay")
     a = p.parse_args(argv)
@@ -48,27 +51,40 @@ def main(argv=None) -> dict:
     v = torch.randn(B, T, H, V, device=dev, generator=gen)
     beta = torch.rand(B, T, H, device=dev, generator=gen)
     n_meas = B * T * H
+    g = None
+    if a.gate != "none":
+        shape = (B, T, H) if a.gate == "head" else (B, T, H, K)
+        g = -0.1 * torch.rand(shape, device=dev, generator=gen)
 
     # Correctness at the benchmark shape, against fp64 on the same device.
-    ref = delta_rule_recurrence(q, k, v, beta, dtype=torch.float64)
-    got = fused_replay(q, k, v, beta)
+    ref = delta_rule_recurrence(q, k, v, beta, g=g, dtype=torch.float64)
+    got = fused_replay(q, k, v, beta, g=g)
     errors = {n: rel(getattr(got, n), getattr(ref, n)) for n in ("o", "loss_before", "loss_after", "final_state")}
 
     rows = []
-    t_fused = bench(lambda: fused_replay(q, k, v, beta), rep=100)
+    t_fused = bench(lambda: fused_replay(q, k, v, beta, g=g), rep=100)
     rows.append(("fused replay (ours, fp32)", t_fused))
     t_fla = None
     try:
-        from fla.ops.delta_rule import fused_recurrent_delta_rule
+        if g is None:
+            from fla.ops.delta_rule import fused_recurrent_delta_rule
 
-        t_fla = bench(lambda: fused_recurrent_delta_rule(q, k, v, beta, output_final_state=True), rep=100)
-        rows.append(("fla fused_recurrent_delta_rule (fp32)", t_fla))
+            t_fla = bench(lambda: fused_recurrent_delta_rule(q, k, v, beta, output_final_state=True), rep=100)
+            rows.append(("fla fused_recurrent_delta_rule (fp32)", t_fla))
+        else:
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+            gate = dict(g=g) if a.gate == "head" else dict(gk=g)
+            t_fla = bench(lambda: fused_recurrent_gated_delta_rule(q, k, v, beta=beta, **gate,
+                                                                   output_final_state=True), rep=100)
+            rows.append((f"fla fused_recurrent_gated_delta_rule ({a.gate} gate, fp32)", t_fla))
     except ImportError:
         pass
     t_torch = None
     if not a.skip_torch:
-        delta_rule_recurrence(q[:, :8], k[:, :8], v[:, :8], beta[:, :8])  # warm-up
-        t_torch = _timed_once(lambda: delta_rule_recurrence(q, k, v, beta))
+        delta_rule_recurrence(q[:, :8], k[:, :8], v[:, :8], beta[:, :8],
+                              g=None if g is None else g[:, :8])  # warm-up
+        t_torch = _timed_once(lambda: delta_rule_recurrence(q, k, v, beta, g=g))
         rows.append(("torch reference loop (fp32)", t_torch))
 
     sweep = []
@@ -77,12 +93,15 @@ def main(argv=None) -> dict:
             if bv > V:
                 continue
             for nw in (1, 2, 4):
-                ms = bench(lambda: fused_replay(q, k, v, beta, block_v=bv, num_warps=nw), rep=100)
-                sweep.append(dict(block_v=bv, num_warps=nw, ms=ms))
-                print(f"sweep block_v={bv:4d} num_warps={nw}: {ms:8.3f} ms"
-                      + (f"  ({t_fla / ms:.2f}x fla)" if t_fla else ""), flush=True)
+                for pf in (True, False):
+                    ms = bench(lambda: fused_replay(q, k, v, beta, g=g, block_v=bv, num_warps=nw, prefetch=pf),
+                               rep=100)
+                    sweep.append(dict(block_v=bv, num_warps=nw, prefetch=pf, ms=ms))
+                    print(f"sweep block_v={bv:4d} num_warps={nw} prefetch={pf!s:5}: {ms:8.3f} ms"
+                          + (f"  ({t_fla / ms:.2f}x fla)" if t_fla else ""), flush=True)
         best = min(sweep, key=lambda r: r["ms"])
-        rows.append((f"fused replay, best (BV={best['block_v']}, warps={best['num_warps']})", best["ms"]))
+        rows.append((f"fused replay, best (BV={best['block_v']}, warps={best['num_warps']}, "
+                     f"prefetch={best['prefetch']})", best["ms"]))
 
     print(f"\nreplay, B={B} T={T} H={H} K={K} V={V} ({n_meas / 1e6:.3f} M token-head measurements), "
           f"{torch.cuda.get_device_name()}")
@@ -93,7 +112,7 @@ def main(argv=None) -> dict:
         vs_f = f"{t_fla / ms:7.2f}x" if t_fla else "     -"
         print(f"{name:40s} {ms:10.3f} {n_meas / ms / 1e3:10.1f} {vs_t:>9s} {vs_f:>8s}")
     result = {
-        "shape": dict(B=B, T=T, H=H, K=K, V=V),
+        "shape": dict(B=B, T=T, H=H, K=K, V=V), "gate": a.gate,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "host": platform.node(),

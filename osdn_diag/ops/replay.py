@@ -63,6 +63,7 @@ def _replay_kernel(
     # (``alpha`` is the decay exp(g), exponentiated by torch in the replay dtype: Triton's fp64 exp
     # lost precision on the H200, failing the fp64 comparison)
     HAS_WK: tl.constexpr, HAS_H0: tl.constexpr, VARLEN: tl.constexpr,
+    PREFETCH: tl.constexpr,      # load token t+1's inputs while token t is computed
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -91,9 +92,13 @@ def _replay_kernel(
                                                   o_k, o_v, m_k, m_v, b_scale, K, V, GATE, HAS_WK)
     for t in range(bos, eos):
         tok = t * H + i_h                      # index into [B*T, H]
-        b_k, b_q, b_v, b_beta, b_w, b_a = n_k, n_q, n_v, n_beta, n_w, n_a
-        n_k, n_q, n_v, n_beta, n_w, n_a = _load_token(q, k, v, beta, alpha, wk, tl.minimum(tok + H, last),
-                                                      o_k, o_v, m_k, m_v, b_scale, K, V, GATE, HAS_WK)
+        if PREFETCH:
+            b_k, b_q, b_v, b_beta, b_w, b_a = n_k, n_q, n_v, n_beta, n_w, n_a
+            n_k, n_q, n_v, n_beta, n_w, n_a = _load_token(q, k, v, beta, alpha, wk, tl.minimum(tok + H, last),
+                                                          o_k, o_v, m_k, m_v, b_scale, K, V, GATE, HAS_WK)
+        else:
+            b_k, b_q, b_v, b_beta, b_w, b_a = _load_token(q, k, v, beta, alpha, wk, tok,
+                                                          o_k, o_v, m_k, m_v, b_scale, K, V, GATE, HAS_WK)
         e = tl.sum(S * b_k[:, None], axis=0) - b_v
         tl.store(lb + tok * NV + i_v, 0.5 * tl.sum(e * e, axis=0))
         if i_v == 0:
@@ -130,6 +135,7 @@ def fused_replay(
     dtype: torch.dtype = torch.float32,
     block_v: int | None = None,
     num_warps: int | None = None,
+    prefetch: bool | None = None,
 ) -> RecurrenceResult:
     """The delta-rule recurrence with both residual norms of every write, fused: the contract of
     :func:`osdn_diag.math.recurrence.delta_rule_recurrence`, computed by one Triton kernel in
@@ -163,6 +169,7 @@ def fused_replay(
     # fastest at K = V = 64, 128 and 256 (at 128: 3.04 ms, against 5.30 ms for 32 rows × 1 warp).
     BV = block_v or min(triton.next_power_of_2(V), 8)
     num_warps = num_warps or 1
+    prefetch = True if prefetch is None else prefetch
     NV = triton.cdiv(V, BV)
     o = torch.empty_like(v)
     # Tokens outside every packed sequence are never written: zeros, not garbage, there.
@@ -181,7 +188,7 @@ def fused_replay(
         o, parts[0], parts[1], parts[2], gain, ht,
         T, H=H, K=K, V=V, BK=BK, BV=BV,
         GATE=gate, HAS_WK=wk is not None, HAS_H0=h0 is not None, VARLEN=cu_seqlens is not None,
-        num_warps=num_warps,
+        PREFETCH=prefetch, num_warps=num_warps,
     )
     before, before_dec, after = (p.sum(-1).view(B, T, H) for p in parts)
     return RecurrenceResult(

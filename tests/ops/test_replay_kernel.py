@@ -51,12 +51,14 @@ def _assert_close(got, ref, name, tol):
     ],
 )
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
-def test_fused_replay_matches_reference(B, T, H, K, V, gate, asym, h0, dtype, tol):
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+def test_fused_replay_matches_reference(B, T, H, K, V, gate, asym, h0, dtype, tol, prefetch):
     q, k, v, beta, kw = _inputs(B * 1000 + T, B, T, H, K, V, gate=gate, asym=asym, h0=h0)
     ref = delta_rule_recurrence(q, k, v, beta, **kw)
     dev = {n: x.to(DEVICE) for n, x in kw.items()}
     got = ops_replay.fused_replay(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), beta.to(DEVICE), dtype=dtype, block_v=8, **dev
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), beta.to(DEVICE), dtype=dtype, block_v=8,
+        prefetch=prefetch, **dev
     )
     for name in FIELDS:
         r = getattr(ref, name)

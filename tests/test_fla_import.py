@@ -124,7 +124,10 @@ from osdn_diag.cli import main
 rc = main(["run", "random:deltanet-tiny", "--prompts", "random", "--num-prompts", "2", "--length", "32",
            "--device", "cpu", "--out", sys.argv[1], "-q"])
 print(json.dumps({"rc": rc, "count": len([m for m in sys.modules if m.startswith("fla")]),
-                  "rwkv6": "fla.ops.rwkv6" in sys.modules}))
+                  "rwkv6": "fla.ops.rwkv6" in sys.modules,
+                  # kernel sites of other families (capture patches only the modules a model imported)
+                  "other_layers": [m for m in ("fla.layers.comba", "fla.layers.rwkv7",
+                                               "fla.layers.gated_deltaproduct") if m in sys.modules]}))
 """
 
 
@@ -139,7 +142,8 @@ def _cli_run(out, **env):
 
 def test_cli_run_lazy_matches_full_import_with_fewer_modules(tmp_path):
     """``run`` through ``cli.main`` gives the same q_geo with lazy import (the default) as with
-    ``OSDN_DIAG_FLA_IMPORT=full``, having loaded fewer fla modules and no RWKV ops."""
+    ``OSDN_DIAG_FLA_IMPORT=full``, having loaded fewer fla modules, no RWKV ops, and no layer module
+    of another family (capture's kernel sites included)."""
     lazy = _cli_run(tmp_path / "lazy")
     full = _cli_run(tmp_path / "full", OSDN_DIAG_FLA_IMPORT="full")
     assert lazy["rc"] == 0 and full["rc"] == 0
@@ -148,6 +152,7 @@ def test_cli_run_lazy_matches_full_import_with_fewer_modules(tmp_path):
     assert q_lazy == q_full
     assert lazy["count"] < full["count"], (lazy, full)
     assert lazy["rwkv6"] is False and full["rwkv6"] is True
+    assert lazy["other_layers"] == [], lazy
 
 
 def test_saved_model_of_a_type_osdn_diag_does_not_import_loads_lazily(tmp_path):

@@ -15,6 +15,13 @@ register themselves with transformers' Auto classes in ``fla/models/<name>/__ini
 :func:`import_model_type` and :func:`config_class` import the one a ``model_type`` or config class
 needs, found by reading (not importing) ``fla/models/*/configuration_*.py``.
 
+fla also decorates helpers with ``torch.compile`` as its modules load (``fla.modules.activations``),
+and each such decoration imports torch's inductor compiler: 540 modules, 0.7 s on a 2-core CPU and
+several seconds on an H200 host, where its custom operators register slowly. :func:`import_lazily`
+therefore defers ``torch.compile`` of a plain function until that function's first call — the
+compilation happens at the first call anyway; only the import moves, and it is skipped when the
+function never runs. Modules passed to ``torch.compile`` are compiled as usual.
+
 The shells are installed only where they are known to be right: fla 0.6.0 (both of its
 distributions), fla not imported yet, and ``OSDN_DIAG_FLA_IMPORT`` not ``full`` (which restores the
 plain ``import fla``, for comparison or if a future fla breaks the assumption). The command line
@@ -26,6 +33,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -83,7 +91,37 @@ def import_lazily() -> bool:
         if "." in name:
             parent, _, child = name.rpartition(".")
             setattr(sys.modules[parent], child, module)
+    _defer_torch_compile()
     return True
+
+
+def _defer_torch_compile() -> None:
+    """Make ``torch.compile(fn, ...)`` of a plain function compile at the function's first call
+    (see the module docstring); anything else goes to torch's own ``torch.compile`` at once."""
+    import torch
+
+    compile_now = torch.compile
+    if getattr(compile_now, "_osdn_deferred", False):
+        return
+
+    def compile_on_first_call(model=None, **options):
+        if model is None:  # @torch.compile(...) with options: the decorator
+            return functools.partial(compile_on_first_call, **options)
+        if not inspect.isfunction(model):  # a module, a method, a callable object: as torch does it
+            return compile_now(model, **options)
+        compiled = []
+
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            if not compiled:
+                compiled.append(compile_now(model, **options))
+            return compiled[0](*args, **kwargs)
+
+        return call
+
+    compile_on_first_call._osdn_deferred = True
+    compile_on_first_call.__wrapped__ = compile_now
+    torch.compile = compile_on_first_call
 
 
 def _complete(module) -> None:

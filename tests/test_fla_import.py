@@ -182,3 +182,26 @@ print(json.dumps(out))
     assert out["comba_before"] is False
     assert out["cls"] == "fla.models.comba.modeling_comba.CombaForCausalLM" and out["source"] == "directory"
     assert out["unrelated"] == []
+
+
+def test_torch_compile_of_fla_helpers_is_deferred_to_their_first_call():
+    """Under lazy import, fla's ``@torch.compile`` helpers (fla.modules.activations) no longer import
+    torch's inductor compiler as they load; a deferred function computes what the function does,
+    compiling at its first call; a module still gets torch's own compiled module at once."""
+    out = _run("""
+import json, sys, torch
+from osdn_diag._fla_import import import_lazily
+out = {"installed": import_lazily()}
+import fla.modules.activations
+out["lowering_after_fla"] = "torch._inductor.lowering" in sys.modules
+f = torch.compile(lambda x: x * 2 + 1, backend="eager")
+out["deferred"] = "torch._dynamo.eval_frame" not in repr(type(f)) and callable(f)
+out["value"] = f(torch.arange(3.0)).tolist()
+m = torch.compile(torch.nn.Linear(2, 2), backend="eager")
+out["module"] = type(m).__name__
+print(json.dumps(out))
+""")
+    assert out["installed"] is True
+    assert out["lowering_after_fla"] is False
+    assert out["deferred"] is True and out["value"] == [1.0, 3.0, 5.0]
+    assert out["module"] == "OptimizedModule"

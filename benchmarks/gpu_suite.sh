@@ -59,7 +59,7 @@ for step in "${steps[@]}"; do
     case $step in
         tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/ops/test_phase1_parallel_kernel.py \
                         tests/ops/test_phase1_kernel.py tests/layers/test_layers_gpu.py tests/ops \
-                        tests/capture/test_kernel_exact_gpu.py ;;
+                        tests/capture/test_kernel_exact_gpu.py tests/test_cli_warmup.py ;;
         families)   run_step families 540 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/capture/test_family_*_gpu.py ;;
         hf_tests)   run_step hf_tests 420 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/transformers/test_hf_capture_gpu.py \
                         tests/layers/test_layers_gpu.py ;;

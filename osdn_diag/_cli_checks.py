@@ -190,6 +190,9 @@ def check_args(args) -> None:
         raise UsageError(f"argument --tolerance: expected a number > 0, got {tolerance}")
     if cmd == "prove" and args.json:
         check_writable_file(args.json, "argument --json")
+    if cmd == "warmup":
+        _positive("--batch-size", args.batch_size)
+        _positive("--length", args.length)
     if cmd in ("run", "capture"):
         _positive("--num-prompts", args.num_prompts)
         _positive("--batch-size", args.batch_size)

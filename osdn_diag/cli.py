@@ -205,6 +205,38 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    """One batch of the random suite at the given shape, through the whole diagnostic, into a
+    temporary directory that is removed: fla's kernels and the package's own compile and autotune
+    as a first run's would, and stay in Triton's cache for the runs that follow."""
+    import shutil
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from .pipeline import stream_run, triton_cache_dir
+
+    on_gpu = args.device.startswith("cuda") if args.device else torch.cuda.is_available()
+    if not on_gpu:
+        print("osdn-diag warmup: nothing to compile on the CPU (fla's kernels run under Triton's "
+              "interpreter there): runs start without it")
+        return 0
+    scratch = Path(tempfile.mkdtemp(prefix="osdn-warmup-"))
+    t0 = time.perf_counter()
+    try:
+        stream_run(args.model, "random", scratch / "run", device=args.device, dtype=_torch_dtype(args.dtype),
+                   kernels=args.kernels, batch_size=args.batch_size, num_prompts=args.batch_size,
+                   length=args.length, seed=args.seed, progress=not args.quiet)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"{args.model}: its kernels for batches of {args.batch_size} x {args.length} tokens compiled and "
+          f"autotuned in {time.perf_counter() - t0:.1f} s, kept in {triton_cache_dir()}: runs of this "
+          "model at that shape on this machine start warm")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import write_report
 
@@ -404,6 +436,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(demo)
     demo.set_defaults(func=_cmd_demo)
 
+    warm = sub.add_parser("warmup", help="compile and autotune a model's GPU kernels ahead of its runs",
+                          description="Run one batch of random prompts of the given shape through the "
+                          "whole diagnostic, writing nothing but Triton's cache: fla's kernels (and the "
+                          "package's) compile and autotune once, and later runs of MODEL at that shape "
+                          "on this machine start warm. Nothing to do on the CPU.")
+    warm.add_argument("model", metavar="MODEL", help="as for run: a directory, Hub id, builtin:NAME or "
+                      "random:PRESET")
+    warm.add_argument("--length", type=int, default=512, help="tokens per prompt, as the runs will use (512)")
+    warm.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass, as the runs "
+                      "will use (1)")
+    warm.add_argument("--dtype", choices=sorted(_DTYPES), help="model dtype (bf16 on CUDA)")
+    warm.add_argument("--kernels", choices=("auto", "fla", "reference"), default="auto",
+                      help="as for run (auto: fla's kernels on CUDA)")
+    warm.add_argument("--seed", type=int, default=0, help="seed of a random model (0)")
+    _add_common(warm)
+    warm.set_defaults(func=_cmd_warmup)
+
     report = sub.add_parser("report", help="write report.md and plots for one or more runs",
                             description="Write report.md and plots/*.png: into RUN for one run, or "
                             "into --out comparing several runs side by side.")
@@ -438,7 +487,7 @@ def _quiet_libraries() -> None:
 
 
 #: The commands that run a model or a replay (the others read and write files only).
-_MODEL_COMMANDS = ("capture", "replay", "run", "what-if", "demo")
+_MODEL_COMMANDS = ("capture", "replay", "run", "what-if", "demo", "warmup")
 
 
 def _cpu_threads(device: str | None) -> bool:

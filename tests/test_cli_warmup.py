@@ -1,0 +1,76 @@
+"""``osdn-diag warmup MODEL``: one batch of the random suite at the runs' shape through the whole
+diagnostic, into a temporary directory that is removed, leaving only Triton's cache behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, "TMPDIR": str(tmp_path), **env}
+    return subprocess.run([sys.executable, "-c", code], env=full, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_warmup_on_the_cpu_has_nothing_to_do(tmp_path):
+    """Without a GPU: one line saying so, exit status 0, no model loaded and nothing written."""
+    done = subprocess.run([sys.executable, "-m", "osdn_diag", "warmup", "random:deltanet-tiny", "--device", "cpu"],
+                          env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "nothing to compile on the CPU" in done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_warmup_runs_one_batch_of_the_given_shape_and_keeps_nothing(tmp_path):
+    """Where a GPU is seen (here pretended, the pipeline itself on the CPU): the whole diagnostic on
+    one batch of ``--batch-size`` random prompts of ``--length`` tokens, in a scratch directory that is
+    gone afterwards; the last line names the shape and Triton's cache."""
+    cache = tmp_path / "triton"
+    done = _python(f"""
+import json, torch
+torch.cuda.is_available = lambda: True          # the GPU branch, run on the CPU below
+import osdn_diag.pipeline as pipeline
+real, seen = pipeline.stream_run, {{}}
+def stream_run(model, prompts, out, **kw):
+    seen.update(model=model, prompts=prompts, out=str(out), **{{k: kw[k] for k in ("batch_size", "num_prompts", "length")}})
+    kw["device"] = "cpu"
+    summary = real(model, prompts, out, **kw)
+    seen["n"] = summary["n"]
+    return summary
+pipeline.stream_run = stream_run
+from osdn_diag.cli import main
+rc = main(["warmup", "random:deltanet-tiny", "--length", "24", "--batch-size", "2", "-q"])
+print(json.dumps(dict(rc=rc, **seen)))
+""", tmp_path, TRITON_CACHE_DIR=str(cache), OSDN_DIAG_PARALLEL_COMPILE="0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    seen = json.loads(lines[-1])
+    assert seen["rc"] == 0 and seen["model"] == "random:deltanet-tiny" and seen["prompts"] == "random"
+    assert (seen["batch_size"], seen["num_prompts"], seen["length"]) == (2, 2, 24)
+    assert seen["n"] == 2 * 24 * 2 * 2  # prompts x tokens x layers x heads of deltanet-tiny
+    assert not Path(seen["out"]).exists() and not Path(seen["out"]).parent.exists()
+    message = lines[-2]
+    assert "batches of 2 x 24 tokens compiled and autotuned" in message and str(cache) in message
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles fla's kernels: needs a CUDA GPU")
+def test_warmup_fills_the_triton_cache_on_a_gpu(tmp_path):
+    """On a GPU with an empty Triton cache: after warmup the cache holds compiled kernels."""
+    from osdn_diag.pipeline import has_compiled_kernels
+
+    cache = tmp_path / "triton"
+    done = subprocess.run([sys.executable, "-m", "osdn_diag", "warmup", "random:deltanet-tiny", "--length", "64",
+                           "--batch-size", "2", "-q"], env={**os.environ, "TRITON_CACHE_DIR": str(cache)},
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert has_compiled_kernels(cache)

@@ -10,8 +10,8 @@ configuration chosen and Triton's and fla's caches are unchanged. Nothing happen
 choice is already cached (in memory, or on disk with fla's ``FLA_CACHE_RESULTS``), when one
 configuration is left, or under Triton's interpreter.
 
-``OSDN_DIAG_PARALLEL_COMPILE=0`` leaves Triton's sequential compilation alone; ``=N`` uses at most N
-threads (default: the processor's cores, at most 16).
+``OSDN_DIAG_PARALLEL_COMPILE=0`` (or ``1``: one thread) leaves Triton's sequential compilation
+alone; ``=N`` uses at most N threads (default: the processor's cores, at most 16).
 """
 
 from __future__ import annotations
@@ -72,7 +72,17 @@ def _precompile(autotuner, args: tuple, meta: dict, configs: list, threads: int)
                 for config in rest:
                     _compile_one(autotuner, args, meta, config)
         else:
-            list(pool.map(lambda config: _compile_one(autotuner, args, meta, config), rest))
+            # Triton compiles for the thread's current CUDA device: the caller's, in every thread.
+            import torch
+
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+            def compile_on_device(config):
+                if device is not None:
+                    torch.cuda.set_device(device)
+                _compile_one(autotuner, args, meta, config)
+
+            list(pool.map(compile_on_device, rest))
 
 
 def compile_configs_in_parallel() -> bool:

@@ -193,6 +193,7 @@ def check_args(args) -> None:
     if cmd == "warmup":
         _positive("--batch-size", args.batch_size)
         _positive("--length", args.length)
+        _check_model(args.model)
     if cmd in ("run", "capture"):
         _positive("--num-prompts", args.num_prompts)
         _positive("--batch-size", args.batch_size)

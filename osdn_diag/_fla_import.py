@@ -20,7 +20,9 @@ and each such decoration imports torch's inductor compiler: 540 modules, 0.7 s o
 several seconds on an H200 host, where its custom operators register slowly. :func:`import_lazily`
 therefore defers ``torch.compile`` of a plain function until that function's first call — the
 compilation happens at the first call anyway; only the import moves, and it is skipped when the
-function never runs. Modules passed to ``torch.compile`` are compiled as usual.
+function never runs (called inside another compiled function, it is traced inline, as torch does
+with a compiled one). Modules passed to ``torch.compile`` are compiled as usual, and the command line
+gives ``torch.compile`` back when its command ends (:func:`restore_torch_compile`).
 
 The shells are installed only where they are known to be right: fla 0.6.0 (both of its
 distributions), fla not imported yet, and ``OSDN_DIAG_FLA_IMPORT`` not ``full`` (which restores the
@@ -35,11 +37,12 @@ import importlib
 import importlib.util
 import inspect
 import os
+import pkgutil
 import re
 import sys
 from pathlib import Path
 
-__all__ = ["SHELLS", "config_class", "import_lazily", "import_model_type", "is_lazy"]
+__all__ = ["SHELLS", "config_class", "import_lazily", "import_model_type", "is_lazy", "restore_torch_compile"]
 
 #: The fla versions whose package initialisers :func:`import_lazily` knows to be replaceable.
 SUPPORTED = ("0.6.0",)
@@ -76,18 +79,24 @@ def import_lazily() -> bool:
     version = _installed_version()
     if version not in SUPPORTED:
         return False
+    installed = []
     for name in SHELLS:
-        if name != "fla" and name in sys.modules:  # pragma: no cover - a parent would be there too
-            return False
-        spec = importlib.util.find_spec(name)  # the parent is a shell already: nothing executes
+        spec = None if name in sys.modules else importlib.util.find_spec(name)  # nothing executes
         if spec is None or spec.submodule_search_locations is None or spec.loader is None:
-            return False  # pragma: no cover - not the layout of fla 0.6.0
+            for done in reversed(installed):  # not the layout this was written for: plain fla
+                del sys.modules[done]
+            return False
         module = importlib.util.module_from_spec(spec)
         module.__dict__.update(_osdn_shell=True, __getattr__=_completing_getattr(module),
                                __dir__=_completing_dir(module))
         if name == "fla":
             module.__version__ = version  # fla.utils asks for it while the shell is incomplete
+            # fla's own __init__ extends its path over every sys.path entry holding an fla/ folder:
+            # its two distributions (fla-core: ops, modules; flash-linear-attention: layers, models)
+            # may be installed in different places.
+            module.__path__ = pkgutil.extend_path(list(module.__path__), name)
         sys.modules[name] = module
+        installed.append(name)
         if "." in name:
             parent, _, child = name.rpartition(".")
             setattr(sys.modules[parent], child, module)
@@ -113,6 +122,9 @@ def _defer_torch_compile() -> None:
 
         @functools.wraps(model)
         def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                # Inside another compiled function, as torch does with a compiled one: traced inline.
+                return model(*args, **kwargs)
             if not compiled:
                 compiled.append(compile_now(model, **options))
             return compiled[0](*args, **kwargs)
@@ -124,13 +136,28 @@ def _defer_torch_compile() -> None:
     torch.compile = compile_on_first_call
 
 
+def restore_torch_compile() -> None:
+    """Give ``torch.compile`` back (the command line does when its command ends, so that Python code
+    after it compiles as usual); functions decorated meanwhile stay deferred."""
+    torch = sys.modules.get("torch")
+    deferred = getattr(torch, "compile", None)
+    if getattr(deferred, "_osdn_deferred", False):
+        torch.compile = deferred.__wrapped__
+
+
 def _complete(module) -> None:
     """Run a shell's real ``__init__.py`` in its namespace, once."""
     namespace = vars(module)
-    if namespace.pop("__getattr__", None) is None:
+    getattr_ = namespace.pop("__getattr__", None)
+    if getattr_ is None:
         return  # completed already (or completing: the initialiser asked for one of its own names)
-    namespace.pop("__dir__", None)
-    module.__spec__.loader.exec_module(module)
+    dir_ = namespace.pop("__dir__", None)
+    try:
+        module.__spec__.loader.exec_module(module)
+    except BaseException:
+        # Still a shell: the next access tries again (as a failed plain import would be retried).
+        namespace.update(__getattr__=getattr_, __dir__=dir_)
+        raise
 
 
 def _submodule(module, name: str):
@@ -172,8 +199,12 @@ def _completing_dir(module):
 def _model_index() -> tuple[dict[str, str], dict[str, str]]:
     """``({model_type: package}, {config class name: package})`` of fla's models, each package a
     folder of ``fla/models``, read from the text of their ``configuration_*.py`` files."""
-    spec = importlib.util.find_spec("fla")
-    folders = [] if spec is None else list(spec.submodule_search_locations or ())
+    module = sys.modules.get("fla")
+    if module is not None:
+        folders = list(getattr(module, "__path__", ()))
+    else:
+        spec = importlib.util.find_spec("fla")
+        folders = [] if spec is None else pkgutil.extend_path(list(spec.submodule_search_locations or ()), "fla")
     by_type, by_class = {}, {}
     for folder in folders:
         for path in sorted(Path(folder, "models").glob("*/configuration_*.py")):

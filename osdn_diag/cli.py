@@ -526,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     finally:
+        if args.command in _MODEL_COMMANDS:
+            from ._fla_import import restore_torch_compile
+
+            restore_torch_compile()
         if "torch.distributed" in sys.modules:  # else no process group can have been joined
             from .distributed import shutdown
 

@@ -74,3 +74,13 @@ def test_warmup_fills_the_triton_cache_on_a_gpu(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert has_compiled_kernels(cache)
+
+
+def test_warmup_checks_its_model_even_where_it_has_nothing_to_do(tmp_path):
+    """An unknown preset or a missing directory is the usual one-line error (exit status 2), on the
+    CPU too."""
+    for spec in ("random:nope", str(tmp_path / "missing")):
+        done = subprocess.run([sys.executable, "-m", "osdn_diag", "warmup", spec, "--device", "cpu"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (spec, done.stdout, done.stderr)
+        assert done.stderr.startswith("osdn-diag: error: MODEL") and len(done.stderr.strip().splitlines()) == 1

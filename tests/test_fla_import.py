@@ -205,3 +205,95 @@ print(json.dumps(out))
     assert out["lowering_after_fla"] is False
     assert out["deferred"] is True and out["value"] == [1.0, 3.0, 5.0]
     assert out["module"] == "OptimizedModule"
+
+
+def _split_install(root: Path) -> Path:
+    """fla laid out as its two distributions may be installed in two places: ``root/fla`` holds
+    fla-core's part (every folder but layers and models, linked) and fla's ``__init__``; the real
+    installation, later on sys.path, still holds layers and models."""
+    import importlib.util
+
+    real = Path(importlib.util.find_spec("fla").submodule_search_locations[0])
+    target = root / "fla"
+    target.mkdir(parents=True)
+    for entry in real.iterdir():
+        if entry.name in ("layers", "models", "__pycache__"):
+            continue
+        if entry.name == "__init__.py":
+            (target / entry.name).write_bytes(entry.read_bytes())
+        else:
+            (target / entry.name).symlink_to(entry)
+    return root
+
+
+def test_fla_split_over_two_folders_loads_lazily(tmp_path):
+    """fla-core and flash-linear-attention in different sys.path entries (fla extends its path over
+    both): the shells do too, so layers, models and their index are found."""
+    split = _split_install(tmp_path / "split")
+    out = _run("""
+import json, sys
+from osdn_diag._fla_import import import_lazily, is_lazy, _model_index
+out = {"installed": import_lazily(), "lazy": is_lazy(), "path": len(sys.modules["fla"].__path__)}
+import fla.layers.delta_net, fla.models.delta_net, fla.ops.delta_rule
+out["index"] = _model_index()[0].get("delta_net")
+out["first"] = sys.modules["fla.ops"].__path__[0]
+print(json.dumps(out))
+""", PYTHONPATH=f"{split}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    assert out["installed"] is True and out["lazy"] is True and out["path"] >= 2
+    assert out["index"] == "fla.models.delta_net"
+    assert out["first"].startswith(str(split))
+
+
+def test_a_layout_it_does_not_know_leaves_no_shell_behind():
+    """If a package to replace cannot be found, nothing stays installed: plain ``import fla`` then."""
+    out = _run("""
+import importlib.util, json, sys
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name == "fla.ops" else real(name, *a)
+from osdn_diag._fla_import import import_lazily, is_lazy
+out = {"installed": import_lazily(), "lazy": is_lazy(), "left": [m for m in sys.modules if m.startswith("fla")]}
+print(json.dumps(out))
+""")
+    assert out == {"installed": False, "lazy": False, "left": []}
+
+
+def test_a_failing_initialiser_is_retried_like_a_failed_import():
+    """A shell whose real ``__init__`` fails stays a shell: once the cause is gone, the next access
+    completes it."""
+    out = _run("""
+import json, sys
+from osdn_diag._fla_import import import_lazily
+import_lazily()
+import fla.layers
+sys.modules["fla.layers.abc"] = None     # fla.layers' __init__ imports it first: now it fails
+try:
+    fla.layers.GatedDeltaNet
+    first = "no error"
+except ImportError as err:
+    first = "ImportError"
+del sys.modules["fla.layers.abc"]
+print(json.dumps({"first": first, "then": fla.layers.GatedDeltaNet.__name__}))
+""")
+    assert out == {"first": "ImportError", "then": "GatedDeltaNet"}
+
+
+def test_deferred_compile_inside_a_compiled_function_and_after_the_command():
+    """A deferred function called inside another compiled one is traced inline (``fullgraph`` holds,
+    as with torch's own); after ``cli.main`` returns, ``torch.compile`` is torch's again."""
+    out = _run("""
+import json, sys, torch
+from osdn_diag._fla_import import import_lazily, restore_torch_compile
+import_lazily()
+@torch.compile(backend="eager")
+def g(x):
+    return x * 2
+outer = torch.compile(lambda x: g(x) + 1, backend="eager", fullgraph=True)
+value = outer(torch.ones(3)).tolist()
+restore_torch_compile()
+restored = not getattr(torch.compile, "_osdn_deferred", False)
+from osdn_diag.cli import main
+rc = main(["warmup", "random:deltanet-tiny", "--device", "cpu"])
+print(json.dumps({"value": value, "restored": restored, "rc": rc,
+                  "after_main": not getattr(torch.compile, "_osdn_deferred", False)}))
+""")
+    assert out == {"value": [3.0, 3.0, 3.0], "restored": True, "rc": 0, "after_main": True}

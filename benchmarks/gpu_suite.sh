@@ -7,7 +7,7 @@
 # Steps (default: all, in this order): tests, families (fla's further kernel families, bf16), hf_tests (transformers models, bf16), layers, phase1, replay, comparator, capture, e2e,
 # e2e_stored, e2e_1b, memory, e2e_hf (realistic transformers-model layer shapes), wall (the paper-scale
 # command as typed, timed from the shell: first run with an empty Triton cache of its own, then warm); and, not in the default list, e2e_ddp (every GPU of the machine under
-# torchrun) and device_map (the 1.3B shape spread over every GPU by --device-map, against one GPU).
+# torchrun) and device_map (the 1.3B shape spread over every GPU by --device-map, against the same on one GPU).
 # Two lanes on a two-GPU machine: pin each to its own cores (taskset, OMP_NUM_THREADS), or the
 # host-side work of one slows the other tenfold.
 # Each step runs under its own time limit (seconds; override with e.g. LIMIT_tests=300) and its
@@ -87,7 +87,7 @@ for step in "${steps[@]}"; do
                         set -e; common=(--model random:deltanet-1.3b --prompts 8 --mode stream)
                         "$0" benchmarks/bench_e2e.py "${common[@]}" --device-map balanced --dir /tmp/osdn_dm \
                             --json "$1/device_map.json"
-                        CUDA_VISIBLE_DEVICES=0 "$0" benchmarks/bench_e2e.py "${common[@]}" --dir /tmp/osdn_1gpu \
+                        CUDA_VISIBLE_DEVICES=0 "$0" benchmarks/bench_e2e.py "${common[@]}" --device-map balanced --dir /tmp/osdn_1gpu \
                             --json "$1/device_map_1gpu.json"
                         "$0" benchmarks/compare_runs.py --rtol 1e-5 /tmp/osdn_dm/stream /tmp/osdn_1gpu/stream' "$PY" "$OUT" ;;
         e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \

@@ -94,8 +94,8 @@ def load_model(
             config = getattr(transformers, cls_name)(**kwargs)
         # Built and initialised where it will run: on a GPU, a 340M model's CPU initialisation
         # alone took 3 s of the command's wall clock. CUDA's generator gives the same weights on any
-        # GPU (so --device-map, which builds on the first GPU, matches a one-GPU run); they differ
-        # from a CPU build's.
+        # GPU; they differ from a CPU build's. A device map builds on the CPU, as the model may not
+        # fit one GPU.
         build = _build_device(device, device_map)
         with torch.random.fork_rng(devices=[build.index] if build.type == "cuda" else []), build:
             torch.manual_seed(seed)
@@ -155,9 +155,9 @@ def load_model(
 
 
 def _build_device(device: str | torch.device, device_map) -> torch.device:
-    """Where a random preset is built: ``device``, or the first GPU for a ``device_map``."""
+    """Where a random preset is built: ``device``, or the CPU for a ``device_map`` (then spread)."""
     if device_map is not None:
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

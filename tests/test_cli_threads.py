@@ -54,4 +54,4 @@ def test_a_gpu_device_or_a_file_command_leaves_torch_alone(threads, monkeypatch)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cli._cpu_threads(None)  # no --device: the GPU there is
     assert torch.get_num_threads() == 2
-    assert set(cli._MODEL_COMMANDS) == {"capture", "replay", "run", "what-if", "demo"}
+    assert set(cli._MODEL_COMMANDS) == {"capture", "replay", "run", "what-if", "demo", "warmup"}

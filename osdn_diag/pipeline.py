@@ -68,7 +68,7 @@ SUMMARY = "summary.json"
 #: kernel yet: fla's kernels compile and autotune on their first call, minutes of silence otherwise.
 COMPILE_NOTICE = ("osdn-diag: fla compiles and autotunes its Triton kernels on their first call on this "
                   "machine: the first batch may take minutes (once; they are kept in {cache}, which "
-                  "TRITON_CACHE_DIR sets)")
+                  "TRITON_CACHE_DIR sets; `osdn-diag warmup MODEL` does this ahead of runs)")
 
 
 def triton_cache_dir() -> Path:

@@ -18,6 +18,7 @@ from osdn_diag.capture.store import CaptureReader
 from osdn_diag.cli import entry, main
 from osdn_diag.demo import run_demo
 from osdn_diag.catalog.builtin import BUILTIN_ROOT
+from _demo_table import printed_table
 
 # Spelled out (not imported from osdn_diag.demo) so that the test fails if the demo's models change.
 MODELS = {"mqar-deltanet": "DeltaNet", "mqar-osdn": "OSDN", "mqar-osdn-apf": "OSDN-APF"}
@@ -183,12 +184,7 @@ def test_printed_table_has_one_line_per_model_and_the_report_path(demo):
     out, _, stdout = demo
     lines = stdout.splitlines()
     assert not any(ln.startswith("[mqar-") for ln in lines)  # -q: no progress lines
-    head = next(i for i, ln in enumerate(lines) if ln.startswith("model "))
-    body = []
-    for ln in lines[head + 1:]:
-        if not ln.strip():
-            break
-        body.append(ln.split())
+    _, body = printed_table(stdout)
     assert [r[0] for r in body] == list(MODELS.values())
     tasks = sorted(TASKS)
     for row, name in zip(body, MODELS):

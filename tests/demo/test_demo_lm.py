@@ -21,6 +21,7 @@ import pytest
 from osdn_diag.cli import entry, main
 from osdn_diag.demo import run_demo
 from osdn_diag.prompts.lm import heldout_windows
+from _demo_table import printed_table
 
 # Spelled out (not imported from osdn_diag.demo) so that the test fails if the demo's models change.
 MODELS = {"lm-deltanet": "DeltaNet", "lm-osdn": "OSDN", "lm-osdn-apf": "OSDN-APF"}
@@ -63,17 +64,6 @@ def _recomputed(run_dir) -> dict:
     return row
 
 
-def _printed_table(stdout: str) -> tuple[list[str], list[list[str]]]:
-    lines = stdout.splitlines()
-    head = next(i for i, ln in enumerate(lines) if ln.startswith("model "))
-    body = []
-    for ln in lines[head + 1:]:
-        if not ln.strip():
-            break
-        body.append(ln.split())
-    return lines[head], body
-
-
 def test_demo_lm_runs_every_language_model_on_the_same_heldout_window(demo):
     out, rc, _ = demo
     assert rc == 0
@@ -95,7 +85,7 @@ def test_demo_lm_runs_every_language_model_on_the_same_heldout_window(demo):
 
 def test_demo_lm_printed_table_is_recomputed_from_the_run_files(demo):
     out, _, stdout = demo
-    head, body = _printed_table(stdout)
+    head, body = printed_table(stdout)
     columns = ["q_geo", "q_arith", *(f"q_geo {t}" for t in TASKS), *(f"ppl {t}" for t in TASKS)]
     assert head.split() == ["model", *" ".join(columns).split()]
     assert [r[0] for r in body] == list(MODELS.values())

@@ -259,7 +259,7 @@ def test_family_tables_of_a_comparison(runs, tmp_path):
     expected = {"delta_rule": ("dn", runs["deltanet"]), "gated_delta_rule": ("gdn", runs["gated"])}
     section = report[report.index("## By family"):]
     for family, (label, run) in expected.items():
-        header, rows = _table_after(section.replace(f"### {family}", f"## {family}"), family)
+        header, rows = _table_after(section, f"### {family}")
         assert header == ["model", "layers", "q_geo ↓", "q_arith ↓", "post-decay q_geo ↓", "n"]
         assert len(rows) == 1 and rows[0][0] == label, rows
         exp = _expected(run, "residual_ratio")["by_family"][family]

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from osdn_diag.cli import main
+from _markdown import table_after as _table_after
 
 REL = 1e-9
 FLOOR = 1e-30
@@ -77,21 +78,6 @@ def _per_write(run, post: bool = False) -> tuple[float, int]:
 def _fmt(x: float) -> str:
     """docs/families.md: ratios below 0.01 print with 3 significant digits, others with 3 decimals."""
     return f"{x:.3f}" if x >= 0.01 else f"{x:.2e}"
-
-
-def _table_after(text: str, heading: str) -> tuple[list[str], list[list[str]]]:
-    lines = text.splitlines()
-    start = lines.index(heading)
-    rows = []
-    for line in lines[start + 1:]:
-        if line.startswith("#"):
-            break
-        if line.startswith("|"):
-            rows.append([cell.strip() for cell in line.strip()[1:-1].split(" | ")])
-        elif rows:
-            break
-    assert len(rows) >= 2, f"no table under {heading!r}"
-    return rows[0], rows[2:]
 
 
 FAMILY = {"gdn": "gated_delta_rule", "gdp": "gated_delta_product", "comba": "comba"}

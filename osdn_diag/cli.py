@@ -214,12 +214,9 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    import torch
-
     from .pipeline import stream_run, triton_cache_dir
 
-    on_gpu = args.device.startswith("cuda") if args.device else torch.cuda.is_available()
-    if not on_gpu:
+    if _on_cpu(args.device):
         print("osdn-diag warmup: nothing to compile on the CPU (fla's kernels run under Triton's "
               "interpreter there): runs start without it")
         return 0
@@ -490,6 +487,14 @@ def _quiet_libraries() -> None:
 _MODEL_COMMANDS = ("capture", "replay", "run", "what-if", "demo", "warmup")
 
 
+def _on_cpu(device: str | None) -> bool:
+    """Whether a model command with ``--device`` ``device`` runs on the CPU (no ``--device``: the
+    GPU if torch sees one)."""
+    import torch
+
+    return str(device).startswith("cpu") if device else not torch.cuda.is_available()
+
+
 def _cpu_threads(device: str | None) -> bool:
     """On the CPU, one torch thread unless ``OMP_NUM_THREADS`` says otherwise: the work is many small
     operations (Triton's interpreter, per-token recurrences), where a second thread gains little on
@@ -500,7 +505,7 @@ def _cpu_threads(device: str | None) -> bool:
 
     import torch
 
-    on_cpu = str(device).startswith("cpu") if device else not torch.cuda.is_available()
+    on_cpu = _on_cpu(device)
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     return on_cpu

@@ -73,6 +73,7 @@ def import_lazily() -> bool:
     """Install the shells (see the module docstring); ``True`` if fla is now loaded lazily, ``False``
     if plain ``import fla`` applies (fla imported already, another version, or ``OSDN_DIAG_FLA_IMPORT=full``)."""
     if is_lazy():
+        _defer_torch_compile()  # given back when an earlier command ended
         return True
     if os.environ.get(_ENV, "").strip().lower() == "full" or "fla" in sys.modules:
         return False

@@ -293,7 +293,9 @@ restore_torch_compile()
 restored = not getattr(torch.compile, "_osdn_deferred", False)
 from osdn_diag.cli import main
 rc = main(["warmup", "random:deltanet-tiny", "--device", "cpu"])
-print(json.dumps({"value": value, "restored": restored, "rc": rc,
-                  "after_main": not getattr(torch.compile, "_osdn_deferred", False)}))
+after_main = not getattr(torch.compile, "_osdn_deferred", False)
+import_lazily()  # the next command defers again
+print(json.dumps({"value": value, "restored": restored, "rc": rc, "after_main": after_main,
+                  "again": getattr(torch.compile, "_osdn_deferred", False)}))
 """)
-    assert out == {"value": [3.0, 3.0, 3.0], "restored": True, "rc": 0, "after_main": True}
+    assert out == {"value": [3.0, 3.0, 3.0], "restored": True, "rc": 0, "after_main": True, "again": True}

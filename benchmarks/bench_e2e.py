@@ -68,10 +68,11 @@ STAGES = (
 
 
 class _StageTimers:
-    """Wraps each of :data:`STAGES` with a wall-clock timer for the duration of a ``with`` block; the
-    originals are restored on exit, also on error."""
+    """Wraps each of ``stages`` (default :data:`STAGES`) with a wall-clock timer for the duration of a
+    ``with`` block; the originals are restored on exit, also on error."""
 
-    def __init__(self):
+    def __init__(self, stages=STAGES):
+        self.stages = stages
         self.lock = threading.Lock()
         self.totals: dict[tuple[str, str], list] = {}
 
@@ -90,7 +91,7 @@ class _StageTimers:
 
     def __enter__(self):
         self.saved = []
-        for module, path, label in STAGES:
+        for module, path, label in self.stages:
             owner = importlib.import_module(module)
             *parents, name = path.split(".")
             for part in parents:
@@ -106,7 +107,7 @@ class _StageTimers:
 
     def table(self, wall: float) -> str:
         lines = [f"{'stage (inclusive wall time)':56s} {'thread':>18s} {'calls':>6s} {'seconds':>8s} {'of run':>7s}"]
-        for _, _, label in STAGES:
+        for _, _, label in self.stages:
             for (lab, thread), (calls, secs) in self.totals.items():
                 if lab == label:
                     lines.append(f"{label:56s} {thread:>18s} {calls:6d} {secs:8.2f} {100 * secs / wall:6.1f}%")

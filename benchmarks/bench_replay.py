@@ -35,7 +35,12 @@ def main(argv=None) -> dict:
                    help="a decay gate (log decay in [-0.1, 0)): per head, against fla's "
                         "fused_recurrent_gated_delta_rule(g=...), or per key channel (gk=...)")
     p.add_argument("--sweep", action="store_true",
-                   help="also time every launch configuration (block_v x num_warps) of the fused replay")
+                   help="also time launch configurations (block_v x num_warps x key_lanes, prefetch) of the fused replay")
+    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    p.add_argument("--sweep-rows", type=ints, default=(4, 8, 16, 32), metavar="N,N,...",
+                   help="--sweep's state rows per program (4,8,16,32)")
+    p.add_argument("--sweep-lanes", type=ints, default=(2, 4, 8, 16), metavar="N,N,...",
+                   help="--sweep's key lanes (2,4,8,16)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_replay needs a CUDA GPU")
@@ -89,19 +94,26 @@ def main(argv=None) -> dict:
 
     sweep = []
     if a.sweep:
-        for bv in (2, 4, 8, 16, 32):
-            if bv > V:
-                continue
-            for nw in (1, 2, 4):
-                for pf in (True, False):
-                    ms = bench(lambda: fused_replay(q, k, v, beta, g=g, block_v=bv, num_warps=nw, prefetch=pf),
-                               rep=100)
-                    sweep.append(dict(block_v=bv, num_warps=nw, prefetch=pf, ms=ms))
-                    print(f"sweep block_v={bv:4d} num_warps={nw} prefetch={pf!s:5}: {ms:8.3f} ms"
-                          + (f"  ({t_fla / ms:.2f}x fla)" if t_fla else ""), flush=True)
+        def timed(**launch):
+            ms = bench(lambda: fused_replay(q, k, v, beta, g=g, **launch), rep=100)
+            sweep.append(dict(launch, ms=ms))
+            print("sweep " + " ".join(f"{n}={x!s:5}" for n, x in launch.items()) + f": {ms:8.3f} ms"
+                  + (f"  ({t_fla / ms:.2f}x fla)" if t_fla else ""), flush=True)
+
+        # State rows per program x key lanes (the state tile's layout), one warp, with prefetch (two
+        # warps and no prefetch never won: benchmarks/RESULTS.md); then the best of those with two
+        # warps and without prefetch. A program holds at most 4,096 state entries (32 registers per
+        # lane of a warp: more spills).
+        for bv in a.sweep_rows:
+            for kl in a.sweep_lanes:
+                if bv <= max(V, 4) and kl <= K and bv * K <= 4096:
+                    timed(block_v=bv, num_warps=1, key_lanes=kl, prefetch=True)
+        best = min(sweep, key=lambda r: r["ms"])
+        timed(block_v=best["block_v"], num_warps=2, key_lanes=best["key_lanes"], prefetch=True)
+        timed(block_v=best["block_v"], num_warps=1, key_lanes=best["key_lanes"], prefetch=False)
         best = min(sweep, key=lambda r: r["ms"])
         rows.append((f"fused replay, best (BV={best['block_v']}, warps={best['num_warps']}, "
-                     f"prefetch={best['prefetch']})", best["ms"]))
+                     f"key lanes={best['key_lanes']}, prefetch={best['prefetch']})", best["ms"]))
 
     print(f"\nreplay, B={B} T={T} H={H} K={K} V={V} ({n_meas / 1e6:.3f} M token-head measurements), "
           f"{torch.cuda.get_device_name()}")

@@ -1,10 +1,13 @@
 """Fused replay kernel: the delta-rule recurrence with its per-token residual norms, in one pass.
 
 One program owns one (sequence, head, V-block): the state's ``BV`` rows (``S`` is ``V×K``) live in
-registers for the whole sequence, held key-major as a ``[K, BV]`` tile. The orientation is most of
-the kernel's speed: Triton compiles the three K-reductions per token of a key-major tile with 17
-warp shuffles in the whole kernel, against 126 for a ``[BV, K]`` tile (H200, K = V = 128: 3.04 ms
-against 4.72 ms; ``benchmarks/RESULTS.md``). Per token it computes, explicitly from the
+registers for the whole sequence, held key-major as a ``[BK/KL, BV, KL]`` tile whose last axis,
+``KL`` "key lanes", is spread over the warp's lanes. The layout is most of the kernel's speed: each
+product ``S x`` is a sum in each thread's registers followed by log2(KL) rounds of shuffles, and a
+key vector costs ``BK/KL`` registers per thread. Holding keys across all 32 lanes ([BV, K], as fla's
+fused recurrent kernel does) costs 126 shuffles in the kernel against 17 (H200, K = V = 128: 4.72
+ms against 3.04 ms); at K = 256, 16 rows per program with 4 key lanes ran 1.29× fla's kernel where
+8 rows ran 0.81× (``benchmarks/RESULTS.md``). Per token it computes, explicitly from the
 state (never from Lemma 4.1's identity, which replay exists to check)::
 
     e_before = S_{t−1} k_t − v_t                 → ½‖e_before‖²   (loss_before, this V-block's part)
@@ -35,7 +38,8 @@ __all__ = ["fused_replay"]
 @triton.jit
 def _load_token(q, k, v, beta, alpha, wk, tok, o_k, o_v, m_k, m_v, scale,
                 K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr, HAS_WK: tl.constexpr):
-    """Token ``tok``'s inputs: k, scaled q, v, β, write key, decay (1 without a gate)."""
+    """Token ``tok``'s inputs: k, scaled q and write key as ``[KO, KL]`` key tiles, v, β, and the
+    decay (a scalar for the head gate, a key tile for the channel gate, 1 without a gate)."""
     b_k = tl.load(k + tok * K + o_k, mask=m_k, other=0.0)
     b_q = tl.load(q + tok * K + o_k, mask=m_k, other=0.0) * scale
     b_v = tl.load(v + tok * V + o_v, mask=m_v, other=0.0)
@@ -45,12 +49,19 @@ def _load_token(q, k, v, beta, alpha, wk, tok, o_k, o_v, m_k, m_v, scale,
     else:
         b_w = b_k
     if GATE == 1:
-        b_a = tl.load(alpha + tok + o_k * 0)  # broadcast over the key lanes, like the channel gate
+        b_a = tl.load(alpha + tok)
     elif GATE == 2:
         b_a = tl.load(alpha + tok * K + o_k, mask=m_k, other=1.0)
     else:
-        b_a = b_k * 0.0 + 1.0
+        b_a = b_beta * 0.0 + 1.0  # unused
     return b_k, b_q, b_v, b_beta, b_w, b_a
+
+
+@triton.jit
+def _matvec(S, x):
+    """``S x`` for a state tile ``[KO, BV, KL]`` and a key tile ``x`` ``[KO, KL]``: ``[BV]``. The sum
+    over ``KO`` (one thread's registers) comes first, then the one over ``KL`` (across lanes)."""
+    return tl.sum(tl.sum(S * x[:, None, :], axis=0), axis=1)
 
 
 @triton.jit
@@ -59,6 +70,7 @@ def _replay_kernel(
     o, lb, lbd, la, gain, ht,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
+    KL: tl.constexpr,            # key lanes: the state tile is [BK // KL, BV, KL]
     GATE: tl.constexpr,          # 0: none, 1: head scalar [B, T, H], 2: key channel [B, T, H, K]
     # (``alpha`` is the decay exp(g), exponentiated by torch in the replay dtype: Triton's fp64 exp
     # lost precision on the H200, failing the fp64 comparison)
@@ -68,16 +80,21 @@ def _replay_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
-    o_k = tl.arange(0, BK)
+    KO: tl.constexpr = BK // KL
+    # Key index a·KL + b sits at [a, b] of a key tile and at [a, :, b] of the state tile, whose
+    # default layout puts its last axis on the warp's lanes: each thread holds KO keys of BV·KL/32
+    # state rows. KL sets the trade between lanes and registers: a key vector costs KO registers
+    # per thread and each product S·x ends in log2(KL) rounds of shuffles.
+    o_k = tl.arange(0, KO)[:, None] * KL + tl.arange(0, KL)[None, :]
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_v[None, :, None] * K + o_k[:, None, :]  # S[v, key], V×K row-major
+    m_s = m_v[None, :, None] & m_k[:, None, :]
 
-    S = tl.zeros([BK, BV], dtype=tl.float32).to(q.dtype.element_ty)
+    S = tl.zeros([KO, BV, KL], dtype=tl.float32).to(q.dtype.element_ty)
     if HAS_H0:
-        p_h0 = h0 + i_nh.to(tl.int64) * V * K + o_v[None, :] * K + o_k[:, None]
-        S += tl.load(p_h0, mask=m_s, other=0.0)
+        S += tl.load(h0 + i_nh.to(tl.int64) * V * K + o_s, mask=m_s, other=0.0)
 
     NV = tl.num_programs(0)
     # The read-out scale comes as a one-element tensor in the replay dtype: a Python float would
@@ -99,26 +116,32 @@ def _replay_kernel(
         else:
             b_k, b_q, b_v, b_beta, b_w, b_a = _load_token(q, k, v, beta, alpha, wk, tok,
                                                           o_k, o_v, m_k, m_v, b_scale, K, V, GATE, HAS_WK)
-        e = tl.sum(S * b_k[:, None], axis=0) - b_v
+        s_k = _matvec(S, b_k)                  # S_{t-1} k
+        e = s_k - b_v
         tl.store(lb + tok * NV + i_v, 0.5 * tl.sum(e * e, axis=0))
         if i_v == 0:
             # The write gain β⟨k̃, k⟩ does not depend on the state: one V-block reports it, off the
             # chain of dependent reductions (in torch it cost more than the reduction: a K-wide
             # temporary per token).
-            tl.store(gain + tok, b_beta * tl.sum(b_w * b_k, axis=0))
-        if GATE != 0:
-            S = S * b_a[:, None]
-        if GATE != 0:
-            u = b_v - tl.sum(S * b_k[:, None], axis=0)
-            tl.store(lbd + tok * NV + i_v, 0.5 * tl.sum(u * u, axis=0))
+            tl.store(gain + tok, b_beta * tl.sum(tl.sum(b_w * b_k, axis=1), axis=0))
+        # The decayed state S̄ = α S (head gate) applied to k as α (S k), by linearity, from the
+        # product above; the key-channel gate's S̄ = S Diag(α) is formed first (a second product
+        # S (α ⊙ k) of the undecayed state instead measured slower on the H200).
+        if GATE == 1:
+            u = b_v - b_a * s_k
+            S = S * b_a
+        elif GATE == 2:
+            S = S * b_a[:, None, :]
+            u = b_v - _matvec(S, b_k)
         else:
             u = -e
-        S += b_w[:, None] * (b_beta * u)[None, :]
-        e = tl.sum(S * b_k[:, None], axis=0) - b_v
+        if GATE != 0:
+            tl.store(lbd + tok * NV + i_v, 0.5 * tl.sum(u * u, axis=0))
+        S += b_w[:, None, :] * (b_beta * u)[None, :, None]
+        e = _matvec(S, b_k) - b_v              # S_t k − v, from the updated state itself
         tl.store(la + tok * NV + i_v, 0.5 * tl.sum(e * e, axis=0))
-        tl.store(o + tok * V + o_v, tl.sum(S * b_q[:, None], axis=0), mask=m_v)
-    p_ht = ht + i_nh.to(tl.int64) * V * K + o_v[None, :] * K + o_k[:, None]
-    tl.store(p_ht, S, mask=m_s)
+        tl.store(o + tok * V + o_v, _matvec(S, b_q), mask=m_v)
+    tl.store(ht + i_nh.to(tl.int64) * V * K + o_s, S, mask=m_s)
 
 
 def fused_replay(
@@ -136,6 +159,7 @@ def fused_replay(
     block_v: int | None = None,
     num_warps: int | None = None,
     prefetch: bool | None = None,
+    key_lanes: int | None = None,
 ) -> RecurrenceResult:
     """The delta-rule recurrence with both residual norms of every write, fused: the contract of
     :func:`osdn_diag.math.recurrence.delta_rule_recurrence`, computed by one Triton kernel in
@@ -152,7 +176,8 @@ def fused_replay(
     Returns a :class:`~osdn_diag.math.recurrence.RecurrenceResult`: outputs ``[B, T, H, V]``, the
     losses before and after each write ``[B, T, H]``, the final state ``[N, H, V, K]``.
 
-    ``block_v`` (rows of the state per program) and ``num_warps`` override the launch configuration
+    ``block_v`` (rows of the state per program), ``key_lanes`` (the lanes of a warp a key is spread
+    over: a power of two), ``num_warps`` and ``prefetch`` override the launch configuration
     (``benchmarks/bench_replay.py --sweep`` measures the choices). ``cu_seqlens`` is checked in
     full (int32/int64 on ``q``'s device, 0 to T without decreasing) before the launch; CPU tensors
     need the kernel built for Triton's interpreter (``RuntimeError`` otherwise)."""
@@ -165,11 +190,21 @@ def fused_replay(
     alpha = None if g is None else g.exp()
     scale_t = torch.full((1,), K**-0.5 if scale is None else scale, dtype=dtype, device=q.device)
     BK = triton.next_power_of_2(K)
-    # Many narrow programs: the sweep in benchmarks/bench_replay.py (H200) measured 8 rows × 1 warp
-    # fastest at K = V = 64, 128 and 256 (at 128: 3.04 ms, against 5.30 ms for 32 rows × 1 warp).
-    BV = block_v or min(triton.next_power_of_2(V), 8)
+    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
+    # Launch defaults from benchmarks/bench_replay.py --sweep (H200, B = 8, T = 4,096, H = 8; fp32):
+    # many narrow one-warp programs, 8 state rows and 2 key lanes, up to K = 128; at K = 256, 16 rows
+    # (128 state entries per lane: half the programs, each with two rows per lane to work on) and 4
+    # key lanes, 8 with the key-channel gate. Wider keys keep a program's state at 4,096 entries (2,048
+    # in fp64) so that it stays in registers.
+    if block_v is None:
+        rows = 8 if BK <= 128 else max((4096 if dtype != torch.float64 else 2048) // BK, 1)
+        block_v = min(triton.next_power_of_2(V), rows)
+    if key_lanes is None:
+        key_lanes = 2 if BK <= 128 else (8 if gate == 2 else 4)
+    BV = block_v
     num_warps = num_warps or 1
     prefetch = True if prefetch is None else prefetch
+    KL = min(key_lanes, BK)
     NV = triton.cdiv(V, BV)
     o = torch.empty_like(v)
     # Tokens outside every packed sequence are never written: zeros, not garbage, there.
@@ -177,7 +212,6 @@ def fused_replay(
     gain = torch.zeros(B, T, H, dtype=dtype, device=q.device)
     ht = torch.empty(N, H, V, K, dtype=dtype, device=q.device)
     dummy = q.new_empty(1)
-    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
     _replay_kernel[(NV, N * H)](
         q, k, v, beta,
         dummy if alpha is None else alpha,
@@ -186,7 +220,7 @@ def fused_replay(
         cu_seqlens if cu_seqlens is not None else dummy,
         scale_t,
         o, parts[0], parts[1], parts[2], gain, ht,
-        T, H=H, K=K, V=V, BK=BK, BV=BV,
+        T, H=H, K=K, V=V, BK=BK, BV=BV, KL=KL,
         GATE=gate, HAS_WK=wk is not None, HAS_H0=h0 is not None, VARLEN=cu_seqlens is not None,
         PREFETCH=prefetch, num_warps=num_warps,
     )

@@ -52,13 +52,14 @@ def _assert_close(got, ref, name, tol):
 )
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
-def test_fused_replay_matches_reference(B, T, H, K, V, gate, asym, h0, dtype, tol, prefetch):
+@pytest.mark.parametrize("key_lanes", [4, 16], ids=["kl4", "kl16"])
+def test_fused_replay_matches_reference(B, T, H, K, V, gate, asym, h0, dtype, tol, prefetch, key_lanes):
     q, k, v, beta, kw = _inputs(B * 1000 + T, B, T, H, K, V, gate=gate, asym=asym, h0=h0)
     ref = delta_rule_recurrence(q, k, v, beta, **kw)
     dev = {n: x.to(DEVICE) for n, x in kw.items()}
     got = ops_replay.fused_replay(
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), beta.to(DEVICE), dtype=dtype, block_v=8,
-        prefetch=prefetch, **dev
+        prefetch=prefetch, key_lanes=key_lanes, **dev
     )
     for name in FIELDS:
         r = getattr(ref, name)
@@ -89,3 +90,16 @@ def test_fused_replay_zero_residuals():
     got = ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, torch.zeros_like(v), beta)))
     assert torch.equal(got.loss_before.cpu(), torch.zeros(1, 12, 1, dtype=torch.float32))
     assert torch.equal(got.loss_after.cpu(), torch.zeros(1, 12, 1, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("K,gate", [(256, None), (256, "head"), (256, "channel"), (64, "head")])
+def test_fused_replay_default_launch_at_wide_keys(K, gate):
+    """The default launch (16 state rows and 4 or 8 key lanes at K = 256; 8 rows, 2 lanes below)
+    against the fp64 reference, with an initial state and a write key."""
+    q, k, v, beta, kw = _inputs(K, 1, 5, 2, K, K, gate=gate, asym=True, h0=True)
+    ref = delta_rule_recurrence(q, k, v, beta, **kw)
+    got = ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), **{n: x.to(DEVICE) for n, x in kw.items()})
+    for name in FIELDS:
+        r = getattr(ref, name)
+        if r is not None:
+            _assert_close(getattr(got, name), r, name, 1e-5)

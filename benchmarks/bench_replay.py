@@ -109,8 +109,9 @@ def main(argv=None) -> dict:
                 if bv <= max(V, 4) and kl <= K and bv * K <= 4096:
                     timed(block_v=bv, num_warps=1, key_lanes=kl, prefetch=True)
         best = min(sweep, key=lambda r: r["ms"])
-        timed(block_v=best["block_v"], num_warps=2, key_lanes=best["key_lanes"], prefetch=True)
-        timed(block_v=best["block_v"], num_warps=1, key_lanes=best["key_lanes"], prefetch=False)
+        best_launch = {n: best[n] for n in ("block_v", "key_lanes")}
+        timed(**best_launch, num_warps=2, prefetch=True)
+        timed(**best_launch, num_warps=1, prefetch=False)
         best = min(sweep, key=lambda r: r["ms"])
         rows.append((f"fused replay, best (BV={best['block_v']}, warps={best['num_warps']}, "
                      f"key lanes={best['key_lanes']}, prefetch={best['prefetch']})", best["ms"]))

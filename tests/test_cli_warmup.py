@@ -31,6 +31,8 @@ def test_warmup_on_the_cpu_has_nothing_to_do(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pretends a GPU on a CPU-only machine; with a real "
+                    "GPU the test below runs warmup itself")
 def test_warmup_runs_one_batch_of_the_given_shape_and_keeps_nothing(tmp_path):
     """Where a GPU is seen (here pretended, the pipeline itself on the CPU): the whole diagnostic on
     one batch of ``--batch-size`` random prompts of ``--length`` tokens, in a scratch directory that is

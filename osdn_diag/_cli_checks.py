@@ -194,6 +194,8 @@ def check_args(args) -> None:
         _positive("--batch-size", args.batch_size)
         _positive("--length", args.length)
         _check_model(args.model)
+        if args.save_tuning:
+            check_writable_file(args.save_tuning, "argument --save-tuning")
     if cmd in ("run", "capture"):
         _positive("--num-prompts", args.num_prompts)
         _positive("--batch-size", args.batch_size)

@@ -217,6 +217,9 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     from .pipeline import stream_run, triton_cache_dir
 
     if _on_cpu(args.device):
+        if args.save_tuning:
+            raise ValueError("warmup --save-tuning: nothing is autotuned on the CPU (fla's kernels run "
+                             "under Triton's interpreter there); run it on the GPU the table is for")
         print("osdn-diag warmup: nothing to compile on the CPU (fla's kernels run under Triton's "
               "interpreter there): runs start without it")
         return 0
@@ -231,6 +234,13 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     print(f"{args.model}: its kernels for batches of {args.batch_size} x {args.length} tokens compiled and "
           f"autotuned in {time.perf_counter() - t0:.1f} s, kept in {triton_cache_dir()}: runs of this "
           "model at that shape on this machine start warm")
+    if args.save_tuning:
+        from ._tuning import ENV, save_choices
+
+        n = save_choices(args.save_tuning)
+        print(f"{args.save_tuning}: {n} autotuning choices of this GPU (added to those it held); "
+              f"{ENV}={args.save_tuning} makes runs on machines with this GPU, Triton and fla use them "
+              "instead of autotuning")
     return 0
 
 
@@ -447,6 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--kernels", choices=("auto", "fla", "reference"), default="auto",
                       help="as for run (auto: fla's kernels on CUDA)")
     warm.add_argument("--seed", type=int, default=0, help="seed of a random model (0)")
+    warm.add_argument("--save-tuning", metavar="FILE",
+                      help="also write the autotuning choices of fla's kernels made here as a table "
+                      "(JSON) that OSDN_DIAG_TUNING=FILE reuses on machines with the same GPU, Triton "
+                      "and fla (docs/performance.md)")
     _add_common(warm)
     warm.set_defaults(func=_cmd_warmup)
 
@@ -525,8 +539,11 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_libraries()
         if _cpu_threads(getattr(args, "device", None)) is False:
             from ._autotune import compile_configs_in_parallel
+            from ._tuning import use_recorded_choices
 
-            # On a GPU (triton may be imported now): fla's first-run autotuning, compiled in parallel.
+            # On a GPU (triton may be imported now): fla's first-run autotuning answered from the
+            # shipped table of this GPU where it can be, the rest compiled in parallel.
+            use_recorded_choices()
             compile_configs_in_parallel()
     try:
         return args.func(args)

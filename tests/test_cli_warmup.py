@@ -86,3 +86,39 @@ def test_warmup_checks_its_model_even_where_it_has_nothing_to_do(tmp_path):
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2, (spec, done.stdout, done.stderr)
         assert done.stderr.startswith("osdn-diag: error: MODEL") and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("where,message", [
+    ("missing/t.json", "argument --save-tuning"),
+    ("t.json", "nothing is autotuned on the CPU"),
+])
+def test_save_tuning_where_it_cannot_be_done_is_a_one_line_error(tmp_path, where, message):
+    """--save-tuning into a folder that does not exist, or on the CPU (where nothing is autotuned):
+    exit status 2, one line, no file."""
+    done = subprocess.run([sys.executable, "-m", "osdn_diag", "warmup", "random:deltanet-tiny", "--device", "cpu",
+                           "--save-tuning", str(tmp_path / where)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / where).exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="autotunes fla's kernels: needs a CUDA GPU")
+def test_save_tuning_records_the_choices_a_gpu_run_made(tmp_path):
+    """On a GPU: warmup --save-tuning writes a table of this GPU holding fla's autotuned kernels,
+    which OSDN_DIAG_TUNING=FILE then accepts."""
+    from osdn_diag._tuning import load_table
+
+    table = tmp_path / "t.json"
+    done = subprocess.run([sys.executable, "-m", "osdn_diag", "warmup", "random:deltanet-tiny", "--length", "64",
+                           "--save-tuning", str(table), "-q"],
+                          env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton"), "OSDN_DIAG_TUNING": "off"},
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(table.read_text())
+    assert data["device"] == torch.cuda.get_device_name() and data["choices"]
+    os.environ["OSDN_DIAG_TUNING"] = str(table)
+    try:
+        assert len(load_table(torch.cuda.get_device_name())) == len(data["choices"])
+    finally:
+        del os.environ["OSDN_DIAG_TUNING"]

@@ -17,13 +17,15 @@ def test_every_subpackage_is_listed():
     assert found == listed
 
 
-def test_builtin_models_ship_as_package_data():
-    """Every file of every built-in model matches a package-data pattern (else a wheel lacks it)."""
+def test_builtin_models_and_tuning_tables_ship_as_package_data():
+    """Every file of every built-in model, and every autotuning table, matches a package-data
+    pattern (else a wheel lacks it)."""
     import fnmatch
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["osdn_diag"]
-    files = [p.relative_to(ROOT / "osdn_diag").as_posix() for p in (ROOT / "osdn_diag" / "builtin").rglob("*") if p.is_file()]
-    assert any(f.endswith("model.safetensors") for f in files)
+    files = [p.relative_to(ROOT / "osdn_diag").as_posix() for folder in ("builtin", "tuning")
+             for p in (ROOT / "osdn_diag" / folder).rglob("*") if p.is_file()]
+    assert any(f.endswith("model.safetensors") for f in files) and any(f.startswith("tuning/") for f in files)
     missing = [f for f in files if not any(fnmatch.fnmatch(f, pat) for pat in patterns)]
     assert not missing, f"built-in files not in package-data: {missing}"
 

@@ -601,5 +601,30 @@ def entry(argv: list[str] | None = None) -> int:
         return 2
 
 
+def console() -> None:
+    """The ``osdn-diag`` console script and ``python -m osdn_diag``: :func:`entry`, then the process
+    ends without tearing the interpreter down. Exit handlers run and the output streams are flushed
+    as at a normal exit, but freeing every module and object of torch, transformers and fla one by
+    one, which only the exit itself would wait for, is left to the operating system: 1.5 s of a small
+    CPU run (docs/performance.md). ``OSDN_DIAG_FAST_EXIT=0`` exits the usual way; so does a process
+    that still has a non-daemon thread running, which a normal exit waits for."""
+    import os
+
+    code = entry()
+    import atexit
+    import threading
+
+    waiting = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if os.environ.get("OSDN_DIAG_FAST_EXIT", "1") == "0" or waiting:
+        sys.exit(code)
+    atexit._run_exitfuncs()  # logging, multiprocessing, weakref.finalize (temporary directories), ...
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: a normal exit would not deliver either
+            pass
+    os._exit(code if isinstance(code, int) else 1)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(entry())
+    console()

@@ -1,0 +1,78 @@
+"""The console script's exit (:func:`osdn_diag.cli.console`): exit handlers run and the output is
+complete, the exit status is the command's, and the interpreter's teardown is skipped unless
+``OSDN_DIAG_FAST_EXIT=0`` or a non-daemon thread is still running."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# An exit handler that writes a file, and an object in a reference cycle whose finaliser speaks
+# only when the interpreter tears itself down.
+SCRIPT = """
+import atexit, sys, threading, time
+from pathlib import Path
+
+atexit.register(lambda: Path({marker!r}).write_text("exit handlers ran"))
+
+class Cycle:
+    def __del__(self):
+        sys.stderr.write("interpreter teardown\\n")
+
+a, b = Cycle(), Cycle()
+a.other, b.other = b, a
+if {thread!r}:
+    threading.Thread(target=lambda: (time.sleep(0.5), Path({marker!r} + ".thread").write_text("done"))).start()
+sys.argv = ["osdn-diag", *{argv!r}]
+from osdn_diag.cli import console
+console()
+"""
+
+
+def _console(tmp_path, argv, thread=False, **env):
+    marker = str(tmp_path / "marker")
+    full = {k: v for k, v in os.environ.items() if k != "OSDN_DIAG_FAST_EXIT"}
+    full.update(env)
+    done = subprocess.run([sys.executable, "-c", SCRIPT.format(marker=marker, argv=argv, thread=thread)],
+                          env=full, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return done, Path(marker)
+
+
+@pytest.mark.parametrize("argv,status", [(["prove", "--help"], 0), (["report", "/nonexistent/run"], 2)])
+def test_fast_exit_runs_exit_handlers_flushes_and_keeps_the_status(tmp_path, argv, status):
+    done, marker = _console(tmp_path, argv)
+    assert done.returncode == status, done.stderr
+    assert marker.read_text() == "exit handlers ran"
+    if status == 0:  # the whole help text, through a pipe (block-buffered): flushed before the exit
+        assert done.stdout.startswith("usage: osdn-diag prove") and done.stdout.endswith("\n")
+        assert "--json" in done.stdout
+    else:
+        assert done.stderr.startswith("osdn-diag: error:")
+    assert "interpreter teardown" not in done.stderr
+
+
+def test_fast_exit_can_be_switched_off(tmp_path):
+    done, marker = _console(tmp_path, ["prove", "--help"], OSDN_DIAG_FAST_EXIT="0")
+    assert done.returncode == 0 and marker.read_text() == "exit handlers ran"
+    assert "interpreter teardown" in done.stderr
+
+
+def test_a_running_thread_is_waited_for(tmp_path):
+    """A non-daemon thread still running when the command ends: the usual exit, which waits for it."""
+    done, marker = _console(tmp_path, ["prove", "--help"], thread=True)
+    assert done.returncode == 0
+    assert Path(str(marker) + ".thread").read_text() == "done"
+
+
+def test_the_console_script_and_module_use_it():
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"osdn-diag": "osdn_diag.cli:console"}
+    assert "console()" in (ROOT / "osdn_diag" / "__main__.py").read_text()

@@ -68,10 +68,13 @@ for step in "${steps[@]}"; do
                             "$0" benchmarks/bench_e2e.py --model random:$m --mode stream --json "$1/e2e_$m.json"; done' "$PY" "$OUT" ;;
         layers)     run_step layers 400 "$PY" benchmarks/bench_layers.py --profile --json "$OUT/layers.json" ;;
         phase1)     run_step phase1 200 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;
-        replay)     run_step replay 240 bash -c '
+        replay)     run_step replay 360 bash -c '
                         set -e; "$0" benchmarks/bench_replay.py --sweep --json "$1/replay.json"
                         for kv in 64 256; do
-                            "$0" benchmarks/bench_replay.py --K $kv --V $kv --skip-torch --json "$1/replay_k$kv.json"; done' "$PY" "$OUT" ;;
+                            "$0" benchmarks/bench_replay.py --K $kv --V $kv --skip-torch --json "$1/replay_k$kv.json"; done
+                        for gate in head channel; do for kv in 128 256; do
+                            "$0" benchmarks/bench_replay.py --K $kv --V $kv --gate $gate --skip-torch \
+                                --json "$1/replay_${gate}_k$kv.json"; done; done' "$PY" "$OUT" ;;
         comparator) run_step comparator 120 "$PY" benchmarks/bench_comparator.py --json "$OUT/comparator.json" ;;
         capture)    run_step capture 300 "$PY" benchmarks/bench_capture.py --json "$OUT/capture.json" ;;
         e2e)        run_step e2e 300 "$PY" benchmarks/bench_e2e.py --mode stream --stages --json "$OUT/e2e.json" ;;

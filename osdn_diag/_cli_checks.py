@@ -195,7 +195,10 @@ def check_args(args) -> None:
         _positive("--length", args.length)
         _check_model(args.model)
         if args.save_tuning:
+            from ._tuning import check_table_file
+
             check_writable_file(args.save_tuning, "argument --save-tuning")
+            check_table_file(args.save_tuning)
     if cmd in ("run", "capture"):
         _positive("--num-prompts", args.num_prompts)
         _positive("--batch-size", args.batch_size)

@@ -28,7 +28,7 @@ import re
 import weakref
 from pathlib import Path
 
-__all__ = ["ENV", "TABLES", "load_table", "recorded_choices_used", "save_choices", "table_path", "tuning_key",
+__all__ = ["ENV", "TABLES", "check_table_file", "load_table", "recorded_choices_used", "save_choices", "table_path", "tuning_key",
            "use_recorded_choices"]
 
 ENV = "OSDN_DIAG_TUNING"
@@ -121,6 +121,10 @@ def use_recorded_choices() -> bool:
         return False
     if getattr(Autotuner.run, "_osdn_tuning", False):
         return True
+    if os.environ.get(ENV, "").strip() and table_path("") is not None:
+        # A FILE asked for by name: read and checked now, before the model loads, not at the first
+        # autotuned launch in the middle of a batch.
+        _STATE["table"] = load_table(_device_name())
     from triton import knobs
 
     run = Autotuner.run
@@ -150,6 +154,23 @@ def use_recorded_choices() -> bool:
 def recorded_choices_used() -> int:
     """How many (kernel, key) choices this process took from a table rather than timing."""
     return _STATE["used"]
+
+
+def check_table_file(path: Path) -> None:
+    """``path`` either does not exist or is a tuning table :func:`save_choices` can add to (its GPU
+    and versions are checked when it is written); ``ValueError`` otherwise. For a check before a
+    warmup's minutes of work rather than after."""
+    path = Path(path)
+    if not path.exists():
+        return
+    try:
+        data = json.loads(path.read_text())
+        ok = isinstance(data, dict) and isinstance(data.get("choices"), list) and "device" in data
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"argument --save-tuning {str(path)!r}: exists and is not a tuning table; give a "
+                         "new file, or a table written by --save-tuning to add to")
 
 
 def save_choices(path: Path) -> int:

@@ -90,17 +90,20 @@ def test_warmup_checks_its_model_even_where_it_has_nothing_to_do(tmp_path):
 
 @pytest.mark.parametrize("where,message", [
     ("missing/t.json", "argument --save-tuning"),
+    ("notes.json", "exists and is not a tuning table"),
     ("t.json", "nothing is autotuned on the CPU"),
 ])
 def test_save_tuning_where_it_cannot_be_done_is_a_one_line_error(tmp_path, where, message):
-    """--save-tuning into a folder that does not exist, or on the CPU (where nothing is autotuned):
-    exit status 2, one line, no file."""
+    """--save-tuning into a folder that does not exist, over a file that is not a table, or on the
+    CPU (where nothing is autotuned): exit status 2, one line, no file written."""
+    if where == "notes.json":
+        (tmp_path / where).write_text('{"a": 1}')
     done = subprocess.run([sys.executable, "-m", "osdn_diag", "warmup", "random:deltanet-tiny", "--device", "cpu",
                            "--save-tuning", str(tmp_path / where)], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / where).exists()
+    assert not (tmp_path / where).exists() or (tmp_path / where).read_text() == '{"a": 1}'
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotunes fla's kernels: needs a CUDA GPU")

@@ -181,3 +181,25 @@ def test_the_shipped_tables_name_their_gpu_and_versions():
         assert data["choices"] and all(c["kernel"].startswith("fla.") for c in data["choices"])
         keys = [(c["kernel"], c["key"]) for c in data["choices"]]
         assert len(keys) == len(set(keys))
+
+
+def test_a_named_table_is_checked_when_the_patch_is_installed(tmp_path):
+    """OSDN_DIAG_TUNING=FILE is read when the command starts (before the model loads), not at the
+    first autotuned launch in the middle of a batch."""
+    out = _run(f"""
+try:
+    tuning.use_recorded_choices()
+    print(json.dumps(dict(error=None)))
+except ValueError as err:
+    print(json.dumps(dict(error=str(err))))
+""", OSDN_DIAG_TUNING=str(tmp_path / "missing.json"))
+    assert out["error"] and "missing.json" in out["error"]
+
+
+def test_save_tuning_refuses_an_existing_file_that_is_not_a_table_before_the_warmup(tmp_path):
+    from osdn_diag._tuning import check_table_file
+
+    check_table_file(tmp_path / "new.json")  # a new file: fine
+    (tmp_path / "notes.json").write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="exists and is not a tuning table"):
+        check_table_file(tmp_path / "notes.json")

@@ -6,13 +6,7 @@ must not be in interpreter mode (where the package keeps one configuration per k
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from _fresh_python import run_json
 
 PRELUDE = """
 import json, sys, threading
@@ -39,12 +33,7 @@ def autotuner(*blocks):
 
 
 def _run(code: str, **env) -> dict:
-    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OSDN_DIAG_PARALLEL_COMPILE")}
-    full.update(env)
-    done = subprocess.run([sys.executable, "-c", PRELUDE + code], env=full, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(PRELUDE + code, unset=("TRITON_INTERPRET", "OSDN_DIAG_PARALLEL_COMPILE"), **env)
 
 
 def test_every_candidate_is_compiled_before_the_first_is_timed():

@@ -6,12 +6,10 @@ benchmarks/RESULTS.md). Each check runs in a fresh interpreter: the patch is pro
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _fresh_python import run_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,12 +51,7 @@ x = torch.zeros(2)
 
 
 def _run(code: str, **env) -> dict:
-    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OSDN_DIAG_TUNING")}
-    full.update(env)
-    done = subprocess.run([sys.executable, "-c", PRELUDE + code], env=full, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(PRELUDE + code, unset=("TRITON_INTERPRET", "OSDN_DIAG_TUNING"), **env)
 
 
 def test_the_key_is_the_one_triton_files_its_choice_under():

@@ -108,6 +108,9 @@ def main(argv=None) -> dict:
             for kl in a.sweep_lanes:
                 if bv <= max(V, 4) and kl <= K and bv * K <= 4096:
                     timed(block_v=bv, num_warps=1, key_lanes=kl, prefetch=True)
+        if not sweep:
+            raise SystemExit("--sweep: no launch configuration fits (rows x K <= 4,096, key lanes <= K); "
+                             "give other --sweep-rows / --sweep-lanes")
         best = min(sweep, key=lambda r: r["ms"])
         best_launch = {n: best[n] for n in ("block_v", "key_lanes")}
         timed(**best_launch, num_warps=2, prefetch=True)

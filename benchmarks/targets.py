@@ -59,15 +59,21 @@ def _stream_row(result: dict) -> dict:
     return rows[0]
 
 
-def _replay(threshold: float | None):
+class _WrongRun(Exception):
+    """A benchmark file that measured something else than its name says (another K, another gate)."""
+
+
+def _replay(threshold: float | None, K: int, gate: str = "none"):
     def row(result: dict) -> dict:
+        got = (result["shape"]["K"], result.get("gate", "none"))
+        if got != (K, gate):
+            raise _WrongRun(f"K = {got[0]}, gate {got[1]!r}, where the target reads K = {K}, gate {gate!r}")
         ms = result["ms"]
         fla = [ms[name] for name in ms if name.startswith("fla fused_recurrent_")]
         if not fla:
             raise KeyError("fla's row ('fla fused_recurrent_...') in 'ms'")
         ratio = fla[0] / ms[OURS]
         err = max(result["errors_vs_fp64"].values())
-        gate = result.get("gate", "none")
         return {
             "measured": f"{ms[OURS]:.3f} ms vs fla {fla[0]:.3f} ms (K = V = {result['shape']['K']}"
                         f"{'' if gate == 'none' else f', {gate} gate'}), error {err:.1e}",
@@ -147,15 +153,15 @@ def _wall(which: str, limit: float):
 
 #: (input, target, how its row is read from the input), in the table's order.
 TARGETS = (
-    ("replay", "replay >= 1.0x fla fp32 fused_recurrent_delta_rule, <= 1e-5 vs fp64", _replay(1.0)),
-    ("replay", "replay stretch >= 3x fla", _replay(3.0)),
-    ("replay_k64", "replay >= 1.0x fla at K = V = 64", _replay(1.0)),
-    ("replay_k256", "replay >= 1.0x fla at K = V = 256", _replay(1.0)),
+    ("replay", "replay >= 1.0x fla fp32 fused_recurrent_delta_rule, <= 1e-5 vs fp64", _replay(1.0, 128)),
+    ("replay", "replay stretch >= 3x fla", _replay(3.0, 128)),
+    ("replay_k64", "replay >= 1.0x fla at K = V = 64", _replay(1.0, 64)),
+    ("replay_k256", "replay >= 1.0x fla at K = V = 256", _replay(1.0, 256)),
     ("replay_head_k128", "replay >= 1.0x fla fp32 fused_recurrent_gated_delta_rule, head gate, K = V = 128",
-     _replay(1.0)),
-    ("replay_head_k256", "the same, head gate, K = V = 256", _replay(1.0)),
-    ("replay_channel_k128", "the same, key-channel gate, K = V = 128", _replay(1.0)),
-    ("replay_channel_k256", "the same, key-channel gate, K = V = 256", _replay(1.0)),
+     _replay(1.0, 128, "head")),
+    ("replay_head_k256", "the same, head gate, K = V = 256", _replay(1.0, 256, "head")),
+    ("replay_channel_k128", "the same, key-channel gate, K = V = 128", _replay(1.0, 128, "channel")),
+    ("replay_channel_k256", "the same, key-channel gate, K = V = 256", _replay(1.0, 256, "channel")),
     ("e2e", "paper-scale diagnostic (340M, 48 x 2,048) <= 10 s", _e2e(10.0)),
     ("e2e_1b", "the same at the 1.3B shape, reported", _e2e(None)),
     ("phase1", "phase 1 <= 25 % of phase 2 (B=8, T=4096, H=8, K=128), by GPU work", _phase1),
@@ -183,6 +189,10 @@ def rows(folder: Path) -> list[dict]:
             file, writer = FILES[name]
             raise SystemExit(f"{folder / file}: no {e} where the target '{label}' reads it "
                              f"(expected the JSON of benchmarks/{writer} --json)") from e
+        except _WrongRun as e:
+            file, writer = FILES[name]
+            raise SystemExit(f"{folder / file}: measured {e} (expected the JSON of benchmarks/{writer} "
+                             "--json)") from e
     return out
 
 

@@ -194,11 +194,11 @@ def check_args(args) -> None:
         _positive("--batch-size", args.batch_size)
         _positive("--length", args.length)
         _check_model(args.model)
-        if args.save_tuning:
+        if args.save_tuning is not None:
             from ._tuning import check_table_file
 
             check_writable_file(args.save_tuning, "argument --save-tuning")
-            check_table_file(args.save_tuning)
+            check_table_file(args.save_tuning)  # its GPU is checked once CUDA is up (cli._cmd_warmup)
     if cmd in ("run", "capture"):
         _positive("--num-prompts", args.num_prompts)
         _positive("--batch-size", args.batch_size)

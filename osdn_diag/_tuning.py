@@ -4,8 +4,9 @@ fla's chunk kernels are autotuned: on a machine that has never run a model, Trit
 times every candidate configuration of each (kernel, tuning key) before the first launch. For the
 paper-scale DeltaNet run on one H200 that was 151 configurations of 11 kernels, 53 s of the
 command's first run even with the candidates compiled in parallel (``benchmarks/RESULTS.md``, "The
-command as typed"). The choice is a function of the kernel, its tuning key (head count, head
-dimensions, chunk size, dtypes: never the batch or the sequence length), the GPU, Triton and fla.
+command as typed"). The choice is a function of the kernel, its tuning key (mostly head count, head
+dimensions, chunk size and dtypes; for fla's l2 norm, layer norm and chunk cumsum also a block count
+of the tokens or the batch size), the GPU, Triton and fla.
 
 The package ships the choices made on the GPUs it is benchmarked on, one table per GPU
 (``osdn_diag/tuning/<gpu>.json``). On a machine whose GPU name, Triton and fla versions match a
@@ -64,6 +65,21 @@ def table_path(device_name: str) -> Path | None:
     return Path(setting).expanduser() if setting else TABLES / f"{_slug(device_name)}.json"
 
 
+def _read(path: Path) -> tuple[dict, dict[tuple[str, str], str]]:
+    """``(recorded, choices)`` of the table at ``path``: ``recorded`` its device, Triton and fla,
+    ``choices`` ``{(kernel, repr(key)): str(config)}``; ``ValueError`` for anything else."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+        raise ValueError("no list of choices")
+    recorded = {n: data[n] for n in ("device", "triton", "fla")}
+    choices = {}
+    for e in data["choices"]:
+        if not (isinstance(e, dict) and all(isinstance(e.get(n), str) for n in ("kernel", "key", "config"))):
+            raise ValueError(f"a choice that is not {{kernel, key, config}} strings: {e!r}"[:200])
+        choices[(e["kernel"], e["key"])] = e["config"]
+    return recorded, choices
+
+
 def load_table(device_name: str) -> dict[tuple[str, str], str]:
     """``{(kernel, repr(tuning key)): str(config)}`` for ``device_name`` under the installed Triton
     and fla; empty where there is no table or it was recorded elsewhere. A FILE named by
@@ -74,10 +90,8 @@ def load_table(device_name: str) -> dict[tuple[str, str], str]:
     if path is None or (not explicit and not path.is_file()):
         return {}
     try:
-        data = json.loads(path.read_text())
-        entries = data["choices"]
-        recorded = {"device": data["device"], "triton": data["triton"], "fla": data["fla"]}
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        recorded, choices = _read(path)
+    except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"{ENV}={path}: not a tuning table osdn-diag can read ({err}); write one with "
                          f"`osdn-diag warmup MODEL --save-tuning FILE`, or set {ENV}=off") from None
     here = {"device": device_name, **_versions()}
@@ -87,7 +101,7 @@ def load_table(device_name: str) -> dict[tuple[str, str], str]:
             raise ValueError(f"{ENV}={path}: recorded with {differ}; its choices do not apply to this "
                              f"machine. Record a table here with `osdn-diag warmup MODEL --save-tuning FILE`")
         return {}
-    return {(e["kernel"], e["key"]): e["config"] for e in entries}
+    return choices
 
 
 def _kernel(tuner) -> str:
@@ -105,26 +119,30 @@ def tuning_key(tuner, args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
-def _device_name() -> str:
+def _device_name(args: tuple = ()) -> str:
+    """The name of the GPU the first CUDA tensor among ``args`` is on (else the current device)."""
     import torch
 
-    return torch.cuda.get_device_name(torch.cuda.current_device())
+    index = next((a.device.index for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+    return torch.cuda.get_device_name(torch.cuda.current_device() if index is None else index)
 
 
 def use_recorded_choices() -> bool:
     """Patch Triton's ``Autotuner.run`` once: the table for this process's GPU (loaded at the first
-    autotuned launch) answers the keys it holds, and every autotuner that runs is remembered for
-    :func:`save_choices`. ``False`` if Triton is not importable."""
+    autotuned launch after this call, or now when ``OSDN_DIAG_TUNING`` names a FILE) answers the
+    keys it holds, and every autotuner that runs is remembered for :func:`save_choices`. ``False``
+    if Triton is not importable."""
     try:
         from triton.runtime.autotuner import Autotuner
     except ImportError:  # pragma: no cover - triton comes with torch on Linux
         return False
-    if getattr(Autotuner.run, "_osdn_tuning", False):
-        return True
+    _STATE["table"] = None  # each command reads OSDN_DIAG_TUNING afresh
     if os.environ.get(ENV, "").strip() and table_path("") is not None:
         # A FILE asked for by name: read and checked now, before the model loads, not at the first
         # autotuned launch in the middle of a batch.
         _STATE["table"] = load_table(_device_name())
+    if getattr(Autotuner.run, "_osdn_tuning", False):
+        return True
     from triton import knobs
 
     run = Autotuner.run
@@ -134,7 +152,7 @@ def use_recorded_choices() -> bool:
         # (Under Triton's interpreter nothing is timed: osdn_diag._interpret keeps one configuration.)
         if len(self.configs) > 1 and not knobs.runtime.interpret:
             if _STATE["table"] is None:
-                _STATE["table"] = load_table(_device_name())
+                _STATE["table"] = load_table(_device_name(args))
             table = _STATE["table"]
             if table:
                 key = tuning_key(self, args, kwargs)
@@ -156,21 +174,23 @@ def recorded_choices_used() -> int:
     return _STATE["used"]
 
 
-def check_table_file(path: Path) -> None:
-    """``path`` either does not exist or is a tuning table :func:`save_choices` can add to (its GPU
-    and versions are checked when it is written); ``ValueError`` otherwise. For a check before a
-    warmup's minutes of work rather than after."""
+def check_table_file(path: Path, device_name: str | None = None) -> None:
+    """``path`` either does not exist or is a tuning table :func:`save_choices` can add to: of
+    ``device_name`` (when given) and the installed Triton and fla; ``ValueError`` otherwise. For a
+    check before a warmup's minutes of work rather than after."""
     path = Path(path)
     if not path.exists():
         return
     try:
-        data = json.loads(path.read_text())
-        ok = isinstance(data, dict) and isinstance(data.get("choices"), list) and "device" in data
-    except (OSError, ValueError):
-        ok = False
-    if not ok:
+        recorded, _ = _read(path)
+    except (OSError, ValueError, KeyError):
         raise ValueError(f"argument --save-tuning {str(path)!r}: exists and is not a tuning table; give a "
-                         "new file, or a table written by --save-tuning to add to")
+                         "new file, or a table written by --save-tuning to add to") from None
+    here = {"device": device_name or recorded["device"], **_versions()}
+    if recorded != here:
+        differ = ", ".join(f"{n} {recorded[n]!r} (here {here[n]!r})" for n in recorded if recorded[n] != here[n])
+        raise ValueError(f"argument --save-tuning {str(path)!r}: a table recorded with {differ}; give a new "
+                         "file for this machine's choices")
 
 
 def save_choices(path: Path) -> int:
@@ -186,10 +206,10 @@ def save_choices(path: Path) -> int:
     choices = {}
     if path.exists():
         try:
-            old = json.loads(path.read_text())
-            same = all(old.get(n) == head[n] for n in ("device", "triton", "fla"))
-            choices = {(e["kernel"], e["key"]): e["config"] for e in old["choices"]} if same else None
-        except (OSError, ValueError, KeyError, TypeError):
+            recorded, choices = _read(path)
+            if any(recorded[n] != head[n] for n in recorded):
+                choices = None
+        except (OSError, ValueError, KeyError):
             choices = None
         if choices is None:
             raise ValueError(f"{path}: not a tuning table of this GPU, Triton and fla ({head['device']}, "

@@ -217,12 +217,19 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     from .pipeline import stream_run, triton_cache_dir
 
     if _on_cpu(args.device):
-        if args.save_tuning:
+        if args.save_tuning is not None:
             raise ValueError("warmup --save-tuning: nothing is autotuned on the CPU (fla's kernels run "
                              "under Triton's interpreter there); run it on the GPU the table is for")
         print("osdn-diag warmup: nothing to compile on the CPU (fla's kernels run under Triton's "
               "interpreter there): runs start without it")
         return 0
+    if args.save_tuning is not None:
+        import torch
+
+        from ._tuning import check_table_file
+
+        # Before the minutes of work: a FILE to add to must be a table of this GPU, Triton and fla.
+        check_table_file(args.save_tuning, torch.cuda.get_device_name(args.device))
     scratch = Path(tempfile.mkdtemp(prefix="osdn-warmup-"))
     t0 = time.perf_counter()
     try:
@@ -234,7 +241,7 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     print(f"{args.model}: its kernels for batches of {args.batch_size} x {args.length} tokens compiled and "
           f"autotuned in {time.perf_counter() - t0:.1f} s, kept in {triton_cache_dir()}: runs of this "
           "model at that shape on this machine start warm")
-    if args.save_tuning:
+    if args.save_tuning is not None:
         from ._tuning import ENV, save_choices
 
         n = save_choices(args.save_tuning)
@@ -618,12 +625,25 @@ def console() -> None:
     if os.environ.get("OSDN_DIAG_FAST_EXIT", "1") == "0" or waiting:
         sys.exit(code)
     atexit._run_exitfuncs()  # logging, multiprocessing, weakref.finalize (temporary directories), ...
+    code = code if isinstance(code, int) else 1
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: a normal exit would not deliver either
+        except (BrokenPipeError, ValueError):  # a closed reader or stream: nothing to deliver to
             pass
-    os._exit(code if isinstance(code, int) else 1)
+        except OSError as err:  # a full disk, say: as a normal exit does, say so and fail
+            try:
+                print(f"osdn-diag: error: writing the output failed: {err}", file=sys.stderr, flush=True)
+            except (OSError, ValueError):
+                pass
+            code = code or 120
+    try:  # what native libraries (CUDA, NCCL) have buffered in C's stdio
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+    os._exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -76,3 +76,25 @@ def test_the_console_script_and_module_use_it():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"osdn-diag": "osdn_diag.cli:console"}
     assert "console()" in (ROOT / "osdn_diag" / "__main__.py").read_text()
+
+
+def test_a_failed_write_of_the_output_is_not_a_success(tmp_path):
+    """stdout on a full device: the exit status says it failed (120, as a normal exit gives), with a
+    line on stderr."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONUNBUFFERED", "OSDN_DIAG_FAST_EXIT")}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "osdn_diag", "--help"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 120 and "writing the output failed" in done.stderr
+
+
+def test_output_buffered_by_native_code_is_flushed(tmp_path):
+    """Text a C library wrote through stdio (CUDA's and NCCL's logs do) reaches a pipe."""
+    code = ("import ctypes, sys; ctypes.CDLL(None).printf(b'from C\\n'); sys.argv = ['osdn-diag', '--help']; "
+            "from osdn_diag.cli import console; console()")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONUNBUFFERED", "OSDN_DIAG_FAST_EXIT")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=120)
+    assert done.returncode == 0 and "from C" in done.stdout

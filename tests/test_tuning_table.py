@@ -20,7 +20,7 @@ import torch
 from triton.runtime.autotuner import Autotuner, Config
 import osdn_diag._tuning as tuning
 
-tuning._device_name = lambda: "NVIDIA Test GPU"
+tuning._device_name = lambda *args: "NVIDIA Test GPU"
 launches, timed = [], []
 
 def kernel(x, n, m):
@@ -113,12 +113,16 @@ print(json.dumps(dict(other_version=other_version, unknown_config=unknown_config
 @pytest.mark.parametrize("problem,message", [
     ("missing", "not a tuning table osdn-diag can read"),
     ("garbage", "not a tuning table osdn-diag can read"),
+    ("bad entry", "a choice that is not {kernel, key, config} strings"),
     ("other gpu", "recorded with device 'NVIDIA Other GPU' (here 'NVIDIA Test GPU')"),
 ])
 def test_a_table_named_by_the_user_that_does_not_apply_is_an_error(tmp_path, problem, message):
     path = tmp_path / "t.json"
     if problem == "garbage":
         path.write_text("{not json")
+    if problem == "bad entry":
+        path.write_text(json.dumps({"device": "NVIDIA Test GPU", "triton": "x", "fla": "y",
+                                    "choices": [{"kernel": "k", "key": "(1,)"}]}))
     out = _run(f"""
 if {problem!r} == "other gpu":
     table({str(path)!r}, [], device="NVIDIA Other GPU")
@@ -192,7 +196,16 @@ except ValueError as err:
 def test_save_tuning_refuses_an_existing_file_that_is_not_a_table_before_the_warmup(tmp_path):
     from osdn_diag._tuning import check_table_file
 
+    from osdn_diag._tuning import _versions
+
     check_table_file(tmp_path / "new.json")  # a new file: fine
-    (tmp_path / "notes.json").write_text('{"a": 1}')
-    with pytest.raises(ValueError, match="exists and is not a tuning table"):
-        check_table_file(tmp_path / "notes.json")
+    for name, text in (("notes.json", '{"a": 1}'), ("list.json", "[1, 2]"),
+                       ("entry.json", '{"device": "G", "triton": "t", "fla": "f", "choices": [{"kernel": "k"}]}')):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match="exists and is not a tuning table"):
+            check_table_file(tmp_path / name)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"device": "NVIDIA Other GPU", **_versions(), "choices": []}))
+    check_table_file(other)  # no GPU named: only its form is checked
+    with pytest.raises(ValueError, match="recorded with device 'NVIDIA Other GPU'"):
+        check_table_file(other, "NVIDIA H200")

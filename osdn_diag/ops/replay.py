@@ -202,11 +202,22 @@ def fused_replay(
         block_v = min(triton.next_power_of_2(V), rows)
     if key_lanes is None:
         key_lanes = 2 if BK <= 128 else (8 if gate == 2 else 4)
+    for name, value in (("block_v", block_v), ("key_lanes", key_lanes)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"fused_replay: {name} must be a power of two, got {value}")
     BV = block_v
     num_warps = num_warps or 1
     prefetch = True if prefetch is None else prefetch
     KL = min(key_lanes, BK)
     NV = triton.cdiv(V, BV)
+    if B * T == 0:  # no token: nothing to launch (the kernel loads its first token unconditionally)
+        zeros = q.new_zeros(B, T, H)
+        return RecurrenceResult(
+            o=torch.empty_like(v),
+            final_state=torch.zeros(N, H, V, K, dtype=dtype, device=q.device) if h0 is None else h0.clone(),
+            loss_before=zeros, loss_after=zeros.clone(), write_gain=zeros.clone(),
+            loss_before_decayed=None if g is None else zeros.clone(),
+        )
     o = torch.empty_like(v)
     # Tokens outside every packed sequence are never written: zeros, not garbage, there.
     parts = torch.zeros(3, B * T * H, NV, dtype=dtype, device=q.device)

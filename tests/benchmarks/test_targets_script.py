@@ -113,6 +113,17 @@ def test_wall_clock_without_a_measurement_is_never_met(targets, tmp_path, capsys
     assert warm["measured"] is None and warm["met"] is None and first["met"] is True
 
 
+@pytest.mark.parametrize("name,data", [
+    ("replay_head_k128.json", _replay(3.1, 4.8)),                   # an ungated run under a gated name
+    ("replay_k256.json", _replay(2.0, 4.4, K=64)),                  # K = 64 under the K = 256 name
+    ("replay.json", _replay(5.9, 7.8, K=128, gate="head")),         # a gated run under the ungated name
+])
+def test_a_replay_file_of_another_k_or_gate_is_named_not_judged(targets, tmp_path, name, data):
+    _write(tmp_path, name, data)
+    with pytest.raises(SystemExit, match=rf"{name}: measured K = .*where the target reads K = "):
+        targets.rows(tmp_path)
+
+
 def test_an_inaccurate_replay_misses_its_target_however_fast(targets, tmp_path):
     _write(tmp_path, "replay.json", _replay(1.0, 4.8, err=2e-5))
     assert targets.rows(tmp_path)[0]["met"] is False

@@ -103,3 +103,31 @@ def test_fused_replay_default_launch_at_wide_keys(K, gate):
         r = getattr(ref, name)
         if r is not None:
             _assert_close(getattr(got, name), r, name, 1e-5)
+
+
+@pytest.mark.parametrize("gate,h0", [(None, False), ("channel", True)])
+def test_fused_replay_of_no_token(gate, h0):
+    """T = 0: the reference's result (empty per-token fields, the initial state back), no launch."""
+    B, H, K, V = 2, 2, 8, 8
+    q, k, v = torch.zeros(B, 0, H, K, dtype=torch.float64), torch.zeros(B, 0, H, K, dtype=torch.float64), \
+        torch.zeros(B, 0, H, V, dtype=torch.float64)
+    beta = torch.zeros(B, 0, H, dtype=torch.float64)
+    kw = {} if gate is None else {"g": torch.zeros(B, 0, H, K, dtype=torch.float64)}
+    if h0:
+        kw["initial_state"] = torch.randn(B, H, V, K, dtype=torch.float64)
+    ref = delta_rule_recurrence(q, k, v, beta, **kw)
+    got = ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), **{n: x.to(DEVICE) for n, x in kw.items()})
+    for name in FIELDS:
+        r, x = getattr(ref, name), getattr(got, name)
+        assert (r is None) == (x is None), name
+        if r is not None:
+            assert x.shape == r.shape, name
+            if r.numel():  # the initial state, back in the replay's fp32
+                _assert_close(x, r, name, 1e-7)
+
+
+@pytest.mark.parametrize("option", ["block_v", "key_lanes"])
+def test_fused_replay_refuses_a_launch_option_that_is_not_a_power_of_two(option):
+    q, k, v, beta, _ = _inputs(1, 1, 3, 1, 8, 8, gate=None, asym=False, h0=False)
+    with pytest.raises(ValueError, match=f"{option} must be a power of two, got 3"):
+        ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), **{option: 3})

@@ -625,7 +625,7 @@ def console() -> None:
     if os.environ.get("OSDN_DIAG_FAST_EXIT", "1") == "0" or waiting:
         sys.exit(code)
     atexit._run_exitfuncs()  # logging, multiprocessing, weakref.finalize (temporary directories), ...
-    code = code if isinstance(code, int) else 1
+    code = 0 if code is None else code if isinstance(code, int) else 1  # as sys.exit(code) would
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -29,12 +29,13 @@ import re
 import weakref
 from pathlib import Path
 
-__all__ = ["ENV", "TABLES", "check_table_file", "load_table", "recorded_choices_used", "save_choices", "table_path", "tuning_key",
-           "use_recorded_choices"]
+__all__ = ["ENV", "TABLES", "check_table_file", "load_table", "recorded_choices_used", "save_choices", "table_path",
+           "tuning_key", "use_recorded_choices"]
 
 ENV = "OSDN_DIAG_TUNING"
 TABLES = Path(__file__).parent / "tuning"
 FORMAT = 1
+_OFF = ("off", "0", "no", "false")
 
 _TUNERS: weakref.WeakSet = weakref.WeakSet()   # every autotuner that ran since the patch
 _STATE: dict = {"table": None, "used": 0}       # table: {(kernel, key repr): config str}, loaded lazily
@@ -56,13 +57,26 @@ def _slug(device_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
 
 
+def _named_file() -> Path | None:
+    """The FILE ``OSDN_DIAG_TUNING`` names; ``None`` when it is unset or off."""
+    setting = os.environ.get(ENV, "").strip()
+    return Path(setting).expanduser() if setting and setting.lower() not in _OFF else None
+
+
 def table_path(device_name: str) -> Path | None:
     """The table to use on ``device_name``: ``OSDN_DIAG_TUNING``'s FILE, else the shipped one;
     ``None`` when switched off."""
-    setting = os.environ.get(ENV, "").strip()
-    if setting.lower() in ("off", "0", "no", "false"):
+    if os.environ.get(ENV, "").strip().lower() in _OFF:
         return None
-    return Path(setting).expanduser() if setting else TABLES / f"{_slug(device_name)}.json"
+    return _named_file() or TABLES / f"{_slug(device_name)}.json"
+
+
+def _mismatch(recorded: dict, device_name: str) -> str | None:
+    """How a table's ``recorded`` device, Triton and fla differ from ``device_name`` and the
+    installed versions (``"triton '3.5.0' (here '3.6.0')"``); ``None`` when they agree."""
+    here = {"device": device_name, **_versions()}
+    differ = [f"{n} {recorded[n]!r} (here {here[n]!r})" for n in recorded if recorded[n] != here[n]]
+    return ", ".join(differ) or None
 
 
 def _read(path: Path) -> tuple[dict, dict[tuple[str, str], str]]:
@@ -85,8 +99,7 @@ def load_table(device_name: str) -> dict[tuple[str, str], str]:
     and fla; empty where there is no table or it was recorded elsewhere. A FILE named by
     ``OSDN_DIAG_TUNING`` that is missing, unreadable or recorded on another GPU or Triton/fla
     version is an error (``ValueError``): it was asked for by name."""
-    path = table_path(device_name)
-    explicit = bool(os.environ.get(ENV, "").strip())
+    path, explicit = table_path(device_name), _named_file() is not None
     if path is None or (not explicit and not path.is_file()):
         return {}
     try:
@@ -94,10 +107,9 @@ def load_table(device_name: str) -> dict[tuple[str, str], str]:
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"{ENV}={path}: not a tuning table osdn-diag can read ({err}); write one with "
                          f"`osdn-diag warmup MODEL --save-tuning FILE`, or set {ENV}=off") from None
-    here = {"device": device_name, **_versions()}
-    if recorded != here:
+    differ = _mismatch(recorded, device_name)
+    if differ:
         if explicit:
-            differ = ", ".join(f"{n} {recorded[n]!r} (here {here[n]!r})" for n in recorded if recorded[n] != here[n])
             raise ValueError(f"{ENV}={path}: recorded with {differ}; its choices do not apply to this "
                              f"machine. Record a table here with `osdn-diag warmup MODEL --save-tuning FILE`")
         return {}
@@ -137,7 +149,7 @@ def use_recorded_choices() -> bool:
     except ImportError:  # pragma: no cover - triton comes with torch on Linux
         return False
     _STATE["table"] = None  # each command reads OSDN_DIAG_TUNING afresh
-    if os.environ.get(ENV, "").strip() and table_path("") is not None:
+    if _named_file() is not None:
         # A FILE asked for by name: read and checked now, before the model loads, not at the first
         # autotuned launch in the middle of a batch.
         _STATE["table"] = load_table(_device_name())
@@ -186,9 +198,8 @@ def check_table_file(path: Path, device_name: str | None = None) -> None:
     except (OSError, ValueError, KeyError):
         raise ValueError(f"argument --save-tuning {str(path)!r}: exists and is not a tuning table; give a "
                          "new file, or a table written by --save-tuning to add to") from None
-    here = {"device": device_name or recorded["device"], **_versions()}
-    if recorded != here:
-        differ = ", ".join(f"{n} {recorded[n]!r} (here {here[n]!r})" for n in recorded if recorded[n] != here[n])
+    differ = _mismatch(recorded, device_name or recorded["device"])
+    if differ:
         raise ValueError(f"argument --save-tuning {str(path)!r}: a table recorded with {differ}; give a new "
                          "file for this machine's choices")
 
@@ -207,7 +218,7 @@ def save_choices(path: Path) -> int:
     if path.exists():
         try:
             recorded, choices = _read(path)
-            if any(recorded[n] != head[n] for n in recorded):
+            if _mismatch(recorded, head["device"]):
                 choices = None
         except (OSError, ValueError, KeyError):
             choices = None

@@ -35,7 +35,8 @@ def main(argv=None) -> dict:
                    help="a decay gate (log decay in [-0.1, 0)): per head, against fla's "
                         "fused_recurrent_gated_delta_rule(g=...), or per key channel (gk=...)")
     p.add_argument("--sweep", action="store_true",
-                   help="also time launch configurations (block_v x num_warps x key_lanes, prefetch) of the fused replay")
+                   help="also time launch configurations (block_v x num_warps x key_lanes, prefetch) of the "
+                        "fused replay")
     ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     p.add_argument("--sweep-rows", type=ints, default=(4, 8, 16, 32), metavar="N,N,...",
                    help="--sweep's state rows per program (4,8,16,32)")
@@ -46,7 +47,7 @@ def main(argv=None) -> dict:
         raise SystemExit("bench_replay needs a CUDA GPU")
 
     from osdn_diag.math import delta_rule_recurrence
-    from osdn_diag.ops.replay import fused_replay
+    from osdn_diag.ops.replay import STATE_ENTRIES, fused_replay
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -102,14 +103,13 @@ def main(argv=None) -> dict:
 
         # State rows per program x key lanes (the state tile's layout), one warp, with prefetch (two
         # warps and no prefetch never won: benchmarks/RESULTS.md); then the best of those with two
-        # warps and without prefetch. A program holds at most 4,096 state entries (32 registers per
-        # lane of a warp: more spills).
+        # warps and without prefetch. A program holds at most STATE_ENTRIES state entries.
         for bv in a.sweep_rows:
             for kl in a.sweep_lanes:
-                if bv <= max(V, 4) and kl <= K and bv * K <= 4096:
+                if bv <= max(V, 4) and kl <= K and bv * K <= STATE_ENTRIES:
                     timed(block_v=bv, num_warps=1, key_lanes=kl, prefetch=True)
         if not sweep:
-            raise SystemExit("--sweep: no launch configuration fits (rows x K <= 4,096, key lanes <= K); "
+            raise SystemExit(f"--sweep: no launch configuration fits (rows x K <= {STATE_ENTRIES}, key lanes <= K); "
                              "give other --sweep-rows / --sweep-lanes")
         best = min(sweep, key=lambda r: r["ms"])
         best_launch = {n: best[n] for n in ("block_v", "key_lanes")}

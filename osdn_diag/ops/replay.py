@@ -32,7 +32,11 @@ from .._interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
 from ._common import sequence_bounds
 
-__all__ = ["fused_replay"]
+__all__ = ["STATE_ENTRIES", "fused_replay"]
+
+#: The most fp32 state entries a one-warp program holds (32 registers per lane): wider keys get fewer
+#: state rows per program, where more would spill.
+STATE_ENTRIES = 4096
 
 
 @triton.jit
@@ -198,7 +202,8 @@ def fused_replay(
     # key lanes, 8 with the key-channel gate. Wider keys keep a program's state at 4,096 entries (2,048
     # in fp64) so that it stays in registers.
     if block_v is None:
-        rows = 8 if BK <= 128 else max((4096 if dtype != torch.float64 else 2048) // BK, 1)
+        entries = STATE_ENTRIES if dtype != torch.float64 else STATE_ENTRIES // 2
+        rows = 8 if BK <= 128 else max(entries // BK, 1)
         block_v = min(triton.next_power_of_2(V), rows)
     if key_lanes is None:
         key_lanes = 2 if BK <= 128 else (8 if gate == 2 else 4)

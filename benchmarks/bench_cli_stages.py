@@ -26,7 +26,8 @@ def main(argv: list[str]) -> None:
 
     stages = ((("osdn_diag.models", "load_model", "model load"),
                ("osdn_diag.pipeline", "stream_run", "stream run (the stages below)"))
-              + bench_e2e.STAGES + (("osdn_diag.report", "write_report", "report"),))
+              + bench_e2e.STAGES + (("osdn_diag.report", "write_report", "report"),
+                                    ("osdn_diag.report.markdown", "draw", "  its figures (on the workers, if any)")))
     with bench_e2e._StageTimers(stages) as timers:
         t_command = time.perf_counter()
         print(f"imports before the command: {t_command - T_START:.2f} s", flush=True)

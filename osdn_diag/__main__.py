@@ -1,3 +1,4 @@
 from .cli import console
 
-console()
+if __name__ == "__main__":  # not when a spawned worker process imports it
+    console()

@@ -539,6 +539,29 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     check_args(args)
+    with _report_workers(args.command):
+        return _run_command(args)
+
+
+#: The commands that end in a report, whose figures are drawn on worker processes started with them.
+_REPORT_COMMANDS = ("run", "what-if", "demo", "report", "merge")
+
+
+def _report_workers(command: str):
+    """For a command that ends in a report, on the process that writes it (rank 0 under torchrun):
+    the worker processes that will draw its figures, started now so that their imports overlap the
+    command's own work (:func:`osdn_diag.report.render.figure_workers`)."""
+    import contextlib
+    import os
+
+    if command not in _REPORT_COMMANDS or os.environ.get("RANK", "0") != "0":
+        return contextlib.nullcontext()
+    from .report.render import figure_workers
+
+    return figure_workers()
+
+
+def _run_command(args: argparse.Namespace) -> int:
     if args.command in _MODEL_COMMANDS:  # the others never import transformers (nor torch, for prove)
         from ._fla_import import import_lazily
 

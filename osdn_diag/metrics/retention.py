@@ -63,13 +63,14 @@ def retrieval_errors(call: KernelCall, seq: int, probes: list[int]) -> dict[str,
         kj, vj = k[0, : tm + 1].transpose(0, 1), v[0, : tm + 1].transpose(0, 1)  # [H, tm+1, ·]
         err = (torch.einsum("hvk,hjk->hjv", S, kj) - vj).square().sum(-1)
         norm = vj.square().sum(-1)
-        ok = norm > 0
+        # The columns are built on the CPU, where the accumulator sums them, whatever the call's device.
+        ok, rel = (norm > 0).cpu(), (err / norm.clamp_min(1e-30)).cpu()
         j = (torch.arange(tm + 1) // micro).expand(H, -1)
         cols["probe"].append(torch.full((int(ok.sum()),), t))
         cols["head"].append(torch.arange(H)[:, None].expand(H, tm + 1)[ok])
         cols["j"].append(j[ok])
         cols["distance"].append((t - j)[ok])
-        cols["error"].append((err / norm.clamp_min(1e-30))[ok].cpu())
+        cols["error"].append(rel[ok])
     return {name: torch.cat(parts) for name, parts in cols.items()}
 
 

@@ -12,6 +12,7 @@ through :func:`osdn_diag.pipeline.replay_run`, in-memory captures through :func:
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -107,6 +108,9 @@ class Replayer:
         self.comparator_tables: list[pa.Table] | None = [] if comparator else None
         self.theorem_batch_elems = theorem_batch_elems
         self._pending: list[_Problems] = []  # comparator problems not yet solved, all of one shape
+        self._solving: _Solve | None = None  # the batch being solved beside the replay (on a GPU)
+        # Solve beside the replay on a GPU; on the CPU the solver would take the replay's own cores.
+        self.solve_beside = self.device.type == "cuda"
         self.fidelity: dict[int, float] = defaultdict(float)
         # What each layer's output was compared with: "fla" (a live kernel) or "reference" (the
         # package's own recurrence stood in for it, so agreement measures nothing about a kernel).
@@ -163,17 +167,36 @@ class Replayer:
         iteration, nearly independent of the number of problems): calls wait until a batch of about
         ``theorem_batch_elems`` key entries of one shape is together."""
         if self._pending and self._pending[0].shape != problems.shape:
-            self.flush()
+            self._solve_pending()
         self._pending.append(problems)
         if sum(p.elems for p in self._pending) >= self.theorem_batch_elems:
-            self.flush()
+            self._solve_pending()
 
-    def flush(self) -> None:
-        """Solve the waiting comparator problems into ``comparator_tables`` (in the order of the calls)."""
+    def _solve_pending(self) -> None:
+        """Start solving the waiting comparator problems. On a GPU the batch is solved on a thread and
+        a CUDA stream of its own while the replay goes on (the solver waits on its own small
+        synchronisations, one per iteration, which would otherwise hold the replay up); at most one
+        batch is solved at a time, so the earlier one is finished first. On the CPU it is solved here."""
         if not self._pending:
             return
         batch, self._pending = _Problems.cat(self._pending), []
-        self.comparator_tables.append(batch.solve(self.box))
+        self._finish_solving()
+        if self.solve_beside:
+            self._solving = _Solve(batch, self.box)
+        else:
+            self.comparator_tables.append(batch.solve(self.box))
+
+    def _finish_solving(self) -> None:
+        """Wait for the batch being solved beside the replay and add its rows (or raise its error)."""
+        solving, self._solving = self._solving, None
+        if solving is not None:
+            self.comparator_tables.append(solving.result())
+
+    def flush(self) -> None:
+        """Solve the waiting comparator problems into ``comparator_tables`` (in the order of the
+        calls), waiting for every batch."""
+        self._solve_pending()
+        self._finish_solving()
 
     def comparator_table(self) -> pa.Table | None:
         """``comparator.parquet``'s rows so far (``None`` without the comparator or problems)."""
@@ -309,6 +332,45 @@ def _add_per_token(summary: dict, per_token: dict) -> None:
         entry["unit"] = "micro-step" if family in families.MICRO_STEP_FAMILIES else "token"
         entry["q_geo_per_token"] = stats["q_geo"]
         entry["n_tokens"] = stats["n"]
+
+
+class _Solve:
+    """One batch of comparator problems solved on a thread of its own — on a GPU, on a CUDA stream of
+    its own that first waits for the work which produced the batch on the caller's stream. The solution does
+    not depend on the thread: the same operations run in the same order as :meth:`_Problems.solve`
+    would run them on the caller's thread."""
+
+    def __init__(self, batch: _Problems, box: tuple[float, float]):
+        device = batch.k.device
+        on_gpu = device.type == "cuda"
+        stream = torch.cuda.Stream(device) if on_gpu else None
+        produced = torch.cuda.current_stream(device).record_event() if on_gpu else None
+        for t in (batch.k, batch.beta, batch.d, batch.q, batch.valid, batch.gated):
+            if on_gpu and t is not None:  # the caller's stream may reuse their memory only after the solve's use
+                t.record_stream(stream)
+        self.table: pa.Table | None = None
+        self.error: BaseException | None = None
+
+        def solve():
+            try:
+                if not on_gpu:
+                    self.table = batch.solve(box)
+                    return
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    stream.wait_event(produced)
+                    self.table = batch.solve(box)
+            except BaseException as err:  # raised on the caller's thread by result()
+                self.error = err
+
+        # A daemon: a run that fails while a batch is being solved exits without waiting for it.
+        self.thread = threading.Thread(target=solve, name="comparator", daemon=True)
+        self.thread.start()
+
+    def result(self) -> pa.Table:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.table
 
 
 class _Problems:

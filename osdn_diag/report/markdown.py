@@ -22,16 +22,7 @@ from ..rundir import (
     run_manifest,
     start_stage,
 )
-from .plots import (
-    save,
-    plot_by_layer,
-    plot_contraction,
-    plot_d_trajectory,
-    plot_eps_vs_q,
-    plot_layer_head,
-    plot_q_bars,
-    plot_retained,
-)
+from .render import Figure, draw
 
 __all__ = ["d_trajectory_of", "eps_q_series", "load_run", "write_report"]
 
@@ -476,9 +467,6 @@ def eps_q_series(paths, names) -> list[tuple[str, list[float], list[float]]]:
     return series
 
 
-def _eps_vs_q_plot(paths, names, target: Path) -> Path | None:
-    series = eps_q_series(paths, names)
-    return save(plot_eps_vs_q(series), target) if series else None
 
 
 def _retained_table(retained) -> str:
@@ -596,18 +584,23 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
     plots = out / "plots"
     micro = any(_micro_steps(m, s) is not None for _, m, s in runs)
     pairs = [(_unit_label(n, m, s), s) for n, m, s in runs]  # the plots' q_geo are per write
-    save(plot_contraction(pairs), plots / "contraction.png")
-    save(plot_q_bars(pairs), plots / "q_geo.png")
-    save(plot_by_layer(pairs), plots / "by_layer.png")
-    save(plot_layer_head(pairs), plots / "layer_head.png")
+    figures = [Figure("plot_contraction", (pairs,), plots / "contraction.png"),
+               Figure("plot_q_bars", (pairs,), plots / "q_geo.png"),
+               Figure("plot_by_layer", (pairs,), plots / "by_layer.png"),
+               Figure("plot_layer_head", (pairs,), plots / "layer_head.png")]
     retained_runs = [(n, s["retained"]) for n, _, s in runs if s.get("retained")]
     if retained_runs:
-        save(plot_retained(retained_runs), plots / "retained.png")
+        figures.append(Figure("plot_retained", (retained_runs,), plots / "retained.png"))
     comparators, not_applicable = _comparator_runs(runs)
     shown = {n for n, _ in comparators}
-    eps_plot = _eps_vs_q_plot([p for p, n in zip(paths, names) if n in shown], [n for n in names if n in shown],
-                              plots / "eps_vs_q.png")
-    d_plot = None if d_trajectory is None else save(plot_d_trajectory(*d_trajectory), plots / "d_trajectory.png")
+    series = eps_q_series([p for p, n in zip(paths, names) if n in shown], [n for n in names if n in shown])
+    eps_plot = plots / "eps_vs_q.png" if series else None
+    if series:
+        figures.append(Figure("plot_eps_vs_q", (series,), eps_plot))
+    d_plot = None if d_trajectory is None else plots / "d_trajectory.png"
+    if d_trajectory is not None:
+        figures.append(Figure("plot_d_trajectory", tuple(d_trajectory), d_plot))
+    draw(figures)  # every figure at once on the command's worker processes, if it started them
 
     parts = [
         "# osdn-diag report",

@@ -14,6 +14,7 @@ from .._atomic import atomic_path
 
 __all__ = [
     "save",
+    "save_as",
     "plot_by_layer",
     "plot_contraction",
     "plot_d_trajectory",
@@ -33,9 +34,17 @@ def save(fig, path: Path) -> Path:
     """Save ``path`` (PNG) and the same figure as PDF beside it, each through a temporary file and a
     rename: a crash never leaves a half-written image."""
     for target in (path, path.with_suffix(".pdf")):
-        with atomic_path(target, suffix=target.suffix) as tmp:  # matplotlib reads the format from it
-            fig.savefig(tmp, dpi=150, bbox_inches="tight")
+        save_as(fig, target)
     return path
+
+
+def save_as(fig, target: Path) -> Path:
+    """Save the figure to ``target`` alone, in the format its suffix names, through a temporary file
+    and a rename. The same figure gives the same bytes: a PDF carries no creation date."""
+    metadata = {"CreationDate": None} if target.suffix.lower() == ".pdf" else None
+    with atomic_path(target, suffix=target.suffix) as tmp:  # matplotlib reads the format from it
+        fig.savefig(tmp, dpi=150, bbox_inches="tight", metadata=metadata)
+    return target
 
 
 def _figure(figsize, **kwargs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from osdn_diag.capture import KernelCall
@@ -56,3 +57,24 @@ def test_first_copy_statistic_and_zero_values():
     last = (cols["probe"] == T - 1) & (cols["j"] < 4)
     s = acc.summary()["t"]
     assert abs(s["mean_error_of_first_copy_at_last_token"] - float(cols["error"][last].double().mean())) < 1e-9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_call_on_the_gpu_gives_the_cpu_columns():
+    """`run --retained` on a GPU: the call's tensors are on the GPU, the columns come back on the CPU
+    and equal those of the same call on the CPU (the recurrence in fp32 on either device)."""
+    T = 24
+    gen = torch.Generator().manual_seed(3)
+    k = torch.nn.functional.normalize(torch.randn(1, T, 2, 8, generator=gen), dim=-1)
+    v = torch.randn(1, T, 2, 4, generator=gen)
+    v[0, 5] = 0.0
+    beta = torch.rand(1, T, 2, generator=gen)
+    on_cpu = retrieval_errors(_call(k, v, beta), 0, probe_positions(T, 12))
+    on_gpu = retrieval_errors(_call(k.cuda(), v.cuda(), beta.cuda()), 0, probe_positions(T, 12))
+    assert on_gpu.keys() == on_cpu.keys()
+    for name, col in on_cpu.items():
+        assert on_gpu[name].device.type == "cpu", name
+        if name == "error":
+            assert torch.allclose(on_gpu[name], col, rtol=1e-4, atol=1e-6), name
+        else:
+            assert torch.equal(on_gpu[name], col), name

@@ -1,0 +1,138 @@
+"""Drawing the report's figures, each as PNG and PDF: in this process, or in worker processes.
+
+A figure is described by a :class:`Figure` — the name of a function of :mod:`.plots`, its
+arguments and the PNG's path — so that a worker process can draw it from the description alone.
+:func:`draw` writes every figure it is given; inside a :func:`figure_workers` block it hands each
+file (every PNG and every PDF separately) to that block's workers at once, else it draws them one
+after another here. The files are the same either way: each is drawn by the same function from the
+same arguments on a figure of its own (a PDF saved after a PNG of the same figure gets a bounding
+box a few hundredths of a point different) and written through a temporary file and a rename.
+
+Why workers: matplotlib draws a figure four times to save it as PNG and PDF with a tight bounding
+box, one figure after another, and a first figure also waits for matplotlib's import and its font
+and mathtext caches. The report of the paper-scale run spent 2–3 s there on an H200 host, all of it
+on one core. The command line starts the workers when a command that ends in a report starts, so
+that their imports overlap the model's work, and the figures are then drawn side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import plots
+
+__all__ = ["Figure", "default_workers", "draw", "figure_workers", "WORKERS_ENV"]
+
+#: The environment variable that sets how many processes draw the report's figures.
+WORKERS_ENV = "OSDN_DIAG_REPORT_WORKERS"
+#: At most this many workers by default: a report has at most 7 figures, 14 files.
+MAX_WORKERS = 8
+
+_workers = None  # the executor of the innermost active figure_workers block
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of a report: ``getattr(plots, plot)(*args)`` saved to ``path`` (PNG) and to
+    ``path.with_suffix(".pdf")``. The arguments must be picklable (summaries, lists, numpy arrays)."""
+
+    plot: str
+    args: tuple
+    path: Path
+
+    def targets(self) -> tuple[Path, Path]:
+        return self.path, self.path.with_suffix(".pdf")
+
+
+def default_workers() -> int:
+    """How many worker processes :func:`figure_workers` starts when not told: ``OSDN_DIAG_REPORT_WORKERS``
+    if set (0 or 1: none, the figures are drawn in the calling process), else the machine's CPUs less
+    two, at most 8 — none on a machine of 2 or 3 CPUs, where workers would compete with the run
+    itself for the cores."""
+    raw = os.environ.get(WORKERS_ENV)
+    if raw is not None:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = -1
+        if n < 0:
+            raise ValueError(f"{WORKERS_ENV}={raw!r}: expected a whole number of processes, 0 or more "
+                             "(0: the report's figures are drawn in the command's own process)")
+        return n
+    return max(0, min(MAX_WORKERS, (os.cpu_count() or 1) - 2))
+
+
+def _prepare() -> None:
+    """A worker's start: import matplotlib and draw a small figure with text and mathtext to PNG and
+    PDF in memory, so that fonts and the mathtext parser are loaded before the first real figure.
+    Ctrl-C is the parent's to handle (it stops the workers): a worker ignores it."""
+    import io
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fig = plots._figure((2, 1))
+    ax = fig.subplots()
+    ax.plot([0, 1], [0, 1], label="x")
+    ax.set_title(r"$q_{geo}$ warm-up")
+    ax.legend()
+    for fmt in ("png", "pdf"):
+        fig.savefig(io.BytesIO(), format=fmt, dpi=72, bbox_inches="tight")
+
+
+def _ready() -> bool:
+    return True
+
+
+def _draw_file(plot: str, args: tuple, target: str) -> str:
+    """In a worker: draw one figure and write one of its files (the format from ``target``'s suffix)."""
+    plots.save_as(getattr(plots, plot)(*args), Path(target))
+    return target
+
+
+@contextlib.contextmanager
+def figure_workers(n: int | None = None):
+    """Within this block :func:`draw` draws on ``n`` worker processes (default
+    :func:`default_workers`), started now — each imports matplotlib and primes its caches while the
+    caller goes on — and stopped when the block ends. With ``n < 1``, or inside another such block,
+    nothing is started and the figures are drawn as without it."""
+    global _workers
+    n = default_workers() if n is None else n
+    if n < 1 or _workers is not None:
+        yield
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # "spawn": a fresh interpreter that never imports torch — not a fork of a process that holds a
+    # CUDA context and running threads.
+    pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_prepare)
+    for _ in range(n):  # the pool starts a process per task waiting for one: all n start now
+        pool.submit(_ready)
+    _workers = pool
+    try:
+        yield
+    finally:
+        _workers = None
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def draw(figures: list[Figure]) -> None:
+    """Write every figure's PNG and PDF (on the active :func:`figure_workers`, else here, in order).
+    An error drawing one figure is raised as it would be here; if the worker processes themselves
+    fail (killed, say), the figures are drawn here instead."""
+    if _workers is not None:
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            futures = [_workers.submit(_draw_file, f.plot, f.args, str(t)) for f in figures for t in f.targets()]
+            for future in futures:
+                future.result()
+            return
+        except BrokenProcessPool:
+            pass  # every file is written again below, through its own temporary file
+    for f in figures:
+        for target in f.targets():
+            _draw_file(f.plot, f.args, str(target))

@@ -1,0 +1,133 @@
+"""The report's figures drawn on worker processes (osdn_diag.report.render): the same files, byte for
+byte, as drawn in the calling process; errors raised to the caller; no process left behind; the
+worker count from OSDN_DIAG_REPORT_WORKERS, refused in one line when it is not a number."""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+
+import pytest
+
+from osdn_diag.cli import entry, main
+from osdn_diag.report import write_report
+from osdn_diag.report import render
+from osdn_diag.report.render import Figure, default_workers, draw, figure_workers
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run whose report has every figure: contraction, q_geo, by layer, layer × head, retained,
+    ε vs q (comparator) and the d trajectory (a stored capture of a model with a preconditioner)."""
+    out = tmp_path_factory.mktemp("workers") / "run"
+    assert main(["run", "builtin:mqar-osdn", "--prompts", "mqar", "--num-prompts", "2", "--length", "64",
+                 "--twice", "--retained", "--out", str(out), "-q"]) == 0
+    return out
+
+
+def _files(report_dir):
+    return {p.name: p.read_bytes() for p in sorted((report_dir / "plots").iterdir())}
+
+
+def test_workers_draw_the_same_files_as_the_calling_process(run_dir, tmp_path):
+    here, there = tmp_path / "here", tmp_path / "there"
+    write_report([run_dir], here)
+    with figure_workers(2):
+        assert render._workers is not None
+        write_report([run_dir], there)
+    assert render._workers is None
+    drawn = _files(here)
+    assert sorted(drawn) == sorted(f"{name}.{ext}" for ext in ("png", "pdf") for name in (
+        "contraction", "q_geo", "by_layer", "layer_head", "retained", "eps_vs_q", "d_trajectory"))
+    # Byte for byte: each file comes from a figure of its own in both cases, and a PDF carries no
+    # creation date (the two reports were written at different times).
+    assert _files(there) == drawn
+    assert (here / "report.md").read_text() == (there / "report.md").read_text()
+    assert not multiprocessing.active_children()  # the block stopped its workers
+
+
+def test_a_figure_that_fails_in_a_worker_raises_here(tmp_path):
+    with figure_workers(1), pytest.raises(AttributeError, match="no_such_plot"):
+        draw([Figure("no_such_plot", (), tmp_path / "x.png")])
+    assert not list(tmp_path.iterdir())  # nothing half-written
+    assert not multiprocessing.active_children()
+
+
+def test_workers_that_died_leave_the_figures_to_this_process(run_dir, tmp_path):
+    """A killed worker breaks the pool: the figures are drawn here instead, all of them."""
+    with figure_workers(1):
+        for proc in multiprocessing.active_children():
+            proc.kill()
+            proc.join()
+        write_report([run_dir], tmp_path / "r")
+    assert _files(tmp_path / "r") == _files_of_fresh_report(run_dir, tmp_path / "ref")
+
+
+def _files_of_fresh_report(run_dir, out):
+    write_report([run_dir], out)
+    return _files(out)
+
+
+def test_nested_blocks_start_no_second_pool():
+    with figure_workers(1):
+        outer = render._workers
+        with figure_workers(1):
+            assert render._workers is outer
+        assert render._workers is outer
+    assert render._workers is None
+
+
+@pytest.mark.parametrize("cpus, expected", [(1, 0), (2, 0), (3, 1), (6, 4), (16, 8), (128, 8)])
+def test_default_worker_count(monkeypatch, cpus, expected):
+    monkeypatch.delenv(render.WORKERS_ENV, raising=False)
+    monkeypatch.setattr(render.os, "cpu_count", lambda: cpus)
+    assert default_workers() == expected
+
+
+def test_worker_count_from_the_environment(monkeypatch):
+    monkeypatch.setenv(render.WORKERS_ENV, "3")
+    assert default_workers() == 3
+    for bad in ("-1", "two", ""):
+        monkeypatch.setenv(render.WORKERS_ENV, bad)
+        with pytest.raises(ValueError, match="OSDN_DIAG_REPORT_WORKERS"):
+            default_workers()
+
+
+def test_a_bad_worker_count_is_one_line_before_anything_is_written(run_dir, tmp_path, monkeypatch, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    before = {p.relative_to(copy): p.stat().st_mtime_ns for p in copy.rglob("*")}
+    monkeypatch.setenv(render.WORKERS_ENV, "many")
+    assert entry(["report", str(copy)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("osdn-diag: error: OSDN_DIAG_REPORT_WORKERS='many'") and "\n" not in err
+    assert {p.relative_to(copy): p.stat().st_mtime_ns for p in copy.rglob("*")} == before
+
+
+def test_the_report_command_draws_on_workers_when_told(run_dir, tmp_path, monkeypatch, capsys):
+    """`osdn-diag report` with OSDN_DIAG_REPORT_WORKERS=2 starts its workers and writes the same files."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    started = []
+    real = render.figure_workers
+
+    def spy(n=None):
+        started.append(default_workers() if n is None else n)
+        return real(n)
+
+    monkeypatch.setattr(render, "figure_workers", spy)
+    monkeypatch.setenv(render.WORKERS_ENV, "2")
+    assert entry(["report", str(copy)]) == 0
+    assert started == [2]
+    assert _files(copy) == _files_of_fresh_report(run_dir, tmp_path / "ref")
+
+
+def test_a_pdf_carries_no_creation_date(tmp_path, monkeypatch):
+    """The same figure saved at two different times gives the same bytes."""
+    from osdn_diag.report.plots import plot_q_bars, save_as
+
+    runs = [("a", {"q_geo": 0.5, "q_arith": 0.6})]
+    for epoch in ("0", "1700000000"):
+        monkeypatch.setenv("SOURCE_DATE_EPOCH", epoch)  # what matplotlib dates a PDF by, if at all
+        save_as(plot_q_bars(runs), tmp_path / f"{epoch}.pdf")
+    assert (tmp_path / "0.pdf").read_bytes() == (tmp_path / "1700000000.pdf").read_bytes()

@@ -14,7 +14,7 @@ import queue
 import re
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -233,7 +233,7 @@ def _stream(model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_
     with _residuals_writer(session.out_dir, replayer.schema, session.ranks, session.run_id) as residuals:
         def replay_now(stored: StoredCall) -> None:
             session.writer.layers.setdefault(stored.call.layer, layer_entry(stored.call))
-            residuals.write(replayer.add(stored))
+            residuals.write(replayer.add(stored, table=False))  # its rows built on the writer's thread
 
         session.run(replay_now, progress)
     parts = dict(residuals.part)
@@ -696,7 +696,7 @@ def _replay(run_dir: Path, *, progress, out_dir, extra, run_id, recall, **replay
         with _residuals_writer(out_dir, replayer.schema, ranks, run_id) as residuals:
             for stored in _progress(_read_ahead(reader, shards), len(shards), progress and ranks.is_main,
                                     "replay", "call"):
-                residuals.write(replayer.add(stored))
+                residuals.write(replayer.add(stored, table=False))  # its rows built on the writer's thread
     except BaseException:
         # Nothing of this replay took a name (a changed shard, a failure, Ctrl-C): the tables are still
         # the ones the manifest described, so its stages go back to what they were.
@@ -814,7 +814,7 @@ class _ParquetEncoder:
         while (table := self.queue.get()) is not None:
             if self.error is None:  # after a failure keep taking tables, so that write() never blocks
                 try:
-                    self.writer.write_table(table)
+                    self.writer.write_table(table() if callable(table) else table)
                 except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
                     self.error = err
 
@@ -822,7 +822,8 @@ class _ParquetEncoder:
         if self.error is not None:
             raise RuntimeError(f"writing {self.target} failed") from self.error
 
-    def write(self, table: pa.Table) -> None:
+    def write(self, table: pa.Table | Callable[[], pa.Table]) -> None:
+        """Queue a table, or a function that builds one on the thread (from host data only)."""
         self._check()
         self.queue.put(table)
 

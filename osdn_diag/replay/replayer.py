@@ -12,6 +12,7 @@ through :func:`osdn_diag.pipeline.replay_run`, in-memory captures through :func:
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -126,7 +127,10 @@ class Replayer:
         self.state_fidelity: dict[int, float] = {}
         self.state_meta: dict[int, tuple[float, float, str]] = {}
 
-    def add(self, stored: StoredCall) -> pa.Table:
+    def add(self, stored: StoredCall, *, table: bool = True) -> pa.Table | Callable[[], pa.Table]:
+        """Replay one call into every accumulator and return its rows of the per-token table; with
+        ``table=False`` a function that builds them instead, from host data only, so that a writer
+        thread can build them while the next call replays (the rows are the same either way)."""
         call = to_device(stored.call, self.device)
         if self.transform is not None:
             call = self.transform(call)
@@ -155,7 +159,9 @@ class Replayer:
             _add_retention(self.retention, call, stored.prompts, self.prompts, res.sequence_lengths)
         if self.comparator_tables is not None:
             self._queue_problems(_Problems.of(stored, call, res, self.prompts))
-        return _arrow_table(stored, res, self.prompts, self.schema, self.np_dtype)
+        rows = functools.partial(_arrow_table, list(stored.prompts), call.layer, res.columns, res.sequence_lengths,
+                                 self.prompts, self.schema, self.np_dtype)
+        return rows() if table else rows
 
     def _add_state(self, layer: int, err: float, tol: float, units: float, precision: str) -> None:
         if err >= self.state_fidelity.get(layer, -1.0):
@@ -516,23 +522,24 @@ def repeat_boundaries(prompts) -> dict[str, float]:
     return {task: sum(v) / len(v) for task, v in sorted(acc.items())}
 
 
-def _arrow_table(stored, res, prompts: dict, schema: pa.Schema, np_dtype: str) -> pa.Table:
-    """The rows of one replayed call; sequence ``i`` of the call is prompt ``stored.prompts[i]``."""
-    cols = res.columns
+def _arrow_table(prompt_ids: list[int], layer: int, cols: dict, lengths, prompts: dict, schema: pa.Schema,
+                 np_dtype: str) -> pa.Table:
+    """The rows of one replayed call of layer ``layer`` from its host columns ``cols`` (the replay's
+    ``columns``); sequence ``i`` of the call is prompt ``prompt_ids[i]``, ``lengths[i]`` tokens long."""
     seq = cols["sequence"].numpy()
-    info = [prompts.get(int(p), {}) for p in stored.prompts]
+    info = [prompts.get(int(p), {}) for p in prompt_ids]
     per_seq = {
-        "prompt": np.asarray(stored.prompts, dtype=np.int32),
+        "prompt": np.asarray(prompt_ids, dtype=np.int32),
         "task": np.asarray([str(i.get("task", "")) for i in info], dtype=object),
         "repeat_start": np.asarray([int(i.get("repeat_start", -1)) for i in info], dtype=np.int32),
-        "length": np.asarray(res.sequence_lengths, dtype=np.float32),
+        "length": np.asarray(lengths, dtype=np.float32),
     }
     pos = cols["pos"].numpy()
     n = len(seq)
     data = {
         "prompt": per_seq["prompt"][seq],
         "task": pa.array(per_seq["task"], pa.string()).take(pa.array(seq)),  # no per-row Python strings
-        "layer": np.full(n, stored.call.layer, dtype=np.int16),
+        "layer": np.full(n, layer, dtype=np.int16),
         "head": cols["head"].numpy().astype(np.int16),
         "pos": pos,
         "rel_pos": pos / per_seq["length"][seq],

@@ -158,7 +158,7 @@ def test_report_refuses_tables_of_another_run(runs, tmp_path, capsys):
 def replay_crashes(monkeypatch):
     from osdn_diag.replay.replayer import Replayer
 
-    def crash(self, stored):
+    def crash(self, stored, **kwargs):
         raise RuntimeError("simulated crash during replay")
 
     monkeypatch.setattr(Replayer, "add", crash)

@@ -1,12 +1,18 @@
-"""Theorem D.7's comparator solved beside the replay (osdn_diag.replay.replayer._Solve): on a GPU each
-batch is solved on a thread and CUDA stream of its own while the next calls replay. The rows must be
-those of solving every batch in place, in the calls' order, none lost; a solver error must reach the
-caller. On the CPU the replayer solves in place by default; these tests switch the thread on there
-too (``solve_beside``), and repeat on a GPU where there is one."""
+"""Work done beside the replay, on threads of its own.
+
+Theorem D.7's comparator (osdn_diag.replay.replayer._Solve): on a GPU each batch is solved on a thread
+and CUDA stream of its own while the next calls replay. The rows must be those of solving every batch
+in place, in the calls' order, none lost; a solver error must reach the caller. On the CPU the
+replayer solves in place by default; these tests switch the thread on there too (``solve_beside``),
+and repeat on a GPU where there is one.
+
+The per-token table's rows: a run builds each call's rows on the residuals writer's thread, not on
+the replay's."""
 
 from __future__ import annotations
 
 import json
+import threading
 
 import pyarrow.parquet as pq
 import pytest
@@ -90,3 +96,21 @@ def test_a_solver_error_on_the_thread_reaches_the_caller(captured, tmp_path, mon
     with pytest.raises(RuntimeError, match="second batch"):
         _replay(captured, tmp_path / "fails", monkeypatch, beside=True, device="cpu")
     assert not (tmp_path / "fails" / "comparator.parquet").exists()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_rows_are_built_on_the_writers_thread(tmp_path, monkeypatch, stream):
+    built = []
+    real = replayer_mod._arrow_table
+
+    def spy(*args, **kwargs):
+        built.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(replayer_mod, "_arrow_table", spy)
+    out = tmp_path / "run"
+    argv = ["run", "random:deltanet-tiny", "--prompts", "random", "--num-prompts", "2", "--length", "24",
+            "--out", str(out), "-q"]
+    assert main(argv + (["--stream"] if stream else [])) == 0
+    assert built and set(built) == {"residuals-writer"}
+    assert pq.read_table(out / "residuals.parquet").num_rows == 2 * 24 * 2 * 2  # prompts × tokens × layers × heads

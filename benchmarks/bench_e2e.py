@@ -59,7 +59,7 @@ STAGES = (
     ("osdn_diag.replay.replayer", "Replayer._queue_problems", "    comparator problems (queued; solved in batches)"),
     ("osdn_diag.replay.replayer", "Replayer._finish_solving", "waiting for the comparator's batch"),
     ("osdn_diag.replay.replayer", "_Problems.solve", "comparator solve (a batch)"),
-    ("osdn_diag.replay.replayer", "_arrow_table", "the calls' parquet rows (on the writer's thread)"),
+    ("osdn_diag.replay.replayer", "_arrow_table", "the calls' parquet rows (on their own thread)"),
     ("osdn_diag.pipeline", "_ParquetEncoder.write", "  waiting to hand rows to the writer"),
     ("osdn_diag.pipeline", "_ParquetEncoder.close", "waiting for the writer to finish"),
     ("pyarrow.parquet", "ParquetWriter.write_table", "parquet encoding"),

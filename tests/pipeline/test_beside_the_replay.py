@@ -6,8 +6,8 @@ in place, in the calls' order, none lost; a solver error must reach the caller. 
 replayer solves in place by default; these tests switch the thread on there too (``solve_beside``),
 and repeat on a GPU where there is one.
 
-The per-token table's rows: a run builds each call's rows on the residuals writer's thread, not on
-the replay's."""
+The per-token table's rows: a run builds each call's rows on a thread of the residuals writer's, not
+on the replay's; an error building them reaches the caller."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def test_a_solver_error_on_the_thread_reaches_the_caller(captured, tmp_path, mon
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_rows_are_built_on_the_writers_thread(tmp_path, monkeypatch, stream):
+def test_rows_are_built_beside_the_replay(tmp_path, monkeypatch, stream):
     built = []
     real = replayer_mod._arrow_table
 
@@ -112,5 +112,26 @@ def test_rows_are_built_on_the_writers_thread(tmp_path, monkeypatch, stream):
     argv = ["run", "random:deltanet-tiny", "--prompts", "random", "--num-prompts", "2", "--length", "24",
             "--out", str(out), "-q"]
     assert main(argv + (["--stream"] if stream else [])) == 0
-    assert built and set(built) == {"residuals-writer"}
+    assert built and set(built) == {"residuals-rows"}
     assert pq.read_table(out / "residuals.parquet").num_rows == 2 * 24 * 2 * 2  # prompts × tokens × layers × heads
+
+
+def test_an_error_building_rows_reaches_the_caller(tmp_path, monkeypatch):
+    """A call's rows that fail to build on their thread fail the run, naming the file, and the run is
+    not complete (no residuals.parquet, no summary)."""
+    real, seen = replayer_mod._arrow_table, []
+
+    def failing(*args, **kwargs):
+        seen.append(1)
+        if len(seen) == 2:
+            raise ValueError("the second call's rows")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(replayer_mod, "_arrow_table", failing)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="residuals.parquet failed") as err:
+        main(["run", "random:deltanet-tiny", "--prompts", "random", "--num-prompts", "2", "--length", "24",
+              "--stream", "--out", str(out), "-q"])
+    assert isinstance(err.value.__cause__, ValueError)
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False
+    assert not (out / "residuals.parquet").exists() and not (out / "summary.json").exists()

@@ -49,8 +49,8 @@ class Figure:
 
 def default_workers() -> int:
     """How many worker processes :func:`figure_workers` starts when not told: ``OSDN_DIAG_REPORT_WORKERS``
-    if set (0 or 1: none, the figures are drawn in the calling process), else the machine's CPUs less
-    two, at most 8 — none on a machine of 2 or 3 CPUs, where workers would compete with the run
+    if set (0: none, the figures are drawn in the calling process), else the machine's CPUs less
+    two, at most 8 — none on a machine of 2 CPUs or fewer, where workers would compete with the run
     itself for the cores."""
     raw = os.environ.get(WORKERS_ENV)
     if raw is not None:
@@ -96,8 +96,9 @@ def _draw_file(plot: str, args: tuple, target: str) -> str:
 def figure_workers(n: int | None = None):
     """Within this block :func:`draw` draws on ``n`` worker processes (default
     :func:`default_workers`), started now — each imports matplotlib and primes its caches while the
-    caller goes on — and stopped when the block ends. With ``n < 1``, or inside another such block,
-    nothing is started and the figures are drawn as without it."""
+    caller goes on — and stopped when the block ends. With ``n < 1``, inside another such block, or
+    where worker processes cannot be started, nothing is started and the figures are drawn as
+    without it."""
     global _workers
     n = default_workers() if n is None else n
     if n < 1 or _workers is not None:
@@ -109,8 +110,13 @@ def figure_workers(n: int | None = None):
     # "spawn": a fresh interpreter that never imports torch — not a fork of a process that holds a
     # CUDA context and running threads.
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_prepare)
-    for _ in range(n):  # the pool starts a process per task waiting for one: all n start now
-        pool.submit(_ready)
+    try:
+        for _ in range(n):  # the pool starts a process per task waiting for one: all n start now
+            pool.submit(_ready)
+    except OSError:  # no process could be started (a sandbox, a limit on processes): draw here
+        pool.shutdown(wait=False, cancel_futures=True)
+        yield
+        return
     _workers = pool
     try:
         yield

@@ -131,3 +131,17 @@ def test_a_pdf_carries_no_creation_date(tmp_path, monkeypatch):
         monkeypatch.setenv("SOURCE_DATE_EPOCH", epoch)  # what matplotlib dates a PDF by, if at all
         save_as(plot_q_bars(runs), tmp_path / f"{epoch}.pdf")
     assert (tmp_path / "0.pdf").read_bytes() == (tmp_path / "1700000000.pdf").read_bytes()
+
+
+def test_workers_that_cannot_start_leave_the_figures_to_this_process(run_dir, tmp_path, monkeypatch):
+    """A machine where no process can be started (a sandbox): the report is drawn here, as usual."""
+    import concurrent.futures.process as cfp
+
+    def refuse(self):
+        raise OSError("no processes here")
+
+    monkeypatch.setattr(cfp.ProcessPoolExecutor, "_adjust_process_count", refuse)
+    with figure_workers(2):
+        assert render._workers is None
+        write_report([run_dir], tmp_path / "r")
+    assert _files(tmp_path / "r") == _files_of_fresh_report(run_dir, tmp_path / "ref")

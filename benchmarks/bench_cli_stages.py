@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
         print(f"imports before the command: {t_command - T_START:.2f} s", flush=True)
         from osdn_diag.cli import main as cli_main
 
-        cli_main(argv)
+        cli_main(argv, report_workers=True)  # as the console script runs it
         t_end = time.perf_counter()
     print(f"the command: {t_end - t_command:.2f} s; the process so far: {t_end - T_START:.2f} s")
     print(timers.table(t_end - t_command))

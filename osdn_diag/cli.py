@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 __all__ = ["main"]
@@ -532,14 +533,17 @@ def _cpu_threads(device: str | None) -> bool:
     return on_cpu
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, report_workers: bool = False) -> int:
     """Run a command; errors propagate (for use from Python and tests). The arguments are checked
-    (:func:`osdn_diag._cli_checks.check_args`) before fla is imported or anything is written."""
+    (:func:`osdn_diag._cli_checks.check_args`) before fla is imported or anything is written.
+    ``report_workers``: start the processes that draw the report's figures, as the console script
+    does (:func:`entry`); off by default, since a process started from a script re-imports the
+    script's main module, which then has to guard its own code."""
     from ._cli_checks import check_args
 
     args = build_parser().parse_args(argv)
     check_args(args)
-    with _report_workers(args.command):
+    with _report_workers(args.command) if report_workers else contextlib.nullcontext():
         return _run_command(args)
 
 
@@ -551,7 +555,6 @@ def _report_workers(command: str):
     """For a command that ends in a report, on the process that writes it (rank 0 under torchrun):
     the worker processes that will draw its figures, started now so that their imports overlap the
     command's own work (:func:`osdn_diag.report.render.figure_workers`)."""
-    import contextlib
     import os
 
     if command not in _REPORT_COMMANDS or os.environ.get("RANK", "0") != "0":
@@ -612,7 +615,7 @@ def entry(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("OSDN_DIAG_DEBUG") == "1"
     try:
-        return main(argv)
+        return main(argv, report_workers=True)
     except SystemExit as done:  # argparse: --help, or a usage error it has printed on one line
         if isinstance(done.code, int) or done.code is None:
             return done.code or 0

@@ -185,8 +185,8 @@ class Replayer:
         batch is solved at a time, so the earlier one is finished first. On the CPU it is solved here."""
         if not self._pending:
             return
+        self._finish_solving()  # first: its batch freed before this one is put together
         batch, self._pending = _Problems.cat(self._pending), []
-        self._finish_solving()
         if self.solve_beside:
             self._solving = _Solve(batch, self.box)
         else:

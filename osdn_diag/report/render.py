@@ -49,8 +49,8 @@ class Figure:
 
 def default_workers() -> int:
     """How many worker processes :func:`figure_workers` starts when not told: ``OSDN_DIAG_REPORT_WORKERS``
-    if set (0: none, the figures are drawn in the calling process), else the machine's CPUs less
-    two, at most 8 — none on a machine of 2 CPUs or fewer, where workers would compete with the run
+    if set (0: none, the figures are drawn in the calling process), else the CPUs this process may
+    run on less two, at most 8 — none with 2 CPUs or fewer, where workers would compete with the run
     itself for the cores."""
     raw = os.environ.get(WORKERS_ENV)
     if raw is not None:
@@ -62,17 +62,39 @@ def default_workers() -> int:
             raise ValueError(f"{WORKERS_ENV}={raw!r}: expected a whole number of processes, 0 or more "
                              "(0: the report's figures are drawn in the command's own process)")
         return n
-    return max(0, min(MAX_WORKERS, (os.cpu_count() or 1) - 2))
+    return max(0, min(MAX_WORKERS, _cpus() - 2))
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (a job's share of a node, under SLURM or a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 def _prepare() -> None:
     """A worker's start: import matplotlib and draw a small figure with text and mathtext to PNG and
     PDF in memory, so that fonts and the mathtext parser are loaded before the first real figure.
-    Ctrl-C is the parent's to handle (it stops the workers): a worker ignores it."""
+    Ctrl-C is the parent's to handle (it stops the workers): a worker ignores it. A worker whose
+    parent is gone — killed, say, so that it never stopped its workers — exits: waiting for work, it
+    would not notice (it holds its queue's other end itself)."""
     import io
+    import multiprocessing
     import signal
+    import threading
+
+    from .._bytecode import keep_bytecode
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_bytecode()  # as the command's own process does: matplotlib compiled once, not at every start
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        def orphaned() -> None:
+            parent.join()  # returns when the parent process has ended
+            os._exit(0)
+
+        threading.Thread(target=orphaned, name="parent-watch", daemon=True).start()
     fig = plots._figure((2, 1))
     ax = fig.subplots()
     ax.plot([0, 1], [0, 1], label="x")
@@ -111,10 +133,11 @@ def figure_workers(n: int | None = None):
     # CUDA context and running threads.
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_prepare)
     try:
-        for _ in range(n):  # the pool starts a process per task waiting for one: all n start now
-            pool.submit(_ready)
+        with _sigint_ignored():  # inherited: a Ctrl-C while a worker starts up is the parent's alone
+            for _ in range(n):  # the pool starts a process per task waiting for one: all n start now
+                pool.submit(_ready)
     except OSError:  # no process could be started (a sandbox, a limit on processes): draw here
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=True, cancel_futures=True)  # and stop those that did start
         yield
         return
     _workers = pool
@@ -125,6 +148,23 @@ def figure_workers(n: int | None = None):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored in this process while the block runs (on the main thread only, where Python
+    handles signals), so that processes started in it begin with SIGINT ignored."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def draw(figures: list[Figure]) -> None:
     """Write every figure's PNG and PDF (on the active :func:`figure_workers`, else here, in order).
     An error drawing one figure is raised as it would be here; if the worker processes themselves
@@ -132,6 +172,9 @@ def draw(figures: list[Figure]) -> None:
     if _workers is not None:
         from concurrent.futures.process import BrokenProcessPool
 
+        from concurrent.futures import wait
+
+        futures = []
         try:
             futures = [_workers.submit(_draw_file, f.plot, f.args, str(t)) for f in figures for t in f.targets()]
             for future in futures:
@@ -139,6 +182,12 @@ def draw(figures: list[Figure]) -> None:
             return
         except BrokenProcessPool:
             pass  # every file is written again below, through its own temporary file
+        except BaseException:
+            # A figure failed (or Ctrl-C): nothing is written after this returns, as when drawn here.
+            for future in futures:
+                future.cancel()
+            wait(futures)
+            raise
     for f in figures:
         for target in f.targets():
             _draw_file(f.plot, f.args, str(target))

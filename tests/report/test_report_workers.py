@@ -5,6 +5,7 @@ worker count from OSDN_DIAG_REPORT_WORKERS, refused in one line when it is not a
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
 
 import pytest
@@ -80,7 +81,7 @@ def test_nested_blocks_start_no_second_pool():
 @pytest.mark.parametrize("cpus, expected", [(1, 0), (2, 0), (3, 1), (6, 4), (16, 8), (128, 8)])
 def test_default_worker_count(monkeypatch, cpus, expected):
     monkeypatch.delenv(render.WORKERS_ENV, raising=False)
-    monkeypatch.setattr(render.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(render.os, "sched_getaffinity", lambda pid: set(range(cpus)))
     assert default_workers() == expected
 
 
@@ -145,3 +146,112 @@ def test_workers_that_cannot_start_leave_the_figures_to_this_process(run_dir, tm
         assert render._workers is None
         write_report([run_dir], tmp_path / "r")
     assert _files(tmp_path / "r") == _files_of_fresh_report(run_dir, tmp_path / "ref")
+
+
+def test_workers_count_the_cpus_this_process_may_use(monkeypatch):
+    """A job given 4 cores of a 64-core node (SLURM, a container's cpuset) starts 2 workers, not 8."""
+    monkeypatch.delenv(render.WORKERS_ENV, raising=False)
+    monkeypatch.setattr(render.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(render.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert default_workers() == 2
+
+
+def test_a_pool_that_starts_in_part_is_stopped_in_full(run_dir, tmp_path, monkeypatch):
+    """The first worker starts, the second cannot: the first is stopped again and the report is drawn
+    here; no process and no thread is left (a live non-daemon thread would keep the console script
+    from its fast exit)."""
+    import concurrent.futures.process as cfp
+    import threading
+
+    real, started = cfp.ProcessPoolExecutor._spawn_process, []
+
+    def second_fails(self):
+        started.append(1)
+        if len(started) == 2:
+            raise OSError("no second process")
+        return real(self)
+
+    monkeypatch.setattr(cfp.ProcessPoolExecutor, "_spawn_process", second_fails)
+    with figure_workers(2):
+        assert render._workers is None
+        # Stopped already, not on their way out.
+        assert not multiprocessing.active_children()
+        assert [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()] == []
+        write_report([run_dir], tmp_path / "r")
+    assert len(started) == 2
+    assert _files(tmp_path / "r") == _files_of_fresh_report(run_dir, tmp_path / "ref")
+
+
+def test_a_failed_draw_returns_after_every_file_in_flight(tmp_path):
+    """A figure that fails on one worker while another draws: draw() raises only once nothing more
+    will be written, as when the figures are drawn here."""
+    import time
+
+    runs = [(f"run {i}", {"q_geo": 0.5, "q_arith": 0.6}) for i in range(300)]  # a figure that takes a while
+    slow = Figure("plot_q_bars", (runs,), tmp_path / "slow.png")
+    with figure_workers(3):
+        time.sleep(4.0)  # every worker started: the failing files and the slow PNG are drawn at once
+        with pytest.raises(AttributeError):
+            draw([Figure("no_such_plot", (), tmp_path / "bad.png"), slow])
+        after_raise = sorted(p.name for p in tmp_path.iterdir())
+        time.sleep(1.0)
+        assert sorted(p.name for p in tmp_path.iterdir()) == after_raise
+
+
+def test_main_from_python_starts_no_worker(run_dir, tmp_path, monkeypatch):
+    """`osdn_diag.cli.main` called from a script starts no process (a spawned process re-imports the
+    script's main module); the console script does (`entry`)."""
+    started = []
+    real = render.figure_workers
+    monkeypatch.setattr(render, "figure_workers", lambda n=None: started.append(n) or real(0))
+    monkeypatch.setenv(render.WORKERS_ENV, "2")
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    assert main(["report", str(copy)]) == 0
+    assert started == []
+    assert entry(["report", str(copy)]) == 0
+    assert started == [None]
+
+
+_ORPHAN = """
+import os, sys, time
+from osdn_diag.report.render import figure_workers
+import multiprocessing
+import os
+with figure_workers(2):
+    time.sleep(3.0)  # the workers are up
+    print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+    time.sleep(60)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_workers_of_a_killed_command_exit(tmp_path):
+    """A command killed outright (SIGKILL, the OOM killer) never stops its workers: they notice that
+    their parent is gone and exit."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from ._cpus import usable_cpus
+
 __all__ = ["ENV", "compile_configs_in_parallel", "workers"]
 
 ENV = "OSDN_DIAG_PARALLEL_COMPILE"
@@ -38,11 +40,7 @@ def workers() -> int:
 
 
 def _default_workers() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return min(cores, _MAX_WORKERS)
+    return min(usable_cpus(), _MAX_WORKERS)
 
 
 def _compile_one(autotuner, args: tuple, meta: dict, config) -> None:

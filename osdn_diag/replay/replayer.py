@@ -348,18 +348,19 @@ class _Solve:
 
     def __init__(self, batch: _Problems, box: tuple[float, float]):
         device = batch.k.device
-        on_gpu = device.type == "cuda"
-        stream = torch.cuda.Stream(device) if on_gpu else None
-        produced = torch.cuda.current_stream(device).record_event() if on_gpu else None
-        for t in (batch.k, batch.beta, batch.d, batch.q, batch.valid, batch.gated):
-            if on_gpu and t is not None:  # the caller's stream may reuse their memory only after the solve's use
-                t.record_stream(stream)
+        stream = produced = None
+        if device.type == "cuda":
+            stream = torch.cuda.Stream(device)
+            produced = torch.cuda.current_stream(device).record_event()
+            for t in (batch.k, batch.beta, batch.d, batch.q, batch.valid, batch.gated):
+                if t is not None:  # the caller's stream may reuse their memory only after the solve's use
+                    t.record_stream(stream)
         self.table: pa.Table | None = None
         self.error: BaseException | None = None
 
         def solve():
             try:
-                if not on_gpu:
+                if stream is None:
                     self.table = batch.solve(box)
                     return
                 with torch.cuda.device(device), torch.cuda.stream(stream):

@@ -467,8 +467,6 @@ def eps_q_series(paths, names) -> list[tuple[str, list[float], list[float]]]:
     return series
 
 
-
-
 def _retained_table(retained) -> str:
     header = ["model", "task", "at last token", "first copy, at last token", "by distance t − j"]
     rows = []
@@ -594,11 +592,12 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
     comparators, not_applicable = _comparator_runs(runs)
     shown = {n for n, _ in comparators}
     series = eps_q_series([p for p, n in zip(paths, names) if n in shown], [n for n in names if n in shown])
-    eps_plot = plots / "eps_vs_q.png" if series else None
+    eps_plot = d_plot = None
     if series:
+        eps_plot = plots / "eps_vs_q.png"
         figures.append(Figure("plot_eps_vs_q", (series,), eps_plot))
-    d_plot = None if d_trajectory is None else plots / "d_trajectory.png"
     if d_trajectory is not None:
+        d_plot = plots / "d_trajectory.png"
         figures.append(Figure("plot_d_trajectory", tuple(d_trajectory), d_plot))
     draw(figures)  # every figure at once on the command's worker processes, if it started them
 

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._cpus import usable_cpus
 from . import plots
 
 __all__ = ["Figure", "default_workers", "draw", "figure_workers", "WORKERS_ENV"]
@@ -62,15 +63,7 @@ def default_workers() -> int:
             raise ValueError(f"{WORKERS_ENV}={raw!r}: expected a whole number of processes, 0 or more "
                              "(0: the report's figures are drawn in the command's own process)")
         return n
-    return max(0, min(MAX_WORKERS, _cpus() - 2))
-
-
-def _cpus() -> int:
-    """The CPUs this process may run on (a job's share of a node, under SLURM or a container's cpuset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    return max(0, min(MAX_WORKERS, usable_cpus() - 2))
 
 
 def _prepare() -> None:
@@ -123,9 +116,20 @@ def figure_workers(n: int | None = None):
     without it."""
     global _workers
     n = default_workers() if n is None else n
-    if n < 1 or _workers is not None:
+    pool = _start(n) if n >= 1 and _workers is None else None
+    if pool is None:
         yield
         return
+    _workers = pool
+    try:
+        yield
+    finally:
+        _workers = None
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _start(n: int):
+    """``n`` worker processes, all started now; ``None`` if they cannot be started."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -138,14 +142,8 @@ def figure_workers(n: int | None = None):
                 pool.submit(_ready)
     except OSError:  # no process could be started (a sandbox, a limit on processes): draw here
         pool.shutdown(wait=True, cancel_futures=True)  # and stop those that did start
-        yield
-        return
-    _workers = pool
-    try:
-        yield
-    finally:
-        _workers = None
-        pool.shutdown(wait=True, cancel_futures=True)
+        return None
+    return pool
 
 
 @contextlib.contextmanager
@@ -170,9 +168,8 @@ def draw(figures: list[Figure]) -> None:
     An error drawing one figure is raised as it would be here; if the worker processes themselves
     fail (killed, say), the figures are drawn here instead."""
     if _workers is not None:
-        from concurrent.futures.process import BrokenProcessPool
-
         from concurrent.futures import wait
+        from concurrent.futures.process import BrokenProcessPool
 
         futures = []
         try:

@@ -42,7 +42,7 @@ STATE_ENTRIES = 4096
 @triton.jit
 def _load_token(q, k, v, beta, alpha, wk, tok, o_k, o_v, m_k, m_v, scale,
                 K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr, HAS_WK: tl.constexpr):
-    """Token ``tok``'s inputs: k, scaled q and write key as ``[KO, KL]`` key tiles, v, β, and the
+    """Token ``tok``'s inputs: k, scaled q and write key as ``[P, A, KL]`` key tiles, v, β, and the
     decay (a scalar for the head gate, a key tile for the channel gate, 1 without a gate)."""
     b_k = tl.load(k + tok * K + o_k, mask=m_k, other=0.0)
     b_q = tl.load(q + tok * K + o_k, mask=m_k, other=0.0) * scale
@@ -63,9 +63,9 @@ def _load_token(q, k, v, beta, alpha, wk, tok, o_k, o_v, m_k, m_v, scale,
 
 @triton.jit
 def _matvec(S, x):
-    """``S x`` for a state tile ``[KO, BV, KL]`` and a key tile ``x`` ``[KO, KL]``: ``[BV]``. The sum
-    over ``KO`` (one thread's registers) comes first, then the one over ``KL`` (across lanes)."""
-    return tl.sum(tl.sum(S * x[:, None, :], axis=0), axis=1)
+    """``S x`` for a state tile ``[P, A, BV, KL]`` and a key tile ``x`` ``[P, A, KL]``: ``[BV]``. The
+    sums over ``A`` come first (``P`` independent partial sums), then over ``P``, then over ``KL``."""
+    return tl.sum(tl.sum(tl.sum(S * x[:, :, None, :], axis=1), axis=0), axis=1)
 
 
 @triton.jit
@@ -74,7 +74,8 @@ def _replay_kernel(
     o, lb, lbd, la, gain, ht,
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    KL: tl.constexpr,            # key lanes: the state tile is [BK // KL, BV, KL]
+    KL: tl.constexpr,            # key lanes: the state tile is [P, BK // (KL·P), BV, KL]
+    P: tl.constexpr,             # key groups: each product is P partial sums, added last
     GATE: tl.constexpr,          # 0: none, 1: head scalar [B, T, H], 2: key channel [B, T, H, K]
     # (``alpha`` is the decay exp(g), exponentiated by torch in the replay dtype: Triton's fp64 exp
     # lost precision on the H200, failing the fp64 comparison)
@@ -84,19 +85,21 @@ def _replay_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
-    KO: tl.constexpr = BK // KL
-    # Key index a·KL + b sits at [a, b] of a key tile and at [a, :, b] of the state tile, whose
-    # default layout puts its last axis on the warp's lanes: each thread holds KO keys of BV·KL/32
-    # state rows. KL sets the trade between lanes and registers: a key vector costs KO registers
-    # per thread and each product S·x ends in log2(KL) rounds of shuffles.
-    o_k = tl.arange(0, KO)[:, None] * KL + tl.arange(0, KL)[None, :]
+    A: tl.constexpr = BK // KL // P
+    # Key index (p·A + a)·KL + b sits at [p, a, b] of a key tile and at [p, a, :, b] of the state
+    # tile, whose last axis is spread over the warp's lanes. KL sets the trade between lanes and
+    # registers: a key vector costs BK/KL registers per thread and each product S·x ends in
+    # log2(KL) rounds of shuffles. P splits each product's sum over a thread's keys into P
+    # independent partial sums: the sum is a chain of dependent adds, and P chains of A/P run side
+    # by side.
+    o_k = (tl.arange(0, P)[:, None, None] * A + tl.arange(0, A)[None, :, None]) * KL + tl.arange(0, KL)[None, None, :]
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    o_s = o_v[None, :, None] * K + o_k[:, None, :]  # S[v, key], V×K row-major
-    m_s = m_v[None, :, None] & m_k[:, None, :]
+    o_s = o_v[None, None, :, None] * K + o_k[:, :, None, :]  # S[v, key], V×K row-major
+    m_s = m_v[None, None, :, None] & m_k[:, :, None, :]
 
-    S = tl.zeros([KO, BV, KL], dtype=tl.float32).to(q.dtype.element_ty)
+    S = tl.zeros([P, A, BV, KL], dtype=tl.float32).to(q.dtype.element_ty)
     if HAS_H0:
         S += tl.load(h0 + i_nh.to(tl.int64) * V * K + o_s, mask=m_s, other=0.0)
 
@@ -127,7 +130,7 @@ def _replay_kernel(
             # The write gain β⟨k̃, k⟩ does not depend on the state: one V-block reports it, off the
             # chain of dependent reductions (in torch it cost more than the reduction: a K-wide
             # temporary per token).
-            tl.store(gain + tok, b_beta * tl.sum(tl.sum(b_w * b_k, axis=1), axis=0))
+            tl.store(gain + tok, b_beta * tl.sum(tl.sum(tl.sum(b_w * b_k, axis=2), axis=1), axis=0))
         # The decayed state S̄ = α S (head gate) applied to k as α (S k), by linearity, from the
         # product above; the key-channel gate's S̄ = S Diag(α) is formed first (a second product
         # S (α ⊙ k) of the undecayed state instead took 4.84 ms against 4.26 ms on the H200 at
@@ -136,13 +139,13 @@ def _replay_kernel(
             u = b_v - b_a * s_k
             S = S * b_a
         elif GATE == 2:
-            S = S * b_a[:, None, :]
+            S = S * b_a[:, :, None, :]
             u = b_v - _matvec(S, b_k)
         else:
             u = -e
         if GATE != 0:
             tl.store(lbd + tok * NV + i_v, 0.5 * tl.sum(u * u, axis=0))
-        S += b_w[:, None, :] * (b_beta * u)[None, :, None]
+        S += b_w[:, :, None, :] * (b_beta * u)[None, None, :, None]
         e = _matvec(S, b_k) - b_v              # S_t k − v, from the updated state itself
         tl.store(la + tok * NV + i_v, 0.5 * tl.sum(e * e, axis=0))
         tl.store(o + tok * V + o_v, _matvec(S, b_q), mask=m_v)
@@ -165,6 +168,7 @@ def fused_replay(
     num_warps: int | None = None,
     prefetch: bool | None = None,
     key_lanes: int | None = None,
+    key_groups: int | None = None,
 ) -> RecurrenceResult:
     """The delta-rule recurrence with both residual norms of every write, fused: the contract of
     :func:`osdn_diag.math.recurrence.delta_rule_recurrence`, computed by one Triton kernel in
@@ -182,7 +186,8 @@ def fused_replay(
     losses before and after each write ``[B, T, H]``, the final state ``[N, H, V, K]``.
 
     ``block_v`` (rows of the state per program), ``key_lanes`` (the lanes of a warp a key is spread
-    over: a power of two), ``num_warps`` and ``prefetch`` override the launch configuration
+    over: a power of two), ``key_groups`` (the partial sums each product's in-thread sum is split
+    into: a power of two), ``num_warps`` and ``prefetch`` override the launch configuration
     (``benchmarks/bench_replay.py --sweep`` measures the choices). ``cu_seqlens`` is checked in
     full (int32/int64 on ``q``'s device, 0 to T without decreasing) before the launch; CPU tensors
     need the kernel built for Triton's interpreter (``RuntimeError`` otherwise)."""
@@ -207,13 +212,16 @@ def fused_replay(
         block_v = min(triton.next_power_of_2(V), rows)
     if key_lanes is None:
         key_lanes = 2 if BK <= 128 else (8 if gate == 2 else 4)
-    for name, value in (("block_v", block_v), ("key_lanes", key_lanes)):
+    if key_groups is None:
+        key_groups = 1
+    for name, value in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"fused_replay: {name} must be a power of two, got {value}")
     BV = block_v
     num_warps = num_warps or 1
     prefetch = True if prefetch is None else prefetch
     KL = min(key_lanes, BK)
+    P = min(key_groups, BK // KL)
     NV = triton.cdiv(V, BV)
     if B * T == 0:  # no token: nothing to launch (the kernel loads its first token unconditionally)
         zeros = q.new_zeros(B, T, H)
@@ -237,7 +245,7 @@ def fused_replay(
         cu_seqlens if cu_seqlens is not None else dummy,
         scale_t,
         o, parts[0], parts[1], parts[2], gain, ht,
-        T, H=H, K=K, V=V, BK=BK, BV=BV, KL=KL,
+        T, H=H, K=K, V=V, BK=BK, BV=BV, KL=KL, P=P,
         GATE=gate, HAS_WK=wk is not None, HAS_H0=h0 is not None, VARLEN=cu_seqlens is not None,
         PREFETCH=prefetch, num_warps=num_warps,
     )

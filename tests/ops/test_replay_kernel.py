@@ -69,6 +69,30 @@ def test_fused_replay_matches_reference(B, T, H, K, V, gate, asym, h0, dtype, to
             _assert_close(getattr(got, name), r, name, tol)
 
 
+@pytest.mark.parametrize(
+    "B,T,H,K,V,gate,asym,h0",
+    [(2, 19, 2, 8, 12, None, True, True), (1, 23, 2, 12, 16, "head", True, False), (2, 17, 1, 16, 8, "channel", True, True)],
+)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+# (2, 4): four partial sums of a thread's keys; (1, 8): one key lane, every key in one thread; (4, 16):
+# more groups than a thread has keys (clamped to one key per group).
+@pytest.mark.parametrize("key_lanes,key_groups", [(2, 4), (1, 8), (4, 16)], ids=["kl2-kg4", "kl1-kg8", "kl4-kg16"])
+def test_fused_replay_key_groups_match_reference(B, T, H, K, V, gate, asym, h0, dtype, tol, key_lanes, key_groups):
+    """Each product split into key groups (partial sums added last) against the fp64 reference."""
+    q, k, v, beta, kw = _inputs(B * 1000 + T + 1, B, T, H, K, V, gate=gate, asym=asym, h0=h0)
+    ref = delta_rule_recurrence(q, k, v, beta, **kw)
+    got = ops_replay.fused_replay(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), beta.to(DEVICE), dtype=dtype, block_v=16,
+        key_lanes=key_lanes, key_groups=key_groups, **{n: x.to(DEVICE) for n, x in kw.items()}
+    )
+    for name in FIELDS:
+        r = getattr(ref, name)
+        if r is None:
+            assert getattr(got, name) is None, name
+        else:
+            _assert_close(getattr(got, name), r, name, tol)
+
+
 def test_fused_replay_packed_sequences_restart():
     q, k, v, beta, kw = _inputs(7, 1, 30, 2, 8, 8, gate="head", asym=True, h0=False)
     cu = torch.tensor([0, 11, 11, 30])  # includes an empty segment
@@ -126,7 +150,7 @@ def test_fused_replay_of_no_token(gate, h0):
                 _assert_close(x, r, name, 1e-7)
 
 
-@pytest.mark.parametrize("option", ["block_v", "key_lanes"])
+@pytest.mark.parametrize("option", ["block_v", "key_lanes", "key_groups"])
 def test_fused_replay_refuses_a_launch_option_that_is_not_a_power_of_two(option):
     q, k, v, beta, _ = _inputs(1, 1, 3, 1, 8, 8, gate=None, asym=False, h0=False)
     with pytest.raises(ValueError, match=f"{option} must be a power of two, got 3"):

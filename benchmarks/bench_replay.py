@@ -35,15 +35,17 @@ def main(argv=None) -> dict:
                    help="a decay gate (log decay in [-0.1, 0)): per head, against fla's "
                         "fused_recurrent_gated_delta_rule(g=...), or per key channel (gk=...)")
     p.add_argument("--sweep", action="store_true",
-                   help="also time launch configurations (block_v x key_lanes x key_groups, then num_warps and "
-                        "prefetch) of the fused replay")
+                   help="also time launch configurations (block_v x key_lanes x key_groups x stages, contiguous "
+                        "keys or not; then num_warps and prefetch) of the fused replay")
     ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
-    p.add_argument("--sweep-rows", type=ints, default=(4, 8, 16, 32), metavar="N,N,...",
-                   help="--sweep's state rows per program (4,8,16,32)")
-    p.add_argument("--sweep-lanes", type=ints, default=(2, 4, 8, 16), metavar="N,N,...",
-                   help="--sweep's key lanes (2,4,8,16)")
+    p.add_argument("--sweep-rows", type=ints, default=(8, 16), metavar="N,N,...",
+                   help="--sweep's state rows per program (8,16)")
+    p.add_argument("--sweep-lanes", type=ints, default=(2, 4, 8), metavar="N,N,...",
+                   help="--sweep's key lanes (2,4,8)")
     p.add_argument("--sweep-groups", type=ints, default=(1, 4), metavar="N,N,...",
                    help="--sweep's key groups, the partial sums of each product (1,4)")
+    p.add_argument("--sweep-stages", type=ints, default=(0, 3), metavar="N,N,...",
+                   help="--sweep's pipeline stages of the loads (0: the register prefetch) (0,3)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_replay needs a CUDA GPU")
@@ -103,25 +105,33 @@ def main(argv=None) -> dict:
             print("sweep " + " ".join(f"{n}={x!s:5}" for n, x in launch.items()) + f": {ms:8.3f} ms"
                   + (f"  ({t_fla / ms:.2f}x fla)" if t_fla else ""), flush=True)
 
-        # State rows per program x key lanes x key groups (the state tile's layout), one warp, with
-        # prefetch (two warps and no prefetch never won: benchmarks/RESULTS.md); then the best of
-        # those with two warps and without prefetch. A program holds at most STATE_ENTRIES state
+        # State rows per program x key lanes x key groups (the state tile's layout) x pipeline
+        # stages (0: the register prefetch), with keys interleaved over the lanes or contiguous per
+        # lane, one warp (two warps and no prefetch never won: benchmarks/RESULTS.md); then the best
+        # of those with two warps and without prefetch. A program holds at most STATE_ENTRIES state
         # entries; key groups beyond a thread's keys (K / key lanes) would repeat a point.
         for bv in a.sweep_rows:
             for kl in a.sweep_lanes:
                 for kg in a.sweep_groups:
-                    if bv <= max(V, 4) and kl <= K and bv * K <= STATE_ENTRIES and kg <= max(K // kl, 1):
-                        timed(block_v=bv, num_warps=1, key_lanes=kl, key_groups=kg, prefetch=True)
+                    if not (bv <= max(V, 4) and kl <= K and bv * K <= STATE_ENTRIES and kg <= max(K // kl, 1)):
+                        continue
+                    for st in a.sweep_stages:
+                        for contiguous in (False, True):
+                            timed(block_v=bv, num_warps=1, key_lanes=kl, key_groups=kg, stages=st,
+                                  contiguous_keys=contiguous)
         if not sweep:
             raise SystemExit(f"--sweep: no launch configuration fits (rows x K <= {STATE_ENTRIES}, key lanes <= K); "
                              "give other --sweep-rows / --sweep-lanes")
         best = min(sweep, key=lambda r: r["ms"])
-        best_launch = {n: best[n] for n in ("block_v", "key_lanes", "key_groups")}
-        timed(**best_launch, num_warps=2, prefetch=True)
-        timed(**best_launch, num_warps=1, prefetch=False)
+        best_launch = {n: best[n] for n in ("block_v", "key_lanes", "key_groups", "stages", "contiguous_keys")}
+        timed(**best_launch, num_warps=2)
+        if best_launch["stages"] == 0:
+            timed(**best_launch, num_warps=1, prefetch=False)
         best = min(sweep, key=lambda r: r["ms"])
         rows.append((f"fused replay, best (BV={best['block_v']}, warps={best['num_warps']}, "
-                     f"key lanes={best['key_lanes']}, key groups={best['key_groups']}, prefetch={best['prefetch']})",
+                     f"key lanes={best['key_lanes']}, key groups={best['key_groups']}, stages={best['stages']}, "
+                     f"contiguous keys={best['contiguous_keys']}"
+                     + (f", prefetch={best['prefetch']})" if "prefetch" in best else ")"),
                      best["ms"]))
 
     print(f"\nreplay, B={B} T={T} H={H} K={K} V={V} ({n_meas / 1e6:.3f} M token-head measurements), "

@@ -72,7 +72,7 @@ for step in "${steps[@]}"; do
                         set -e; "$0" benchmarks/bench_replay.py --sweep --json "$1/replay.json"
                         for kv in 64 256; do
                             "$0" benchmarks/bench_replay.py --K $kv --V $kv --skip-torch --json "$1/replay_k$kv.json"; done
-                        for gate in head channel; do for kv in 128 256; do
+                        for gate in head channel; do for kv in 64 128 256; do
                             "$0" benchmarks/bench_replay.py --K $kv --V $kv --gate $gate --skip-torch \
                                 --json "$1/replay_${gate}_k$kv.json"; done; done' "$PY" "$OUT" ;;
         comparator) run_step comparator 120 "$PY" benchmarks/bench_comparator.py --json "$OUT/comparator.json" ;;

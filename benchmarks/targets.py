@@ -4,7 +4,7 @@
 
 ``DIR`` holds what ``gpu_suite.sh`` writes (``OUT=DIR bash benchmarks/gpu_suite.sh`` ends by calling
 this script): ``replay.json`` (K = V = 128), ``replay_k64.json``, ``replay_k256.json``,
-``replay_{head,channel}_k{128,256}.json`` (gated, against fla's gated fused recurrent kernel), ``e2e.json``
+``replay_{head,channel}_k{64,128,256}.json`` (gated, against fla's gated fused recurrent kernel), ``e2e.json``
 (340M shape, 48 × 2,048 tokens), ``e2e_1b.json`` (1.3B shape), ``phase1.json``, ``comparator.json``,
 ``memory.json`` (one 20,000-token prompt) and ``wall.json`` (the paper-scale command as typed, timed
 from the shell: ``bench_e2e.py --wall``, first run and warm). The ``e2e`` rows time the pipeline
@@ -28,7 +28,7 @@ FILES = {
     "replay_k64": ("replay_k64.json", "bench_replay.py --K 64 --V 64"),
     "replay_k256": ("replay_k256.json", "bench_replay.py --K 256 --V 256"),
     **{f"replay_{gate}_k{kv}": (f"replay_{gate}_k{kv}.json", f"bench_replay.py --K {kv} --V {kv} --gate {gate}")
-       for gate in ("head", "channel") for kv in (128, 256)},
+       for gate in ("head", "channel") for kv in (64, 128, 256)},
     "e2e": ("e2e.json", "bench_e2e.py --mode stream"),
     "e2e_1b": ("e2e_1b.json", "bench_e2e.py --model random:deltanet-1.3b --mode stream"),
     "phase1": ("phase1.json", "bench_phase1.py"),
@@ -162,6 +162,8 @@ TARGETS = (
     ("replay_head_k256", "the same, head gate, K = V = 256", _replay(1.0, 256, "head")),
     ("replay_channel_k128", "the same, key-channel gate, K = V = 128", _replay(1.0, 128, "channel")),
     ("replay_channel_k256", "the same, key-channel gate, K = V = 256", _replay(1.0, 256, "channel")),
+    ("replay_head_k64", "the same, head gate, K = V = 64", _replay(1.0, 64, "head")),
+    ("replay_channel_k64", "the same, key-channel gate, K = V = 64", _replay(1.0, 64, "channel")),
     ("e2e", "paper-scale diagnostic (340M, 48 x 2,048) <= 10 s", _e2e(10.0)),
     ("e2e_1b", "the same at the 1.3B shape, reported", _e2e(None)),
     ("phase1", "phase 1 <= 25 % of phase 2 (B=8, T=4096, H=8, K=128), by GPU work", _phase1),

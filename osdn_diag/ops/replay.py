@@ -1,14 +1,20 @@
 """Fused replay kernel: the delta-rule recurrence with its per-token residual norms, in one pass.
 
 One program owns one (sequence, head, V-block): the state's ``BV`` rows (``S`` is ``V×K``) live in
-registers for the whole sequence, held key-major as a ``[BK/KL, BV, KL]`` tile whose last axis,
-``KL`` "key lanes", is spread over the warp's lanes. The layout is most of the kernel's speed: each
-product ``S x`` is a sum in each thread's registers followed by log2(KL) rounds of shuffles, and a
-key vector costs ``BK/KL`` registers per thread. Holding keys across all 32 lanes ([BV, K], as fla's
-fused recurrent kernel does) costs 126 shuffles in the kernel against 17 (H200, K = V = 128: 4.72
-ms against 3.04 ms); at K = 256, 16 rows per program with 4 key lanes ran 1.29× fla's kernel where
-8 rows ran 0.81× (``benchmarks/RESULTS.md``). Per token it computes, explicitly from the
-state (never from Lemma 4.1's identity, which replay exists to check)::
+registers for the whole sequence, held key-major as a ``[P, BK/(KL·P), BV, KL]`` tile whose last
+axis, ``KL`` "key lanes", is spread over the warp's lanes. The layout is most of the kernel's speed:
+each product ``S x`` is a sum in each thread's registers, split into ``P`` "key groups" of
+independent partial sums, followed by log2(KL) rounds of shuffles, and a key vector costs ``BK/KL``
+registers per thread. Holding keys across all 32 lanes ([BV, K], as fla's fused recurrent kernel
+does) costs 126 shuffles in the kernel against 17 (H200, K = V = 128: 4.72 ms against 3.04 ms). The
+token loop's loads are either pipelined by Triton through shared memory (up to K = 128: with 16 rows,
+4 key groups and contiguous keys per lane, 2.55 ms at K = V = 128 against 3.11 ms with the
+register prefetch of 8 rows, and 1.12× fla's gated kernel with a head gate where that layout ran
+0.93×) or prefetched into registers a token ahead (K = 256, where 16 rows per program with 4 key
+lanes ran 1.29× fla's kernel and 8 rows 0.81×); ``benchmarks/RESULTS.md`` has the sweeps.
+
+Per token it computes, explicitly from the state (never from Lemma 4.1's identity, which replay
+exists to check)::
 
     e_before = S_{t−1} k_t − v_t                 → ½‖e_before‖²   (loss_before, this V-block's part)
     S̄        = decay(S_{t−1})                     (scalar or key-channel gate, if any)
@@ -80,19 +86,25 @@ def _replay_kernel(
     # (``alpha`` is the decay exp(g), exponentiated by torch in the replay dtype: Triton's fp64 exp
     # lost precision on the H200, failing the fp64 comparison)
     HAS_WK: tl.constexpr, HAS_H0: tl.constexpr, VARLEN: tl.constexpr,
-    PREFETCH: tl.constexpr,      # load token t+1's inputs while token t is computed
+    PREFETCH: tl.constexpr,      # load token t+1's inputs into registers while token t is computed
+    STAGES: tl.constexpr,        # > 0: Triton pipelines the loop's loads, STAGES deep (not with PREFETCH)
+    CONTIGUOUS: tl.constexpr,    # key lane b holds keys [b·BK/KL, (b+1)·BK/KL), not every KL-th key
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = sequence_bounds(cu_seqlens, i_n, T, VARLEN)
     A: tl.constexpr = BK // KL // P
-    # Key index (p·A + a)·KL + b sits at [p, a, b] of a key tile and at [p, a, :, b] of the state
-    # tile, whose last axis is spread over the warp's lanes. KL sets the trade between lanes and
-    # registers: a key vector costs BK/KL registers per thread and each product S·x ends in
-    # log2(KL) rounds of shuffles. P splits each product's sum over a thread's keys into P
-    # independent partial sums: the sum is a chain of dependent adds, and P chains of A/P run side
-    # by side.
-    o_k = (tl.arange(0, P)[:, None, None] * A + tl.arange(0, A)[None, :, None]) * KL + tl.arange(0, KL)[None, None, :]
+    # Key index (p·A + a)·KL + b (or, CONTIGUOUS, b·BK/KL + p·A + a) sits at [p, a, b] of a key
+    # tile and at [p, a, :, b] of the state tile, whose last axis is spread over the warp's lanes.
+    # KL sets the trade between lanes and registers: a key vector costs BK/KL registers per thread
+    # and each product S·x ends in log2(KL) rounds of shuffles. P splits each product's sum over a
+    # thread's keys into P independent partial sums: the sum is a chain of dependent adds, and P
+    # chains of A/P run side by side. Contiguous keys let a lane read its keys of a pipelined load
+    # from shared memory as 128-bit vectors.
+    if CONTIGUOUS:
+        o_k = tl.arange(0, P)[:, None, None] * A + tl.arange(0, A)[None, :, None] + tl.arange(0, KL)[None, None, :] * (P * A)
+    else:
+        o_k = (tl.arange(0, P)[:, None, None] * A + tl.arange(0, A)[None, :, None]) * KL + tl.arange(0, KL)[None, None, :]
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
@@ -107,14 +119,16 @@ def _replay_kernel(
     # The read-out scale comes as a one-element tensor in the replay dtype: a Python float would
     # reach Triton as fp32, too coarse for the fp64 replay.
     b_scale = tl.load(scale)
-    # Token t+1's inputs are loaded while token t is computed: the loop is a chain of dependent
-    # reductions, and the loads would otherwise sit on it.
+    # The loop is a chain of dependent reductions, and loads would otherwise sit on it: either
+    # token t+1's inputs are loaded into registers while token t is computed (PREFETCH), or Triton
+    # pipelines the loads through shared memory, STAGES - 1 tokens ahead.
     # (Indices are clamped to the sequence's last token instead of masked: the prefetch past the
     # end reads that token again and is never used.)
-    last = tl.maximum(eos - 1, 0) * H + i_h
-    n_k, n_q, n_v, n_beta, n_w, n_a = _load_token(q, k, v, beta, alpha, wk, tl.minimum(bos * H + i_h, last),
-                                                  o_k, o_v, m_k, m_v, b_scale, K, V, GATE, HAS_WK)
-    for t in range(bos, eos):
+    if PREFETCH:
+        last = tl.maximum(eos - 1, 0) * H + i_h
+        n_k, n_q, n_v, n_beta, n_w, n_a = _load_token(q, k, v, beta, alpha, wk, tl.minimum(bos * H + i_h, last),
+                                                      o_k, o_v, m_k, m_v, b_scale, K, V, GATE, HAS_WK)
+    for t in tl.range(bos, eos, num_stages=STAGES if STAGES > 0 else None):
         tok = t * H + i_h                      # index into [B*T, H]
         if PREFETCH:
             b_k, b_q, b_v, b_beta, b_w, b_a = n_k, n_q, n_v, n_beta, n_w, n_a
@@ -152,6 +166,25 @@ def _replay_kernel(
     tl.store(ht + i_nh.to(tl.int64) * V * K + o_s, S, mask=m_s)
 
 
+def _default_launch(BK: int, V: int, gate: int, dtype: torch.dtype) -> dict:
+    """The launch configuration by padded key width, from ``benchmarks/bench_replay.py --sweep``
+    (H200, B = 8, T = 4,096, H = 8; fp32; ``benchmarks/RESULTS.md``). Up to K = 128 Triton pipelines
+    the loads (3 stages): one-warp programs of 8 state rows and 2 key lanes at K ≤ 64; at K = 128,
+    16 rows (half the programs, one row per lane) with 4 key groups and contiguous keys. At K = 256,
+    16 rows, 4 key lanes (8 with the key-channel gate) and the register prefetch: the pipelined
+    loads were no faster there. Wider keys keep a program's state at 4,096 entries (2,048 in fp64)
+    so that it stays in registers."""
+    entries = STATE_ENTRIES if dtype != torch.float64 else STATE_ENTRIES // 2
+    if BK <= 64:
+        rows, lanes, groups, stages, contiguous = 8, 2, 1, 3, False
+    elif BK <= 128:
+        rows, lanes, groups, stages, contiguous = 16, 2, 4, 3, True
+    else:
+        rows, lanes, groups, stages, contiguous = max(entries // BK, 1), 8 if gate == 2 else 4, 1, 0, False
+    return dict(block_v=min(triton.next_power_of_2(V), rows), key_lanes=lanes, key_groups=groups, stages=stages,
+                contiguous_keys=contiguous)
+
+
 def fused_replay(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -169,6 +202,8 @@ def fused_replay(
     prefetch: bool | None = None,
     key_lanes: int | None = None,
     key_groups: int | None = None,
+    stages: int | None = None,
+    contiguous_keys: bool | None = None,
 ) -> RecurrenceResult:
     """The delta-rule recurrence with both residual norms of every write, fused: the contract of
     :func:`osdn_diag.math.recurrence.delta_rule_recurrence`, computed by one Triton kernel in
@@ -187,8 +222,11 @@ def fused_replay(
 
     ``block_v`` (rows of the state per program), ``key_lanes`` (the lanes of a warp a key is spread
     over: a power of two), ``key_groups`` (the partial sums each product's in-thread sum is split
-    into: a power of two), ``num_warps`` and ``prefetch`` override the launch configuration
-    (``benchmarks/bench_replay.py --sweep`` measures the choices). ``cu_seqlens`` is checked in
+    into: a power of two), ``contiguous_keys`` (each key lane holds a contiguous run of keys, not
+    every ``key_lanes``-th), ``stages`` (Triton pipelines the token loop's loads that many stages
+    deep; 0: the kernel's own register prefetch of the next token, ``prefetch=True``, or none,
+    ``prefetch=False``; giving ``prefetch`` alone implies ``stages=0``) and ``num_warps`` override the launch
+    configuration (``benchmarks/bench_replay.py --sweep`` measures the choices). ``cu_seqlens`` is checked in
     full (int32/int64 on ``q``'s device, 0 to T without decreasing) before the launch; CPU tensors
     need the kernel built for Triton's interpreter (``RuntimeError`` otherwise)."""
     B, T, H, K = k.shape
@@ -201,25 +239,21 @@ def fused_replay(
     scale_t = torch.full((1,), K**-0.5 if scale is None else scale, dtype=dtype, device=q.device)
     BK = triton.next_power_of_2(K)
     gate = 0 if g is None else (1 if g.dim() == 3 else 2)
-    # Launch defaults from benchmarks/bench_replay.py --sweep (H200, B = 8, T = 4,096, H = 8; fp32):
-    # many narrow one-warp programs, 8 state rows and 2 key lanes, up to K = 128; at K = 256, 16 rows
-    # (128 state entries per lane: half the programs, each with two rows per lane to work on) and 4
-    # key lanes, 8 with the key-channel gate. Wider keys keep a program's state at 4,096 entries (2,048
-    # in fp64) so that it stays in registers.
-    if block_v is None:
-        entries = STATE_ENTRIES if dtype != torch.float64 else STATE_ENTRIES // 2
-        rows = 8 if BK <= 128 else max(entries // BK, 1)
-        block_v = min(triton.next_power_of_2(V), rows)
-    if key_lanes is None:
-        key_lanes = 2 if BK <= 128 else (8 if gate == 2 else 4)
-    if key_groups is None:
-        key_groups = 1
+    launch = _default_launch(BK, V, gate, dtype)
+    if prefetch is not None and stages is None:
+        stages = 0  # the register prefetch, or none, as asked
+    block_v, key_lanes, key_groups, stages, contiguous_keys = (
+        launch[n] if x is None else x
+        for n, x in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups), ("stages", stages),
+                     ("contiguous_keys", contiguous_keys)))
     for name, value in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"fused_replay: {name} must be a power of two, got {value}")
+    if stages < 0:
+        raise ValueError(f"fused_replay: stages must be 0 or more, got {stages}")
     BV = block_v
     num_warps = num_warps or 1
-    prefetch = True if prefetch is None else prefetch
+    prefetch = stages == 0 if prefetch is None else (prefetch and stages == 0)
     KL = min(key_lanes, BK)
     P = min(key_groups, BK // KL)
     NV = triton.cdiv(V, BV)
@@ -247,7 +281,7 @@ def fused_replay(
         o, parts[0], parts[1], parts[2], gain, ht,
         T, H=H, K=K, V=V, BK=BK, BV=BV, KL=KL, P=P,
         GATE=gate, HAS_WK=wk is not None, HAS_H0=h0 is not None, VARLEN=cu_seqlens is not None,
-        PREFETCH=prefetch, num_warps=num_warps,
+        PREFETCH=prefetch, STAGES=stages, CONTIGUOUS=bool(contiguous_keys), num_warps=num_warps,
     )
     before, before_dec, after = (p.sum(-1).view(B, T, H) for p in parts)
     return RecurrenceResult(

@@ -75,15 +75,20 @@ def test_fused_replay_matches_reference(B, T, H, K, V, gate, asym, h0, dtype, to
 )
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 # (2, 4): four partial sums of a thread's keys; (1, 8): one key lane, every key in one thread; (4, 16):
-# more groups than a thread has keys (clamped to one key per group).
+# more groups than a thread has keys (clamped to one key per group). Each with the loads pipelined by
+# Triton (stages 3; under the interpreter, plain loads in the loop) and contiguous keys per lane, or
+# interleaved keys with the register prefetch.
 @pytest.mark.parametrize("key_lanes,key_groups", [(2, 4), (1, 8), (4, 16)], ids=["kl2-kg4", "kl1-kg8", "kl4-kg16"])
-def test_fused_replay_key_groups_match_reference(B, T, H, K, V, gate, asym, h0, dtype, tol, key_lanes, key_groups):
+@pytest.mark.parametrize("stages,contiguous", [(3, True), (0, False)], ids=["pipelined-contiguous", "prefetch"])
+def test_fused_replay_key_groups_match_reference(B, T, H, K, V, gate, asym, h0, dtype, tol, key_lanes, key_groups,
+                                                 stages, contiguous):
     """Each product split into key groups (partial sums added last) against the fp64 reference."""
     q, k, v, beta, kw = _inputs(B * 1000 + T + 1, B, T, H, K, V, gate=gate, asym=asym, h0=h0)
     ref = delta_rule_recurrence(q, k, v, beta, **kw)
     got = ops_replay.fused_replay(
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), beta.to(DEVICE), dtype=dtype, block_v=16,
-        key_lanes=key_lanes, key_groups=key_groups, **{n: x.to(DEVICE) for n, x in kw.items()}
+        key_lanes=key_lanes, key_groups=key_groups, stages=stages, contiguous_keys=contiguous,
+        **{n: x.to(DEVICE) for n, x in kw.items()}
     )
     for name in FIELDS:
         r = getattr(ref, name)
@@ -116,13 +121,20 @@ def test_fused_replay_zero_residuals():
     assert torch.equal(got.loss_after.cpu(), torch.zeros(1, 12, 1, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("K,gate", [(256, None), (256, "head"), (256, "channel"), (64, "channel")])
-def test_fused_replay_default_launch_at_wide_keys(K, gate):
-    """The default launch (16 state rows and 4 or 8 key lanes at K = 256; 8 rows, 2 lanes below)
-    against the fp64 reference, with an initial state and a write key."""
+@pytest.mark.parametrize(
+    "K,gate,dtype",
+    [(256, None, torch.float32), (256, "head", torch.float32), (256, "channel", torch.float32),
+     (128, "head", torch.float32), (128, "channel", torch.float64), (64, "channel", torch.float32),
+     (48, "head", torch.float32)],
+)
+def test_fused_replay_default_launch_by_key_width(K, gate, dtype):
+    """The default launch of each key width (K = 256: 16 state rows, 4 or 8 key lanes, register
+    prefetch; K = 128: 16 rows, 4 key groups, contiguous keys, pipelined loads; K <= 64: 8 rows,
+    pipelined) against the fp64 reference, with an initial state and a write key."""
     q, k, v, beta, kw = _inputs(K, 1, 5, 2, K, K, gate=gate, asym=True, h0=True)
     ref = delta_rule_recurrence(q, k, v, beta, **kw)
-    got = ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), **{n: x.to(DEVICE) for n, x in kw.items()})
+    got = ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), dtype=dtype,
+                                  **{n: x.to(DEVICE) for n, x in kw.items()})
     for name in FIELDS:
         r = getattr(ref, name)
         if r is not None:

@@ -29,11 +29,13 @@ Each V-block writes its partial sums; the wrapper adds the blocks. The plain ref
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_cu_seqlens
+from .._checks import check_cu_seqlens, check_shape
 from .._interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
 from ._common import sequence_bounds
@@ -185,6 +187,36 @@ def _default_launch(BK: int, V: int, gate: int, dtype: torch.dtype) -> dict:
                 contiguous_keys=contiguous)
 
 
+def _resolve_launch(launch: dict, BK: int, *, block_v, key_lanes, key_groups, stages, contiguous_keys, prefetch):
+    """``(BV, KL, P, stages, contiguous_keys, prefetch)``: the options given, the defaults ``launch``
+    for the rest, checked. An explicit ``prefetch`` with no ``stages`` means the register prefetch
+    (``True``) or no prefetch (``False``), both unpipelined; ``prefetch=True`` with ``stages > 0`` asks
+    for two ways of loading ahead at once and is refused."""
+    if stages is not None:
+        try:  # an int, or anything that is one (numpy's), but not a bool
+            ok = not isinstance(stages, bool) and operator.index(stages) >= 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"fused_replay: stages must be an integer, 0 or more, got {stages!r}")
+        stages = operator.index(stages)
+    if prefetch and stages:
+        raise ValueError(f"fused_replay: prefetch=True (the register prefetch) and stages={stages} (loads pipelined "
+                         "by Triton) are two ways of loading ahead: give one of them")
+    if prefetch is not None and stages is None:
+        stages = 0
+    block_v, key_lanes, key_groups, stages, contiguous_keys = (
+        launch[n] if x is None else x
+        for n, x in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups), ("stages", stages),
+                     ("contiguous_keys", contiguous_keys)))
+    for name, value in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"fused_replay: {name} must be a power of two, got {value}")
+    KL = min(key_lanes, BK)
+    prefetch = stages == 0 if prefetch is None else prefetch
+    return block_v, KL, min(key_groups, BK // KL), stages, bool(contiguous_keys), prefetch
+
+
 def fused_replay(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -225,39 +257,32 @@ def fused_replay(
     into: a power of two), ``contiguous_keys`` (each key lane holds a contiguous run of keys, not
     every ``key_lanes``-th), ``stages`` (Triton pipelines the token loop's loads that many stages
     deep; 0: the kernel's own register prefetch of the next token, ``prefetch=True``, or none,
-    ``prefetch=False``; giving ``prefetch`` alone implies ``stages=0``) and ``num_warps`` override the launch
+    ``prefetch=False``; giving ``prefetch`` alone implies ``stages=0``, and ``prefetch=True`` with
+    ``stages > 0`` is refused) and ``num_warps`` override the launch
     configuration (``benchmarks/bench_replay.py --sweep`` measures the choices). ``cu_seqlens`` is checked in
     full (int32/int64 on ``q``'s device, 0 to T without decreasing) before the launch; CPU tensors
     need the kernel built for Triton's interpreter (``RuntimeError`` otherwise)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"fused_replay: dtype must be torch.float32 or torch.float64, got {dtype}")
+    BK = triton.next_power_of_2(K)
+    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
+    # The launch options are checked before any input is copied.
+    BV, KL, P, stages, contiguous_keys, prefetch = _resolve_launch(
+        _default_launch(BK, V, gate, dtype), BK, block_v=block_v, key_lanes=key_lanes, key_groups=key_groups,
+        stages=stages, contiguous_keys=contiguous_keys, prefetch=prefetch)
+    num_warps = num_warps or 1
     N = B if cu_seqlens is None else len(check_cu_seqlens(cu_seqlens, B, T, q.device)) - 1
+    if initial_state is not None:  # fla's [N, H, K, V] would pass through the kernel unnoticed
+        check_shape("initial_state", initial_state, [N, H, V, K], "[N, H, V, K]")
     check_launchable("fused_replay", q.device, _replay_kernel)
     cast = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
     q, k, v, beta, g, wk, h0 = map(cast, (q, k, v, beta, g, write_key, initial_state))
     alpha = None if g is None else g.exp()
     scale_t = torch.full((1,), K**-0.5 if scale is None else scale, dtype=dtype, device=q.device)
-    BK = triton.next_power_of_2(K)
-    gate = 0 if g is None else (1 if g.dim() == 3 else 2)
-    launch = _default_launch(BK, V, gate, dtype)
-    if prefetch is not None and stages is None:
-        stages = 0  # the register prefetch, or none, as asked
-    block_v, key_lanes, key_groups, stages, contiguous_keys = (
-        launch[n] if x is None else x
-        for n, x in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups), ("stages", stages),
-                     ("contiguous_keys", contiguous_keys)))
-    for name, value in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"fused_replay: {name} must be a power of two, got {value}")
-    if stages < 0:
-        raise ValueError(f"fused_replay: stages must be 0 or more, got {stages}")
-    BV = block_v
-    num_warps = num_warps or 1
-    prefetch = stages == 0 if prefetch is None else (prefetch and stages == 0)
-    KL = min(key_lanes, BK)
-    P = min(key_groups, BK // KL)
     NV = triton.cdiv(V, BV)
-    if B * T == 0:  # no token: nothing to launch (the kernel loads its first token unconditionally)
+    if B * T == 0:  # no token: nothing to launch (the register prefetch loads a first token unconditionally)
         zeros = q.new_zeros(B, T, H)
         return RecurrenceResult(
             o=torch.empty_like(v),
@@ -281,7 +306,7 @@ def fused_replay(
         o, parts[0], parts[1], parts[2], gain, ht,
         T, H=H, K=K, V=V, BK=BK, BV=BV, KL=KL, P=P,
         GATE=gate, HAS_WK=wk is not None, HAS_H0=h0 is not None, VARLEN=cu_seqlens is not None,
-        PREFETCH=prefetch, STAGES=stages, CONTIGUOUS=bool(contiguous_keys), num_warps=num_warps,
+        PREFETCH=prefetch, STAGES=stages, CONTIGUOUS=contiguous_keys, num_warps=num_warps,
     )
     before, before_dec, after = (p.sum(-1).view(B, T, H) for p in parts)
     return RecurrenceResult(

@@ -40,6 +40,17 @@ def _assert_close(got, ref, name, tol):
     assert err <= tol, f"{name}: relative error {err:.3g} > {tol}"
 
 
+def _assert_fields_close(got, ref, tol):
+    """Every field of the replay against the reference's; a field the reference leaves out (no gate:
+    ``loss_before_decayed``) is left out of the replay too."""
+    for name in FIELDS:
+        r = getattr(ref, name)
+        if r is None:
+            assert getattr(got, name) is None, name
+        else:
+            _assert_close(getattr(got, name), r, name, tol)
+
+
 @pytest.mark.parametrize(
     "B,T,H,K,V,gate,asym,h0",
     [
@@ -61,17 +72,13 @@ def test_fused_replay_matches_reference(B, T, H, K, V, gate, asym, h0, dtype, to
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), beta.to(DEVICE), dtype=dtype, block_v=8,
         prefetch=prefetch, key_lanes=key_lanes, **dev
     )
-    for name in FIELDS:
-        r = getattr(ref, name)
-        if r is None:
-            assert getattr(got, name) is None, name
-        else:
-            _assert_close(getattr(got, name), r, name, tol)
+    _assert_fields_close(got, ref, tol)
 
 
 @pytest.mark.parametrize(
     "B,T,H,K,V,gate,asym,h0",
-    [(2, 19, 2, 8, 12, None, True, True), (1, 23, 2, 12, 16, "head", True, False), (2, 17, 1, 16, 8, "channel", True, True)],
+    [(2, 19, 2, 8, 12, None, True, True), (1, 23, 2, 12, 16, "head", True, False), (2, 17, 1, 16, 8, "channel", True, True),
+     (1, 11, 2, 12, 20, "channel", True, True)],  # padded keys (K < 16), V not a multiple of the rows
 )
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 # (2, 4): four partial sums of a thread's keys; (1, 8): one key lane, every key in one thread; (4, 16):
@@ -90,12 +97,7 @@ def test_fused_replay_key_groups_match_reference(B, T, H, K, V, gate, asym, h0, 
         key_lanes=key_lanes, key_groups=key_groups, stages=stages, contiguous_keys=contiguous,
         **{n: x.to(DEVICE) for n, x in kw.items()}
     )
-    for name in FIELDS:
-        r = getattr(ref, name)
-        if r is None:
-            assert getattr(got, name) is None, name
-        else:
-            _assert_close(getattr(got, name), r, name, tol)
+    _assert_fields_close(got, ref, tol)
 
 
 def test_fused_replay_packed_sequences_restart():
@@ -124,13 +126,14 @@ def test_fused_replay_zero_residuals():
 @pytest.mark.parametrize(
     "K,gate,dtype",
     [(256, None, torch.float32), (256, "head", torch.float32), (256, "channel", torch.float32),
-     (128, "head", torch.float32), (128, "channel", torch.float64), (64, "channel", torch.float32),
-     (48, "head", torch.float32)],
+     (128, "head", torch.float32), (128, "channel", torch.float64), (100, "channel", torch.float32),
+     (64, "channel", torch.float32), (48, "head", torch.float32)],
 )
 def test_fused_replay_default_launch_by_key_width(K, gate, dtype):
     """The default launch of each key width (K = 256: 16 state rows, 4 or 8 key lanes, register
-    prefetch; K = 128: 16 rows, 4 key groups, contiguous keys, pipelined loads; K <= 64: 8 rows,
-    pipelined) against the fp64 reference, with an initial state and a write key."""
+    prefetch; K = 128, and K = 100 with its keys padded: 16 rows, 4 key groups, contiguous keys,
+    pipelined loads; K <= 64: 8 rows, pipelined) against the fp64 reference, with an initial state
+    and a write key."""
     q, k, v, beta, kw = _inputs(K, 1, 5, 2, K, K, gate=gate, asym=True, h0=True)
     ref = delta_rule_recurrence(q, k, v, beta, **kw)
     got = ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), dtype=dtype,
@@ -167,3 +170,20 @@ def test_fused_replay_refuses_a_launch_option_that_is_not_a_power_of_two(option)
     q, k, v, beta, _ = _inputs(1, 1, 3, 1, 8, 8, gate=None, asym=False, h0=False)
     with pytest.raises(ValueError, match=f"{option} must be a power of two, got 3"):
         ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), **{option: 3})
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(prefetch=True, stages=3), r"prefetch=True \(the register prefetch\) and stages=3"),
+    (dict(stages=2.5), r"stages must be an integer, 0 or more, got 2.5"),
+    (dict(stages=True), r"stages must be an integer, 0 or more, got True"),
+    (dict(stages=-1), r"stages must be an integer, 0 or more, got -1"),
+    (dict(dtype=torch.float16), r"dtype must be torch.float32 or torch.float64, got torch.float16"),
+    (dict(initial_state=torch.zeros(1, 1, 12, 8)), r"initial_state.*\[N, H, V, K\]"),  # fla's [N, H, K, V]
+])
+def test_fused_replay_refuses_inconsistent_options(options, message):
+    """Options that cannot all hold, or that the kernel would take without noticing, are refused
+    with a message naming them, before any input is copied."""
+    q, k, v, beta, _ = _inputs(1, 1, 3, 1, 12, 8, gate=None, asym=False, h0=False)
+    options = {n: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for n, x in options.items()}
+    with pytest.raises(ValueError, match=message):
+        ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), **options)

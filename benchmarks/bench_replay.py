@@ -10,6 +10,7 @@ same run) after checking the fused replay against an fp64 reference at the bench
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import time
 
@@ -110,15 +111,10 @@ def main(argv=None) -> dict:
         # lane, one warp (two warps and no prefetch never won: benchmarks/RESULTS.md); then the best
         # of those with two warps and without prefetch. A program holds at most STATE_ENTRIES state
         # entries; key groups beyond a thread's keys (K / key lanes) would repeat a point.
-        for bv in a.sweep_rows:
-            for kl in a.sweep_lanes:
-                for kg in a.sweep_groups:
-                    if not (bv <= max(V, 4) and kl <= K and bv * K <= STATE_ENTRIES and kg <= max(K // kl, 1)):
-                        continue
-                    for st in a.sweep_stages:
-                        for contiguous in (False, True):
-                            timed(block_v=bv, num_warps=1, key_lanes=kl, key_groups=kg, stages=st,
-                                  contiguous_keys=contiguous)
+        points = itertools.product(a.sweep_rows, a.sweep_lanes, a.sweep_groups, a.sweep_stages, (False, True))
+        for bv, kl, kg, st, contiguous in points:
+            if bv <= max(V, 4) and kl <= K and bv * K <= STATE_ENTRIES and kg <= max(K // kl, 1):
+                timed(block_v=bv, num_warps=1, key_lanes=kl, key_groups=kg, stages=st, contiguous_keys=contiguous)
         if not sweep:
             raise SystemExit(f"--sweep: no launch configuration fits (rows x K <= {STATE_ENTRIES}, key lanes <= K); "
                              "give other --sweep-rows / --sweep-lanes")

@@ -193,13 +193,13 @@ def _resolve_launch(launch: dict, BK: int, *, block_v, key_lanes, key_groups, st
     (``True``) or no prefetch (``False``), both unpipelined; ``prefetch=True`` with ``stages > 0`` asks
     for two ways of loading ahead at once and is refused."""
     if stages is not None:
+        given = stages
         try:  # an int, or anything that is one (numpy's), but not a bool
-            ok = not isinstance(stages, bool) and operator.index(stages) >= 0
+            stages = -1 if isinstance(stages, bool) else operator.index(stages)
         except TypeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"fused_replay: stages must be an integer, 0 or more, got {stages!r}")
-        stages = operator.index(stages)
+            stages = -1
+        if stages < 0:
+            raise ValueError(f"fused_replay: stages must be an integer, 0 or more, got {given!r}")
     if prefetch and stages:
         raise ValueError(f"fused_replay: prefetch=True (the register prefetch) and stages={stages} (loads pipelined "
                          "by Triton) are two ways of loading ahead: give one of them")

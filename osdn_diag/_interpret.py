@@ -3,7 +3,8 @@
 CI and the developers' machines have no GPU, but we still want to test "fla's kernel output equals our
 reference". Triton can execute ``@triton.jit`` kernels in Python/numpy when ``TRITON_INTERPRET=1`` is
 set *before* ``triton`` (and so ``fla``) is imported. fla 0.6.0 does not run there as shipped; this
-module patches the four places where it breaks, each at the narrowest point we found:
+module patches the four places where it breaks, each at the narrowest point we found, and one
+where it is needlessly slow (e):
 
 (a) **Autotuning.** fla wraps most kernels in ``triton.autotune`` (or its subclass
     ``fla.ops.utils.cache.CachedAutotuner``) with several configs. With more than one config left after
@@ -41,6 +42,14 @@ module patches the four places where it breaks, each at the narrowest point we f
 Nothing here is needed, or called, on a real GPU: :func:`enable_fla_interpreter` refuses to run unless
 ``TRITON_INTERPRET=1``, and every patch applies to interpreter-only code paths
 (``triton.runtime.interpreter``) or is gated on ``knobs.runtime.interpret``.
+
+(e) **Device-function calls.** A ``@triton.jit`` function called from a kernel (``tl.sigmoid``, fla's
+    ``exp`` helpers) runs the interpreter's ``_patch_lang`` again on every call, in every program
+    instance: a scan of every member of ``triton.language`` (about 2 ms each), whose result is then
+    dropped. Inside a launch whose own patches already cover the function's module, that scan finds
+    nothing left to patch, so we skip it; a function from another module is patched once per launch.
+    On the CPU this was a third of the interpreted time of fla's elementwise kernels (one device call
+    per program instance).
 
 fla's own device detection (``fla.utils.hardware``) needs no patch: with no GPU driver it warns
 "Triton is not supported on current platform, roll back to CPU." once at import, sets
@@ -288,6 +297,48 @@ def _patch_bf16_rounding():
     interpreter.InterpreterBuilder.cast_impl = cast_impl
 
 
+# --- (e) device-function calls reuse the launch's patches ------------------------------------------
+
+
+def _patch_device_calls():
+    from triton.runtime import interpreter
+
+    inner = interpreter._patch_lang
+    if getattr(inner, "_osdn_device_calls", False):
+        return
+    # The modules (by their globals dict) patched by the launch now running, if any. A launch
+    # calls _patch_lang from outside any launch and restores its scope when its grid is done; a
+    # device-function call happens inside one and never restores what it patches (upstream).
+    running: list[set[int]] = []
+
+    def _patch_lang(fn):
+        key = id(fn.__globals__)
+        if running:
+            if key in running[-1]:
+                return interpreter._LangPatchScope()  # already patched by this launch
+            running[-1].add(key)
+            return inner(fn)
+        scope = inner(fn)
+        patched = {key}
+        running.append(patched)
+        restore = scope.restore
+
+        def restore_and_close():
+            try:
+                restore()
+            finally:
+                if running and running[-1] is patched:
+                    running.pop()
+
+        scope.restore = restore_and_close
+        return scope
+
+    _patch_lang._osdn_device_calls = True
+    _patch_lang._osdn_interpret = True  # (c) stays applied beneath it
+    _patch_lang.__wrapped__ = inner
+    interpreter._patch_lang = _patch_lang
+
+
 def enable_fla_interpreter() -> None:
     """Make fla 0.6.0's Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``).
 
@@ -302,6 +353,7 @@ def enable_fla_interpreter() -> None:
     _patch_autotuner()
     _patch_loop_variables()
     _patch_builtin_aliases()
+    _patch_device_calls()
     _patch_bf16_rounding()
     _ENABLED = True
 

@@ -27,6 +27,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from osdn_diag.math import delta_rule_recurrence, deltanet, gated_deltanet, kda
 
@@ -352,6 +354,19 @@ def test_gated_deltanet_layer_chunk_matches_recurrent():
     _assert_close("layer output", chunk, recurrent)
 
 
+@triton.jit
+def _twice(x):
+    return x * 2.0
+
+
+@triton.jit
+def _sigmoid_twice_kernel(x, y, n, B: tl.constexpr):
+    offs = tl.program_id(0) * B + tl.arange(0, B)
+    mask = offs < n
+    # two device-function calls per program: tl.sigmoid (triton.language.standard) and _twice (here)
+    tl.store(y + offs, _twice(tl.sigmoid(tl.load(x + offs, mask=mask))), mask=mask)
+
+
 # --- the patch module itself ----------------------------------------------------------------------
 
 
@@ -365,10 +380,42 @@ def test_enable_is_idempotent():
     enable_fla_interpreter()
     assert getattr(Autotuner.prune_configs, "_osdn_interpret", False)
     assert not getattr(Autotuner.prune_configs.__wrapped__, "_osdn_interpret", False)
-    assert not getattr(interpreter._patch_lang.__wrapped__, "_osdn_interpret", False)
+    # (e) wraps (c), which wraps the interpreter's own _patch_lang
+    assert getattr(interpreter._patch_lang, "_osdn_device_calls", False)
+    assert getattr(interpreter._patch_lang.__wrapped__, "_osdn_interpret", False)
+    assert not getattr(interpreter._patch_lang.__wrapped__.__wrapped__, "_osdn_interpret", False)
     transformer = interpreter.FunctionRewriter.ast_transformer
     assert getattr(transformer, "_osdn_interpret", False)
     assert not getattr(type(transformer).__mro__[1], "_osdn_interpret", False)
+
+
+def test_device_function_calls_patch_once_per_launch(monkeypatch):
+    """A device function called in every program instance is patched once per launch, not once per
+    call (_interpret (e)); results are unchanged and the launch's patches are undone after it."""
+    from triton.runtime import interpreter
+
+    from osdn_diag._interpret import enable_fla_interpreter
+
+    enable_fla_interpreter()
+    scans = []
+    core = interpreter._patch_lang_core
+    monkeypatch.setattr(interpreter, "_patch_lang_core", lambda lang, scope: (scans.append(lang), core(lang, scope)))
+
+    def launch(n):
+        x = torch.linspace(-3.0, 3.0, n * 16)
+        y = torch.empty_like(x)
+        _sigmoid_twice_kernel[(n,)](x, y, x.numel(), B=16)
+        torch.testing.assert_close(y, 2.0 * torch.sigmoid(x), rtol=1e-6, atol=1e-7)
+        return len(scans)
+
+    launch(1)  # the first launch of a kernel differs (its rewrite); the count is per launch after it
+    scans.clear()
+    few = launch(2)
+    scans.clear()
+    many = launch(16)
+    # Upstream rescans on both device calls of every program: 16 programs scan 28 times more than 2.
+    assert many == few <= 4
+    assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.store)  # the launch's own patches undone
 
 
 @pytest.mark.parametrize(

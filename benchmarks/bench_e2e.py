@@ -147,6 +147,27 @@ def _gpu_name() -> str | None:
         return None
 
 
+def host_speed() -> tuple[float, str | None]:
+    """A yardstick for the host's CPU, which decides most of a warm run's wall clock (imports, the
+    main thread's per-call work): the best of three timings of a fixed pure-Python loop (10^6 integer
+    multiplications and additions; 0.06-0.09 s on the 2-core development CPU), and the CPU's model name
+    where Linux gives it. Two machines' wall clocks compare only beside this."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sum(i * i for i in range(1_000_000))
+        times.append(time.perf_counter() - t0)
+    model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return min(times), model
+
+
 def wall_clock(a) -> dict:
     """``--wall N``: the command as typed, timed N times as a fresh process from start to exit; the
     first with an empty Triton cache of its own, the others warm."""
@@ -166,10 +187,13 @@ def wall_clock(a) -> dict:
     env = {**os.environ, "TRITON_CACHE_DIR": str(caches / "triton"),
            "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
     load_before = os.getloadavg()
+    loop_s, cpu_model = host_speed()
     print(f"{a.model}, {a.prompts} prompts x {a.T} tokens, batch {a.batch_size}, {a.mode}: the command as "
           f"typed, {a.wall} run(s), the first with an empty TRITON_CACHE_DIR ({caches / 'triton'}); "
           f"load average {load_before[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
     print("  " + " ".join(wall_command(a, "DIR")), flush=True)
+    print(f"host: {cpu_model or platform.machine()}; the Python yardstick loop took {loop_s * 1e3:.0f} ms",
+          flush=True)
     seconds, summary = [], None
     for i in range(a.wall):
         out = root / f"wall-{i}"
@@ -195,7 +219,7 @@ def wall_clock(a) -> dict:
         stream=a.mode == "stream", device=a.device, command=wall_command(a, "DIR"), runs=a.wall,
         first_s=seconds[0], warm_s=warm, warm_median_s=statistics.median(warm) if warm else None,
         n=summary["n"], q_geo=summary["q_geo"], gpu=_gpu_name(), host=platform.machine(),
-        cpus=os.cpu_count(), load_before=list(load_before), load_after=list(os.getloadavg()),
+        cpus=os.cpu_count(), cpu_model=cpu_model, python_loop_s=loop_s, load_before=list(load_before), load_after=list(os.getloadavg()),
         torch=version("torch"), run_dir=str(root) if a.dir else None,
     )
     median = f"{result['warm_median_s']:.2f} s" if warm else "-"

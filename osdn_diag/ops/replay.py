@@ -212,9 +212,25 @@ def _resolve_launch(launch: dict, BK: int, *, block_v, key_lanes, key_groups, st
     for name, value in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"fused_replay: {name} must be a power of two, got {value}")
+    if key_lanes > 32:  # the lanes of one warp
+        raise ValueError(f"fused_replay: key_lanes must be at most 32 (a warp's lanes), got {key_lanes}")
     KL = min(key_lanes, BK)
     prefetch = stages == 0 if prefetch is None else prefetch
     return block_v, KL, min(key_groups, BK // KL), stages, bool(contiguous_keys), prefetch
+
+
+def _warps(num_warps) -> int:
+    """``num_warps`` checked: ``None`` is one warp; else a power of two from 1 to 32 (an int, or
+    anything that is one, but not a bool)."""
+    if num_warps is None:
+        return 1
+    try:
+        warps = -1 if isinstance(num_warps, bool) else operator.index(num_warps)
+    except TypeError:
+        warps = -1
+    if not 1 <= warps <= 32 or warps & (warps - 1):
+        raise ValueError(f"fused_replay: num_warps must be a power of two from 1 to 32, got {num_warps!r}")
+    return warps
 
 
 def fused_replay(
@@ -258,12 +274,15 @@ def fused_replay(
     every ``key_lanes``-th), ``stages`` (Triton pipelines the token loop's loads that many stages
     deep; 0: the kernel's own register prefetch of the next token, ``prefetch=True``, or none,
     ``prefetch=False``; giving ``prefetch`` alone implies ``stages=0``, and ``prefetch=True`` with
-    ``stages > 0`` is refused) and ``num_warps`` override the launch
+    ``stages > 0`` is refused) and ``num_warps`` (a power of two, 1 to 32) override the launch
     configuration (``benchmarks/bench_replay.py --sweep`` measures the choices). ``cu_seqlens`` is checked in
     full (int32/int64 on ``q``'s device, 0 to T without decreasing) before the launch; CPU tensors
     need the kernel built for Triton's interpreter (``RuntimeError`` otherwise)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
+    if K < 1 or V < 1:
+        raise ValueError(f"fused_replay: keys and values need at least one channel, got K = {K} (k's last "
+                         f"dimension) and V = {V} (v's)")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"fused_replay: dtype must be torch.float32 or torch.float64, got {dtype}")
     BK = triton.next_power_of_2(K)
@@ -272,7 +291,7 @@ def fused_replay(
     BV, KL, P, stages, contiguous_keys, prefetch = _resolve_launch(
         _default_launch(BK, V, gate, dtype), BK, block_v=block_v, key_lanes=key_lanes, key_groups=key_groups,
         stages=stages, contiguous_keys=contiguous_keys, prefetch=prefetch)
-    num_warps = num_warps or 1
+    num_warps = _warps(num_warps)
     N = B if cu_seqlens is None else len(check_cu_seqlens(cu_seqlens, B, T, q.device)) - 1
     if initial_state is not None:  # fla's [N, H, K, V] would pass through the kernel unnoticed
         check_shape("initial_state", initial_state, [N, H, V, K], "[N, H, V, K]")

@@ -172,6 +172,14 @@ def test_fused_replay_refuses_a_launch_option_that_is_not_a_power_of_two(option)
         ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), **{option: 3})
 
 
+@pytest.mark.parametrize("K, V", [(0, 8), (8, 0)])
+def test_fused_replay_refuses_keys_or_values_without_channels(K, V):
+    q, k = torch.zeros(1, 3, 1, K), torch.zeros(1, 3, 1, K)
+    v, beta = torch.zeros(1, 3, 1, V), torch.zeros(1, 3, 1)
+    with pytest.raises(ValueError, match=f"at least one channel, got K = {K} .* and V = {V}"):
+        ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)))
+
+
 @pytest.mark.parametrize("options,message", [
     (dict(prefetch=True, stages=3), r"prefetch=True \(the register prefetch\) and stages=3"),
     (dict(stages=2.5), r"stages must be an integer, 0 or more, got 2.5"),
@@ -179,6 +187,11 @@ def test_fused_replay_refuses_a_launch_option_that_is_not_a_power_of_two(option)
     (dict(stages=-1), r"stages must be an integer, 0 or more, got -1"),
     (dict(dtype=torch.float16), r"dtype must be torch.float32 or torch.float64, got torch.float16"),
     (dict(initial_state=torch.zeros(1, 1, 12, 8)), r"initial_state.*\[N, H, V, K\]"),  # fla's [N, H, K, V]
+    (dict(num_warps=0), r"num_warps must be a power of two from 1 to 32, got 0"),  # was taken as 1
+    (dict(num_warps=3), r"num_warps must be a power of two from 1 to 32, got 3"),
+    (dict(num_warps=64), r"num_warps must be a power of two from 1 to 32, got 64"),
+    (dict(num_warps=2.0), r"num_warps must be a power of two from 1 to 32, got 2.0"),
+    (dict(key_lanes=64), r"key_lanes must be at most 32 \(a warp's lanes\), got 64"),
 ])
 def test_fused_replay_refuses_inconsistent_options(options, message):
     """Options that cannot all hold, or that the kernel would take without noticing, are refused

@@ -47,6 +47,19 @@ def test_workers_draw_the_same_files_as_the_calling_process(run_dir, tmp_path):
     assert not multiprocessing.active_children()  # the block stopped its workers
 
 
+def test_this_process_draws_a_share_beside_its_worker(run_dir, tmp_path, monkeypatch):
+    """With one worker (a 2-CPU machine), every second file is drawn here meanwhile, not all there."""
+    from osdn_diag.report import plots
+
+    here, save_as = [], plots.save_as  # patched in this process only: a worker has its own module
+    monkeypatch.setattr(plots, "save_as", lambda fig, path: (here.append(path.name), save_as(fig, path))[1])
+    with figure_workers(1):
+        write_report([run_dir], tmp_path / "r")
+    drawn = _files(tmp_path / "r")
+    assert len(here) == len(drawn) // 2 and set(here) < set(drawn)
+    assert drawn == _files_of_fresh_report(run_dir, tmp_path / "ref")
+
+
 def test_a_figure_that_fails_in_a_worker_raises_here(tmp_path):
     with figure_workers(1), pytest.raises(AttributeError, match="no_such_plot"):
         draw([Figure("no_such_plot", (), tmp_path / "x.png")])
@@ -78,7 +91,7 @@ def test_nested_blocks_start_no_second_pool():
     assert render._workers is None
 
 
-@pytest.mark.parametrize("cpus, expected", [(1, 0), (2, 0), (3, 1), (6, 4), (16, 8), (128, 8)])
+@pytest.mark.parametrize("cpus, expected", [(1, 0), (2, 1), (3, 1), (4, 2), (6, 4), (16, 8), (128, 8)])
 def test_default_worker_count(monkeypatch, cpus, expected):
     monkeypatch.delenv(render.WORKERS_ENV, raising=False)
     monkeypatch.setattr(render.os, "sched_getaffinity", lambda pid: set(range(cpus)))

@@ -3,8 +3,8 @@
 A figure is described by a :class:`Figure` — the name of a function of :mod:`.plots`, its
 arguments and the PNG's path — so that a worker process can draw it from the description alone.
 :func:`draw` writes every figure it is given; inside a :func:`figure_workers` block it hands each
-file (every PNG and every PDF separately) to that block's workers at once and draws its own share
-of them meanwhile, else it draws them one after another here. The files are the same either way: each is drawn by the same function from the
+file (every PNG and every PDF separately) to that block's workers at once (with a single worker it
+draws every second file itself meanwhile), else it draws them one after another here. The files are the same either way: each is drawn by the same function from the
 same arguments on a figure of its own (a PDF saved after a PNG of the same figure gets a bounding
 box a few hundredths of a point different) and written through a temporary file and a rename.
 
@@ -52,10 +52,10 @@ class Figure:
 def default_workers() -> int:
     """How many worker processes :func:`figure_workers` starts when not told: ``OSDN_DIAG_REPORT_WORKERS``
     if set (0: none, the figures are drawn in the calling process), else the CPUs this process may
-    run on less two (the command's own threads), at most 8, and at least one where there are two
-    CPUs: the command draws a share of the files itself (:func:`draw`), and on the CPU its run takes
-    one core (one torch thread), so one worker there imports matplotlib beside the run and then
-    halves the drawing (the demo on a 2-core CPU: 21.8 s without it, 20.5 s with it). None with one CPU."""
+    run on less two (the command's own threads), at most 8, and one where there are two or three
+    CPUs: the command then draws every second file itself (:func:`draw`), and on the CPU its run takes
+    one core (one torch thread), so the worker imports matplotlib beside the run and then halves the
+    drawing (the demo on a 2-core CPU: 21.8 s without it, 20.5 s with it). None with one CPU."""
     raw = os.environ.get(WORKERS_ENV)
     if raw is not None:
         try:
@@ -168,8 +168,8 @@ def _sigint_ignored():
 
 
 def draw(figures: list[Figure]) -> None:
-    """Write every figure's PNG and PDF (on the active :func:`figure_workers` and here, side by side;
-    else here, in order). An error drawing one figure is raised as it would be here; if the worker
+    """Write every figure's PNG and PDF (on the active :func:`figure_workers`, with a single worker
+    also here, side by side; else here, in order). An error drawing one figure is raised as it would be here; if the worker
     processes themselves fail (killed, say), their files are drawn here instead."""
     jobs = [(f.plot, f.args, str(t)) for f in figures for t in f.targets()]
     left = range(len(jobs))
@@ -177,13 +177,14 @@ def draw(figures: list[Figure]) -> None:
         from concurrent.futures import wait
         from concurrent.futures.process import BrokenProcessPool
 
-        # This process draws every (n + 1)-th file itself while its n workers draw the others: with
-        # one worker (two CPUs) the figures take half as long, not as long as here alone.
-        n = _worker_count
-        here = [i for i in left if i % (n + 1) == n]
+        # With one worker (two or three CPUs) this process draws every second file meanwhile, which
+        # halves the time. With more, the workers draw them all: a share here would first import
+        # matplotlib and load its fonts in this process (0.5 s or more), which the workers did while
+        # the model ran, to save a fraction of one file's drawing.
+        here = [i for i in left if i % 2] if _worker_count == 1 else []
         futures, done = [], set()
         try:
-            futures = [_workers.submit(_draw_file, *jobs[i]) for i in left if i % (n + 1) != n]
+            futures = [_workers.submit(_draw_file, *jobs[i]) for i in left if i not in here]
             for i in here:
                 _draw_file(*jobs[i])
                 done.add(i)

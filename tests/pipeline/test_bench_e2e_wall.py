@@ -66,3 +66,14 @@ def test_a_failed_run_stops_the_benchmark_with_its_output(tmp_path, monkeypatch,
                         lambda a, out: [sys.executable, "-c", "import sys; print('no such model'); sys.exit(2)"])
     with pytest.raises(SystemExit, match=r"run 1 exited with status 2(.|\n)*no such model"):
         bench.main(["--wall", "2", "--dir", str(tmp_path)])
+
+
+def test_the_host_yardstick_is_printed_and_recorded(tmp_path, monkeypatch, capsys, benchmark_script):
+    """A fixed pure-Python loop timed beside the runs, and the CPU's name where Linux gives it."""
+    bench = benchmark_script("bench_e2e")
+    monkeypatch.setattr(bench, "wall_command", lambda a, out: [sys.executable, "-c", FAKE_RUN, out])
+    result = bench.main(["--wall", "1", "--dir", str(tmp_path / "d"), "--json", str(tmp_path / "w.json")])
+    loop = result["python_loop_s"]
+    assert 0 < loop < 10 and "cpu_model" in result
+    assert f"the Python yardstick loop took {loop * 1e3:.0f} ms" in capsys.readouterr().out
+    assert json.loads((tmp_path / "w.json").read_text())["python_loop_s"] == loop

@@ -113,10 +113,10 @@ def main(argv=None) -> dict:
         # entries; key groups beyond a thread's keys (K / key lanes) would repeat a point.
         points = itertools.product(a.sweep_rows, a.sweep_lanes, a.sweep_groups, a.sweep_stages, (False, True))
         for bv, kl, kg, st, contiguous in points:
-            if bv <= max(V, 4) and kl <= K and bv * K <= STATE_ENTRIES and kg <= max(K // kl, 1):
+            if bv <= max(V, 4) and kl <= min(K, 32) and bv * K <= STATE_ENTRIES and kg <= max(K // kl, 1):
                 timed(block_v=bv, num_warps=1, key_lanes=kl, key_groups=kg, stages=st, contiguous_keys=contiguous)
         if not sweep:
-            raise SystemExit(f"--sweep: no launch configuration fits (rows x K <= {STATE_ENTRIES}, key lanes <= K); "
+            raise SystemExit(f"--sweep: no launch configuration fits (rows x K <= {STATE_ENTRIES}, key lanes <= K and 32); "
                              "give other --sweep-rows / --sweep-lanes")
         best = min(sweep, key=lambda r: r["ms"])
         best_launch = {n: best[n] for n in ("block_v", "key_lanes", "key_groups", "stages", "contiguous_keys")}

@@ -46,8 +46,10 @@ Nothing here is needed, or called, on a real GPU: :func:`enable_fla_interpreter`
 (e) **Device-function calls.** A ``@triton.jit`` function called from a kernel (``tl.sigmoid``, fla's
     ``exp`` helpers) runs the interpreter's ``_patch_lang`` again on every call, in every program
     instance: a scan of every member of ``triton.language`` (about 2 ms each), whose result is then
-    dropped. Inside a launch whose own patches already cover the function's module, that scan finds
-    nothing left to patch, so we skip it; a function from another module is patched once per launch.
+    dropped. Inside a launch, a function whose module (with the same ``triton.language`` modules in
+    its globals) was patched already in that launch is not patched again; the others are patched
+    once per launch. Launches are recognised by wrapping ``GridExecutor.__call__``: a jit function
+    called from Python outside any launch patches as upstream does.
     On the CPU this was a third of the interpreted time of fla's elementwise kernels (one device call
     per program instance).
 
@@ -301,42 +303,45 @@ def _patch_bf16_rounding():
 
 
 def _patch_device_calls():
+    import triton.language as tl
     from triton.runtime import interpreter
 
     inner = interpreter._patch_lang
     if getattr(inner, "_osdn_device_calls", False):
         return
-    # The modules (by their globals dict) patched by the launch now running, if any. A launch
-    # calls _patch_lang from outside any launch and restores its scope when its grid is done; a
-    # device-function call happens inside one and never restores what it patches (upstream).
-    running: list[set[int]] = []
+    # One set per launch running (a kernel's grid being interpreted): what its _patch_lang calls have
+    # patched, each as (its globals dict, the triton.language modules visible there). A launch is
+    # told apart by GridExecutor.__call__ itself, not by the stack's being empty: a jit function
+    # called straight from Python (outside any launch) patches as upstream does and is never undone.
+    running: list[set] = []
 
     def _patch_lang(fn):
-        key = id(fn.__globals__)
-        if running:
-            if key in running[-1]:
-                return interpreter._LangPatchScope()  # already patched by this launch
-            running[-1].add(key)
+        if not running:  # outside a launch
             return inner(fn)
-        scope = inner(fn)
-        patched = {key}
-        running.append(patched)
-        restore = scope.restore
+        g = fn.__globals__
+        # The language modules visible there are part of the key: upstream adds `tl` to a module's
+        # globals when it first rewrites one of its functions, after that function's first patch.
+        key = (id(g), tuple(name for name, value in g.items() if value is tl or value is tl.core))
+        if key in running[-1]:
+            return interpreter._LangPatchScope()  # already patched in this launch
+        running[-1].add(key)
+        return inner(fn)
 
-        def restore_and_close():
-            try:
-                restore()
-            finally:
-                if running and running[-1] is patched:
-                    running.pop()
+    launch = interpreter.GridExecutor.__call__
 
-        scope.restore = restore_and_close
-        return scope
+    def launch_once_patched(self, *args, **kwargs):
+        running.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            running.pop()
 
     _patch_lang._osdn_device_calls = True
     _patch_lang._osdn_interpret = True  # (c) stays applied beneath it
     _patch_lang.__wrapped__ = inner
     interpreter._patch_lang = _patch_lang
+    launch_once_patched.__wrapped__ = launch
+    interpreter.GridExecutor.__call__ = launch_once_patched
 
 
 def enable_fla_interpreter() -> None:

@@ -209,9 +209,16 @@ def _resolve_launch(launch: dict, BK: int, *, block_v, key_lanes, key_groups, st
         launch[n] if x is None else x
         for n, x in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups), ("stages", stages),
                      ("contiguous_keys", contiguous_keys)))
+    checked = []
     for name, value in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"fused_replay: {name} must be a power of two, got {value}")
+        try:  # an int, or anything that is one (numpy's), but not a bool
+            n = -1 if isinstance(value, bool) else operator.index(value)
+        except TypeError:
+            n = -1
+        if n < 1 or n & (n - 1):
+            raise ValueError(f"fused_replay: {name} must be a power of two, got {value!r}")
+        checked.append(n)
+    block_v, key_lanes, key_groups = checked
     if key_lanes > 32:  # the lanes of one warp
         raise ValueError(f"fused_replay: key_lanes must be at most 32 (a warp's lanes), got {key_lanes}")
     KL = min(key_lanes, BK)

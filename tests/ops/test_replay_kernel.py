@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,6 +173,15 @@ def test_fused_replay_refuses_a_launch_option_that_is_not_a_power_of_two(option)
         ops_replay.fused_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), **{option: 3})
 
 
+def test_fused_replay_takes_numpy_integers_for_launch_options():
+    q, k, v, beta, _ = _inputs(1, 1, 3, 1, 8, 8, gate=None, asym=False, h0=False)
+    args = [x.to(DEVICE) for x in (q, k, v, beta)]
+    plain = ops_replay.fused_replay(*args, block_v=4, key_lanes=2, key_groups=2, num_warps=1)
+    given = ops_replay.fused_replay(*args, block_v=np.int64(4), key_lanes=np.int32(2), key_groups=np.int64(2),
+                                    num_warps=np.int64(1))
+    assert torch.equal(plain.o, given.o) and torch.equal(plain.loss_after, given.loss_after)
+
+
 @pytest.mark.parametrize("K, V", [(0, 8), (8, 0)])
 def test_fused_replay_refuses_keys_or_values_without_channels(K, V):
     q, k = torch.zeros(1, 3, 1, K), torch.zeros(1, 3, 1, K)
@@ -192,6 +202,8 @@ def test_fused_replay_refuses_keys_or_values_without_channels(K, V):
     (dict(num_warps=64), r"num_warps must be a power of two from 1 to 32, got 64"),
     (dict(num_warps=2.0), r"num_warps must be a power of two from 1 to 32, got 2.0"),
     (dict(key_lanes=64), r"key_lanes must be at most 32 \(a warp's lanes\), got 64"),
+    (dict(key_lanes=2.0), r"key_lanes must be a power of two, got 2.0"),
+    (dict(block_v=True), r"block_v must be a power of two, got True"),
 ])
 def test_fused_replay_refuses_inconsistent_options(options, message):
     """Options that cannot all hold, or that the kernel would take without noticing, are refused

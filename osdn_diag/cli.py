@@ -566,8 +566,12 @@ def _report_workers(command: str):
 
 def _run_command(args: argparse.Namespace) -> int:
     if args.command in _MODEL_COMMANDS:  # the others never import transformers (nor torch, for prove)
+        from ._dist_cache import remember_distributions
         from ._fla_import import import_lazily
 
+        # transformers < 5.24 reads every installed distribution's metadata as it is imported (1.6 s
+        # on an H200 host); answered from a cache of it, kept current by what is installed.
+        remember_distributions()
         import_lazily()  # only the fla modules the model uses (OSDN_DIAG_FLA_IMPORT=full: all of fla)
         _quiet_libraries()
         if _cpu_threads(getattr(args, "device", None)) is False:
@@ -582,9 +586,11 @@ def _run_command(args: argparse.Namespace) -> int:
         return args.func(args)
     finally:
         if args.command in _MODEL_COMMANDS:
+            from ._dist_cache import forget_distributions
             from ._fla_import import restore_torch_compile
 
             restore_torch_compile()
+            forget_distributions()
         if "torch.distributed" in sys.modules:  # else no process group can have been joined
             from .distributed import shutdown
 

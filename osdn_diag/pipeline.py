@@ -102,25 +102,6 @@ def _compiles_kernels(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-@contextmanager
-def host_threads(device: str | torch.device) -> Iterator[None]:
-    """While a GPU captures and replays: one torch CPU thread. The host's share of that work is small
-    bookkeeping (flags, index tensors, table columns); with torch's default of a thread per core, its
-    pool's threads spin after every such operation (on a 16-core H200 host, 15 threads at ~1.5 CPU
-    seconds each during the paper-scale stream run) and take the cores that the run's own threads (the
-    replay, the comparator, the table's rows, the parquet encoder) need. ``OMP_NUM_THREADS``, where
-    set, is kept; so is everything on the CPU, whose threads the command line sets itself."""
-    if torch.device(device).type != "cuda" or "OMP_NUM_THREADS" in os.environ:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _progress(iterable, total: int, enabled: bool, desc: str, unit: str):
     if not enabled:
         return iterable
@@ -392,8 +373,7 @@ class _CaptureSession:
             batches = []
         if show and batches and _compiles_kernels(self.device) and not has_compiled_kernels(triton_cache_dir()):
             print(COMPILE_NOTICE.format(cache=triton_cache_dir()), file=sys.stderr, flush=True)
-        with capture(self.loaded.model, kernels=self.kernels) as cap, torch.inference_mode(), \
-                host_threads(self.replay_device):
+        with capture(self.loaded.model, kernels=self.kernels) as cap, torch.inference_mode():
             for batch_idx, batch in _progress(batches, len(batches), show, "capture", "batch"):
                 ids, mask = _inputs(batch, self.device)
                 out = self.loaded.model(input_ids=ids, attention_mask=mask, use_cache=False)
@@ -713,7 +693,7 @@ def _replay(run_dir: Path, *, progress, out_dir, extra, run_id, recall, **replay
         replay_kw.setdefault("device", ranks.device())
         replayer = Replayer(prompts, **replay_kw)
         shards = [p for p in reader.shards() if ranks.owns(int(p.parent.name.removeprefix("batch_")))]
-        with _residuals_writer(out_dir, replayer.schema, ranks, run_id) as residuals, host_threads(replayer.device):
+        with _residuals_writer(out_dir, replayer.schema, ranks, run_id) as residuals:
             for stored in _progress(_read_ahead(reader, shards), len(shards), progress and ranks.is_main,
                                     "replay", "call"):
                 residuals.write(replayer.add(stored, table=False))  # its rows built on the writer's rows thread

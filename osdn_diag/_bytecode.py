@@ -17,21 +17,16 @@ import os
 import sys
 from pathlib import Path
 
+from ._cache_paths import cache_path
+
 __all__ = ["ENV", "cache_dir", "keep_bytecode"]
 
 ENV = "OSDN_DIAG_PYCACHE"
-_OFF = ("off", "0", "no", "false")
 
 
 def cache_dir() -> Path | None:
     """Where :func:`keep_bytecode` keeps bytecode, or ``None`` if ``OSDN_DIAG_PYCACHE`` is off."""
-    setting = os.environ.get(ENV, "").strip()
-    if setting.lower() in _OFF:
-        return None
-    if setting:
-        return Path(setting).expanduser()
-    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(home, "osdn-diag", "pycache")
+    return cache_path(ENV, "pycache")
 
 
 def _ships_bytecode(package: str = "torch") -> bool:

@@ -26,23 +26,18 @@ import os
 import sys
 from pathlib import Path
 
+from ._cache_paths import cache_path
+
 __all__ = ["ENV", "cache_file", "distributions_key", "forget_distributions", "remember_distributions"]
 
 ENV = "OSDN_DIAG_DIST_CACHE"
-_OFF = ("off", "0", "no", "false")
 #: The standard library's own function, called where the cache cannot answer.
 _COMPUTE = importlib.metadata.packages_distributions
 
 
 def cache_file() -> Path | None:
     """Where the mapping is kept, or ``None`` if ``OSDN_DIAG_DIST_CACHE`` is off."""
-    setting = os.environ.get(ENV, "").strip()
-    if setting.lower() in _OFF:
-        return None
-    if setting:
-        return Path(setting).expanduser()
-    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(home, "osdn-diag", "distributions.json")
+    return cache_path(ENV, "distributions.json")
 
 
 def distributions_key() -> str:

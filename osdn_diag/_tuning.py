@@ -29,13 +29,14 @@ import re
 import weakref
 from pathlib import Path
 
+from ._cache_paths import OFF as _OFF
+
 __all__ = ["ENV", "TABLES", "check_table_file", "load_table", "recorded_choices_used", "save_choices", "table_path",
            "tuning_key", "use_recorded_choices"]
 
 ENV = "OSDN_DIAG_TUNING"
 TABLES = Path(__file__).parent / "tuning"
 FORMAT = 1
-_OFF = ("off", "0", "no", "false")
 
 _TUNERS: weakref.WeakSet = weakref.WeakSet()   # every autotuner that ran since the patch
 _STATE: dict = {"table": None, "used": 0}       # table: {(kernel, key repr): config str}, loaded lazily

@@ -1,0 +1,23 @@
+"""Where osdn-diag keeps what it caches between processes, and the environment variables that move it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["OFF", "cache_path"]
+
+#: Values of a cache's environment variable that turn the cache off.
+OFF = ("off", "0", "no", "false")
+
+
+def cache_path(env: str, name: str) -> Path | None:
+    """The path of the cache ``name`` (a file or a folder): ``None`` if the variable ``env`` is off, the
+    path it gives if it gives one, else ``$XDG_CACHE_HOME/osdn-diag/NAME`` (``~/.cache/osdn-diag/NAME``)."""
+    setting = os.environ.get(env, "").strip()
+    if setting.lower() in OFF:
+        return None
+    if setting:
+        return Path(setting).expanduser()
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(home, "osdn-diag", name)

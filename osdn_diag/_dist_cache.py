@@ -7,32 +7,36 @@ file list (``RECORD``) of each one without a ``top_level.txt``: on one H200 host
 
 :func:`remember_distributions` answers it from a file in the osdn-diag cache instead
 (``$XDG_CACHE_HOME/osdn-diag/distributions.json``, else ``~/.cache/osdn-diag/distributions.json``),
-kept under a key of what is installed: every ``sys.path`` folder with its modification time and its
-``*.dist-info`` / ``*.egg-info`` entries with theirs. Installing, removing or upgrading a package adds
-or removes an entry, so the folder's time and the list both change, and the mapping is computed again
-(and the file rewritten, atomically; it keeps the :data:`KEEP` latest keys, as the working
-directory, on ``sys.path`` for ``python -m``, is part of the key). Reading the key costs one directory listing per ``sys.path``
-folder. Only ``packages_distributions`` is replaced, and only until :func:`forget_distributions`; a
-cache that cannot be read or written is ignored. ``OSDN_DIAG_DIST_CACHE=off`` leaves the function
-alone; ``OSDN_DIAG_DIST_CACHE=FILE`` keeps the mapping in ``FILE``.
+kept under a key of what is installed: for every ``sys.path`` folder, its metadata folders
+(``*.dist-info``, ``*.egg-info``, an unpacked egg's ``EGG-INFO``) with the modification time and size
+of each file of theirs that is read. Installing, removing, upgrading or editing a package's metadata
+changes the key, and the mapping is computed again (and the file rewritten atomically; it keeps the
+:data:`KEEP` latest keys). What the key cannot see is not cached: where a finder other than the
+standard one on ``sys.meta_path`` lists distributions, the function is asked as usual; so it is
+where the key cannot be read or the cache is not a regular file. A metadata file rewritten with the
+same time and size is not seen. Reading the key costs one listing per ``sys.path`` folder and a few
+``stat`` calls per package. Only ``packages_distributions`` is replaced, and only until
+:func:`forget_distributions`; a cache that cannot be read or written is ignored.
+``OSDN_DIAG_DIST_CACHE=off`` leaves the function alone; ``OSDN_DIAG_DIST_CACHE=FILE`` keeps the mapping
+in ``FILE``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import importlib.metadata
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
 from ._cache_paths import cache_path
 
-__all__ = ["ENV", "cache_file", "distributions_key", "forget_distributions", "remember_distributions"]
+__all__ = ["ENV", "KEEP", "cache_file", "distributions_key", "forget_distributions", "remember_distributions"]
 
 ENV = "OSDN_DIAG_DIST_CACHE"
-#: The standard library's own function, called where the cache cannot answer.
-_COMPUTE = importlib.metadata.packages_distributions
 
 
 def cache_file() -> Path | None:
@@ -40,27 +44,51 @@ def cache_file() -> Path | None:
     return cache_path(ENV, "distributions.json")
 
 
+#: The files of a metadata folder that ``packages_distributions`` reads (the names it reports, the
+#: top-level names a distribution declares, or the file list they are inferred from).
+_METADATA_FILES = ("METADATA", "PKG-INFO", "top_level.txt", "RECORD", "SOURCES.txt", "installed-files.txt")
+
+
+def _metadata_folders(folder: str) -> list[tuple[str, str]]:
+    """``(name, path)`` of the metadata folders directly in ``folder``, as the standard library finds
+    them: ``*.dist-info`` and ``*.egg-info`` in any case, and the ``EGG-INFO`` of an unpacked ``*.egg``."""
+    out = []
+    with os.scandir(folder) as listing:
+        for entry in listing:
+            low = entry.name.lower()
+            if low.endswith((".dist-info", ".egg-info")):
+                out.append((entry.name, entry.path))
+            elif low.endswith(".egg"):
+                out.append((entry.name, os.path.join(entry.path, "EGG-INFO")))
+    return sorted(out)
+
+
+def _stat(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_mtime_ns, info.st_size
+
+
 def distributions_key() -> str:
     """A digest of what ``packages_distributions`` reads: each ``sys.path`` entry (a folder with its
-    modification time and its metadata folders with theirs, or a file with its time and size)."""
+    metadata folders and the time and size of the files of theirs it reads, or a file with its time
+    and size). A folder's own modification time is left out: outputs written into the working
+    directory, which ``python -m`` puts on ``sys.path``, would change it at every command."""
     parts: list = [sys.version, sys.path]
     for entry in sys.path:
-        path = entry or os.getcwd()
+        path = os.path.abspath(entry or os.curdir)
+        if not os.path.isdir(path):  # a zip file on the path, or nothing
+            parts.append((path, _stat(path)))
+            continue
         try:
-            info = os.stat(path)
+            folders = _metadata_folders(path)
         except OSError:
             parts.append((path, None))
             continue
-        if not os.path.isdir(path):  # a zip file on the path
-            parts.append((path, info.st_mtime_ns, info.st_size))
-            continue
-        try:
-            with os.scandir(path) as listing:
-                meta = sorted((e.name, e.stat().st_mtime_ns) for e in listing
-                              if e.name.endswith((".dist-info", ".egg-info")))
-        except OSError:
-            meta = None
-        parts.append((path, info.st_mtime_ns, meta))
+        parts.append((path, [(name, _stat(meta), [_stat(os.path.join(meta, f)) for f in _METADATA_FILES])
+                             for name, meta in folders]))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
@@ -68,45 +96,84 @@ def distributions_key() -> str:
 KEEP = 4
 
 
-def _remembered() -> dict[str, list[str]]:
-    """``packages_distributions()`` from the cache file where it holds the current key; else computed
-    and added there (the oldest of :data:`KEEP` dropped). A fresh dictionary every call, as the
-    standard library's is."""
-    where = cache_file()
-    key = distributions_key()
-    entries: list = []
-    if where is not None:
-        try:
-            entries = [e for e in json.loads(where.read_text())["entries"]
-                       if isinstance(e["key"], str) and isinstance(e["distributions"], dict)]
-        except (OSError, ValueError, KeyError, TypeError):
-            entries = []  # missing, unreadable or not ours: computed again below
-        for entry in entries:
-            if entry["key"] == key:
-                return {name: list(dists) for name, dists in entry["distributions"].items()}
-    mapping = dict(_COMPUTE())
-    if where is not None:
-        try:
-            from ._atomic import atomic_write_text
+def _usable(where: Path) -> bool:
+    """Whether ``where`` may be read and replaced: a regular file, or nothing yet (never a device such
+    as ``/dev/null``, a pipe or a folder)."""
+    try:
+        return stat.S_ISREG(os.stat(where).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
-            where.parent.mkdir(parents=True, exist_ok=True)
-            entries = [{"key": key, "distributions": mapping}] + entries[: KEEP - 1]
-            atomic_write_text(where, json.dumps({"entries": entries}))
-        except OSError:
-            pass  # a read-only home: computed every time, as before
+
+def _valid(mapping) -> bool:
+    return isinstance(mapping, dict) and all(
+        isinstance(name, str) and isinstance(dists, list) and all(d is None or isinstance(d, str) for d in dists)
+        for name, dists in mapping.items())
+
+
+def _answer(compute) -> dict[str, list[str]]:
+    """``packages_distributions()`` from the cache file where it holds the current key; else computed
+    (by ``compute``) and added there, the oldest of :data:`KEEP` dropped. The standard library's own
+    answer wherever the cache cannot be trusted: another finder of distributions on ``sys.meta_path``
+    (its answers are not in the key), a key that cannot be read, a file that is not a regular file."""
+    where = cache_file()
+    if where is None or any(hasattr(f, "find_distributions") and f is not importlib.machinery.PathFinder
+                            for f in sys.meta_path):
+        return compute()
+    try:
+        key = distributions_key()
+    except Exception:  # e.g. the working directory removed under a running process
+        return compute()
+    if not _usable(where):
+        return compute()
+    entries: list = []
+    try:
+        entries = [e for e in json.loads(where.read_text())["entries"]
+                   if isinstance(e["key"], str) and _valid(e["distributions"])]
+    except Exception:  # missing, unreadable, or not ours (any shape, however deep): computed again below
+        entries = []
+    for entry in entries:
+        if entry["key"] == key:
+            return {name: list(dists) for name, dists in entry["distributions"].items()}
+    mapping = dict(compute())
+    try:
+        from ._atomic import atomic_write_text
+
+        where.parent.mkdir(parents=True, exist_ok=True)
+        entries = [{"key": key, "distributions": mapping}] + entries[: KEEP - 1]
+        atomic_write_text(where, json.dumps({"entries": entries}))
+    except (OSError, TypeError, ValueError):
+        pass  # a read-only home, or names JSON cannot hold: computed every time, as before
     return {name: list(dists) for name, dists in mapping.items()}
+
+
+#: The function :func:`remember_distributions` replaced, called to compute, given back by
+#: :func:`forget_distributions`.
+_replaced = None
+
+
+def _remembered() -> dict[str, list[str]]:
+    return _answer(_replaced or importlib.metadata.packages_distributions)
 
 
 def remember_distributions() -> bool:
     """Answer ``importlib.metadata.packages_distributions()`` from the cache (the module docstring)
     until :func:`forget_distributions`; ``False`` (nothing changed) if ``OSDN_DIAG_DIST_CACHE`` is off."""
+    global _replaced
     if cache_file() is None:
         return False
-    importlib.metadata.packages_distributions = _remembered
+    if importlib.metadata.packages_distributions is not _remembered:
+        _replaced = importlib.metadata.packages_distributions
+        importlib.metadata.packages_distributions = _remembered
     return True
 
 
 def forget_distributions() -> None:
-    """Give ``importlib.metadata.packages_distributions`` back to the standard library."""
-    if importlib.metadata.packages_distributions is _remembered:
-        importlib.metadata.packages_distributions = _COMPUTE
+    """Give ``importlib.metadata.packages_distributions`` back: the function that was there before
+    :func:`remember_distributions` (unless something else has replaced the cache's since)."""
+    global _replaced
+    if importlib.metadata.packages_distributions is _remembered and _replaced is not None:
+        importlib.metadata.packages_distributions = _replaced
+        _replaced = None

@@ -565,24 +565,24 @@ def _report_workers(command: str):
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    if args.command in _MODEL_COMMANDS:  # the others never import transformers (nor torch, for prove)
-        from ._dist_cache import remember_distributions
-        from ._fla_import import import_lazily
-
-        # transformers < 5.24 reads every installed distribution's metadata as it is imported (1.6 s
-        # on an H200 host); answered from a cache of it, kept current by what is installed.
-        remember_distributions()
-        import_lazily()  # only the fla modules the model uses (OSDN_DIAG_FLA_IMPORT=full: all of fla)
-        _quiet_libraries()
-        if _cpu_threads(getattr(args, "device", None)) is False:
-            from ._autotune import compile_configs_in_parallel
-            from ._tuning import use_recorded_choices
-
-            # On a GPU (triton may be imported now): fla's first-run autotuning answered from the
-            # shipped table of this GPU where it can be, the rest compiled in parallel.
-            use_recorded_choices()
-            compile_configs_in_parallel()
     try:
+        if args.command in _MODEL_COMMANDS:  # the others never import transformers (nor torch, for prove)
+            from ._dist_cache import remember_distributions
+            from ._fla_import import import_lazily
+
+            # transformers < 5.24 reads every installed distribution's metadata as it is imported (1.0 s
+            # on an H200 host); answered from a cache of it, kept current by what is installed.
+            remember_distributions()
+            import_lazily()  # only the fla modules the model uses (OSDN_DIAG_FLA_IMPORT=full: all of fla)
+            _quiet_libraries()
+            if _cpu_threads(getattr(args, "device", None)) is False:
+                from ._autotune import compile_configs_in_parallel
+                from ._tuning import use_recorded_choices
+
+                # On a GPU (triton may be imported now): fla's first-run autotuning answered from the
+                # shipped table of this GPU where it can be, the rest compiled in parallel.
+                use_recorded_choices()
+                compile_configs_in_parallel()
         return args.func(args)
     finally:
         if args.command in _MODEL_COMMANDS:

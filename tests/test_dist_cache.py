@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import shutil
+import stat
 import sys
 
 import pytest
 
 from osdn_diag import _dist_cache as dc
+
+_STDLIB = importlib.metadata.packages_distributions  # the standard library's, before any test replaces it
+
+
+def _stdlib():
+    return _STDLIB()
 
 
 @pytest.fixture
@@ -34,19 +42,23 @@ def _fake_distribution(folder, name: str, top: str) -> None:
 
 
 def test_the_cached_answer_is_the_standard_librarys(cache, monkeypatch):
-    expected = dc._COMPUTE()
+    expected = _stdlib()
     assert dc.remember_distributions()
-    assert importlib.metadata.packages_distributions is not dc._COMPUTE
+    assert importlib.metadata.packages_distributions is not _STDLIB
     first = importlib.metadata.packages_distributions()  # computed, and written
     assert first == expected and cache.is_file()
-    calls = []
-    monkeypatch.setattr(dc, "_COMPUTE", lambda: calls.append(1) or {})
-    second = importlib.metadata.packages_distributions()  # from the file: the stdlib is not asked
-    assert second == expected and calls == []
+
+    def not_asked():
+        raise AssertionError("computed again, though the cache holds the answer")
+
+    monkeypatch.setattr(dc, "_replaced", not_asked)
+    second = importlib.metadata.packages_distributions()  # from the file
+    assert second == expected
     second["torch"].append("changed by the caller")
     assert importlib.metadata.packages_distributions() == expected  # every answer a fresh copy
+    monkeypatch.setattr(dc, "_replaced", _STDLIB)
     dc.forget_distributions()
-    assert importlib.metadata.packages_distributions is dc._COMPUTE
+    assert importlib.metadata.packages_distributions is _STDLIB
 
 
 def test_installing_or_removing_a_package_is_seen(cache, tmp_path, monkeypatch):
@@ -57,7 +69,7 @@ def test_installing_or_removing_a_package_is_seen(cache, tmp_path, monkeypatch):
     assert "osdn_fake_pkg" not in importlib.metadata.packages_distributions()
     _fake_distribution(site, "osdn-fake-dist", "osdn_fake_pkg")  # installed
     assert importlib.metadata.packages_distributions()["osdn_fake_pkg"] == ["osdn-fake-dist"]
-    assert importlib.metadata.packages_distributions() == dc._COMPUTE()
+    assert importlib.metadata.packages_distributions() == _stdlib()
     shutil.rmtree(site / "osdn-fake-dist-1.0.dist-info")  # removed
     assert "osdn_fake_pkg" not in importlib.metadata.packages_distributions()
     # The file keeps the latest keys: the set seen before is answered again without computing.
@@ -67,7 +79,7 @@ def test_installing_or_removing_a_package_is_seen(cache, tmp_path, monkeypatch):
 
 
 def test_a_damaged_or_unwritable_cache_changes_nothing(cache, tmp_path, monkeypatch):
-    expected = dc._COMPUTE()
+    expected = _stdlib()
     dc.remember_distributions()
     cache.parent.mkdir(parents=True)
     for damaged in ("{not json", json.dumps({"entries": [{"key": dc.distributions_key()}]}),
@@ -85,7 +97,7 @@ def test_off_leaves_the_function_alone(monkeypatch):
     monkeypatch.setenv(dc.ENV, "off")
     assert dc.cache_file() is None
     assert not dc.remember_distributions()
-    assert importlib.metadata.packages_distributions is dc._COMPUTE
+    assert importlib.metadata.packages_distributions is _STDLIB
 
 
 def test_the_default_file_is_in_the_osdn_diag_cache(monkeypatch, tmp_path):
@@ -107,4 +119,116 @@ def test_a_model_command_uses_the_cache_while_it_runs(cache, tmp_path, monkeypat
     with pytest.raises(ValueError, match="stopped here"):
         cli.main(["capture", "random:deltanet-tiny", "--prompts", "random", "--out", str(tmp_path / "r")])
     assert seen == [True]
-    assert importlib.metadata.packages_distributions is dc._COMPUTE  # given back, also after an error
+    assert importlib.metadata.packages_distributions is _STDLIB  # given back, also after an error
+
+
+def test_metadata_the_key_must_see(cache, tmp_path, monkeypatch):
+    """Metadata rewritten in place, folder names in capitals, an unpacked egg, and a dangling link
+    beside a real package: the answer stays the standard library's."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    dc.remember_distributions()
+    _fake_distribution(site, "osdn-fake-dist", "old_pkg")
+    assert importlib.metadata.packages_distributions()["old_pkg"] == ["osdn-fake-dist"]
+    (site / "osdn-fake-dist-1.0.dist-info" / "top_level.txt").write_text("new_pkg\n")  # in place
+    answer = importlib.metadata.packages_distributions()
+    assert answer == _stdlib() and "new_pkg" in answer and "old_pkg" not in answer
+    upper = site / "Upper-1.0.DIST-INFO"
+    upper.mkdir()
+    (upper / "METADATA").write_text("Metadata-Version: 2.1\nName: upper\nVersion: 1.0\n")
+    (upper / "top_level.txt").write_text("upper_pkg\n")
+    egg = site / "eggy-1.0-py3.11.egg" / "EGG-INFO"
+    egg.mkdir(parents=True)
+    (egg / "PKG-INFO").write_text("Metadata-Version: 1.1\nName: eggy\nVersion: 1.0\n")
+    (egg / "top_level.txt").write_text("eggy_pkg\n")
+    monkeypatch.syspath_prepend(str(site / "eggy-1.0-py3.11.egg"))
+    (site / "broken-1.0.dist-info").symlink_to(tmp_path / "nowhere")
+    answer = importlib.metadata.packages_distributions()
+    assert answer == _stdlib() and "upper_pkg" in answer and "eggy_pkg" in answer
+    (upper / "top_level.txt").write_text("upper_pkg\nupper_two\n")
+    (egg / "top_level.txt").write_text("eggy_pkg\neggy_two\n")
+    answer = importlib.metadata.packages_distributions()
+    assert answer == _stdlib() and "upper_two" in answer and "eggy_two" in answer
+
+
+def test_outputs_beside_the_packages_keep_the_key(tmp_path, monkeypatch):
+    """``python -m`` puts the working directory on sys.path, where commands write their outputs."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = dc.distributions_key()
+    (tmp_path / "runs" / "paper").mkdir(parents=True)
+    (tmp_path / "notes.txt").write_text("a run")
+    assert dc.distributions_key() == before
+
+
+def test_another_finder_of_distributions_is_asked_as_usual(cache, monkeypatch):
+    class Bundled(importlib.metadata.DistributionFinder):
+        def find_spec(self, *args, **kwargs):
+            return None
+
+        def find_distributions(self, context=None):
+            return iter(())
+
+    dc.remember_distributions()
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, Bundled()])
+    assert importlib.metadata.packages_distributions() == _stdlib()
+    assert not cache.exists()  # not cached: what that finder lists is not in the key
+
+
+def test_damaged_entries_of_the_current_key_are_not_trusted(cache):
+    expected = _stdlib()
+    dc.remember_distributions()
+    cache.parent.mkdir(parents=True)
+    key = dc.distributions_key()
+    for bad in ("[" * 100_000, {"torch": 1}, {"torch": "torch"}, {"torch": None}, {"torch": [1]}, [1]):
+        text = bad if isinstance(bad, str) else json.dumps({"entries": [{"key": key, "distributions": bad}]})
+        cache.write_text(text)
+        assert importlib.metadata.packages_distributions() == expected, bad
+
+
+def test_a_removed_working_directory(cache, tmp_path, monkeypatch):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    monkeypatch.syspath_prepend("")
+    dc.remember_distributions()
+    gone.rmdir()
+    assert importlib.metadata.packages_distributions() == _stdlib()
+
+
+def test_a_cache_path_that_is_no_regular_file(tmp_path, monkeypatch):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    monkeypatch.setenv(dc.ENV, str(fifo))
+    dc.remember_distributions()
+    try:
+        assert importlib.metadata.packages_distributions() == _stdlib()
+    finally:
+        dc.forget_distributions()
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    for value in ("on", "1", "yes", "TRUE"):  # the default place, not a file named so
+        monkeypatch.setenv(dc.ENV, value)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        assert dc.cache_file() == tmp_path / "xdg" / "osdn-diag" / "distributions.json"
+
+
+def test_the_function_before_is_the_function_after(cache, tmp_path, monkeypatch):
+    from osdn_diag import cli
+
+    def theirs():
+        return _stdlib()
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", theirs)
+    dc.remember_distributions()
+    assert importlib.metadata.packages_distributions is not theirs
+    dc.forget_distributions()
+    assert importlib.metadata.packages_distributions is theirs
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", _STDLIB)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_quiet_libraries", interrupted)  # Ctrl-C while the libraries load
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["capture", "random:deltanet-tiny", "--prompts", "random", "--out", str(tmp_path / "r")])
+    assert importlib.metadata.packages_distributions is _STDLIB

@@ -72,7 +72,7 @@ def test_installing_or_removing_a_package_is_seen(cache, tmp_path, monkeypatch):
     assert importlib.metadata.packages_distributions() == _stdlib()
     shutil.rmtree(site / "osdn-fake-dist-1.0.dist-info")  # removed
     assert "osdn_fake_pkg" not in importlib.metadata.packages_distributions()
-    # The file keeps the latest keys: the set seen before is answered again without computing.
+    # Installed again (new times, so a new key): the file keeps at most KEEP keys, none twice.
     _fake_distribution(site, "osdn-fake-dist", "osdn_fake_pkg")
     keys = [e["key"] for e in json.loads(cache.read_text())["entries"]]
     assert len(keys) == len(set(keys)) <= dc.KEEP

@@ -18,6 +18,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
 __all__ = ["Q_FLOOR", "RatioAccumulator", "RatioStats"]
@@ -97,7 +98,10 @@ class RatioAccumulator:
         The sums are taken where the columns are (on a GPU: one transfer of the per-cell sums, no
         other wait) and are deterministic: a stable sort by cell and one segmented sum per cell,
         where scattered atomic adds would add in a different order on every run (rows that come in cell
-        order, as a replay's do, are not sorted again)."""
+        order, as a replay's do, are not sorted again). The call's sequences of one task share their
+        cells: their sums are added together on the host (numpy) before the cells are, so that the
+        Python loop runs over (task, head, bin), not (sequence, head, bin): 80 entries instead of 640
+        for a batch of eight sequences of one task, ten bins and eight heads."""
         if self.column not in columns:
             return
         finite = columns["finite"].bool()
@@ -119,15 +123,14 @@ class RatioAccumulator:
             values = values[order]
         bounds = torch.searchsorted(code, torch.arange(size + 1, device=dev))
         sums = torch.segment_reduce(values, "sum", lengths=bounds.diff(), axis=0, unsafe=True)
-        sums = sums.cpu().tolist()  # the one transfer
-        excluded = 0.0
-        for c, (n, n_zero, s_log, s, n_bad) in enumerate(sums):
-            excluded += n_bad
-            if n:
-                sq, rest = divmod(c, num_heads * self.num_bins)
-                h, b = divmod(rest, self.num_bins)
-                self.cells[(layer, h, tasks[sq], b)] += RatioStats(int(n), int(n_zero), s_log, s)
-        self.excluded_nonfinite += int(excluded)
+        sums = sums.cpu().numpy().reshape(len(lengths), num_heads * self.num_bins, 5)  # the one transfer
+        for task in sorted(set(tasks)):
+            part = sums[[i for i, t in enumerate(tasks) if t == task]].sum(0)  # [heads · bins, 5]
+            for c in np.flatnonzero(part[:, 0]):
+                h, b = divmod(int(c), self.num_bins)
+                n, n_zero, s_log, s, _ = part[c].tolist()
+                self.cells[(layer, h, task, b)] += RatioStats(int(n), int(n_zero), s_log, s)
+        self.excluded_nonfinite += int(sums[..., 4].sum())
 
     def merge(self, other: RatioAccumulator) -> None:
         for key, stats in other.cells.items():

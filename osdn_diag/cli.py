@@ -543,10 +543,6 @@ def main(argv: list[str] | None = None, *, report_workers: bool = False) -> int:
 
     args = build_parser().parse_args(argv)
     check_args(args)
-    if args.command in _MODEL_COMMANDS:
-        from ._cuda_context import start_context
-
-        start_context(getattr(args, "device", None))  # the GPU's context made while torch is imported
     with _report_workers(args.command) if report_workers else contextlib.nullcontext():
         return _run_command(args)
 

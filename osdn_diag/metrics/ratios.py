@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
+from .._host import from_host
+
 __all__ = ["Q_FLOOR", "RatioAccumulator", "RatioStats"]
 
 Q_FLOOR = 1e-30
@@ -109,7 +111,7 @@ class RatioAccumulator:
         q = torch.where(finite, columns[self.column].to(torch.float64), 1.0)
         seq = columns["sequence"].long()
         head = columns["head"].long()
-        length = torch.tensor(lengths, dtype=torch.float64, device=dev)[seq]
+        length = from_host(lengths, torch.float64, dev)[seq]
         rel = columns["pos"].to(torch.float64) / length
         bins = (rel * self.num_bins).floor().long().clamp_(0, self.num_bins - 1)
         if num_heads is None:

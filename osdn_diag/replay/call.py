@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._host import from_host
 from ..capture.kernel_inputs import unit_roundoff
 from ..capture.record import KernelCall
 from ..math.closed_forms import residual_ratio
@@ -218,10 +219,12 @@ def _table_index(segments, H: int, device) -> tuple[torch.Tensor, ...]:
     if S == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return (empty,) * 5
-    rows, starts, lengths = (torch.tensor(x, dtype=torch.long, device=device) for x in zip(*segments))
+    rows, starts, lengths = from_host(list(zip(*segments)), torch.long, device)
     lengths = lengths - starts
     block = lengths * H
-    seq = torch.repeat_interleave(torch.arange(S, device=device), block)
+    # With its size given, repeat_interleave does not read the repeats back from the device.
+    total = sum(e - s for _, s, e in segments) * H
+    seq = torch.repeat_interleave(torch.arange(S, device=device), block, output_size=total)
     j = torch.arange(seq.numel(), device=device) - (torch.cumsum(block, 0) - block)[seq]
     L = lengths[seq]
     head, pos = j // L, j % L

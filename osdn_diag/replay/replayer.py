@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from .._host import from_host
 from ..capture.record import KernelCall
 from ..capture.store import StoredCall, to_device
 from ..metrics.audit import AuditAccumulator
@@ -405,9 +406,8 @@ class _Problems:
         dev = call.k.device
         S = len(segs)
         L = max((e - s for _, s, e in segs), default=0)
-        row = torch.tensor([r for r, _, _ in segs], dtype=torch.long, device=dev)
-        start = torch.tensor([s for _, s, _ in segs], dtype=torch.long, device=dev)
-        n = torch.tensor([e - s for _, s, e in segs], dtype=torch.long, device=dev)
+        row, start, n = from_host([[r for r, _, _ in segs], [s for _, s, _ in segs], [e - s for _, s, e in segs]],
+                                  torch.long, dev).view(3, S)
         pos = torch.arange(L, device=dev)
         inside = pos[None, :] < n[:, None]  # [S, L]
         # Padding reads the sequence's last token (eps_at_final_d reads d at the last position);

@@ -12,7 +12,8 @@ finite; the caller's ``valid`` mask), with ``T_eff = n_valid``; the excluded tok
 **Columns** (per problem, over valid tokens; ``s_t = k_t ⊙ k_t``, ``n_t = ‖k_t‖²``, ``a_t(d) = β_t⟨d, s_t⟩``):
 
 * ``eps_diag`` — ``ε_T^diag = min_{d∈box} ε_T(d)`` with ``ε_T(d) = 1/(2T_eff) Σ (1 − a_t(d))²``, attained at
-  ``d*`` (:func:`~osdn_diag.metrics.comparator.comparator_gap_diag`); ``kkt_residual`` and ``gap`` are
+  ``d*`` (the solver of :func:`~osdn_diag.metrics.comparator.comparator_gap_diag`, started from the
+  unconstrained minimiser of ``eps_free`` projected onto the box); ``kkt_residual`` and ``gap`` are
   the solver's certificates (``gap`` bounds ``eps_diag − min`` from above);
 * ``eps_at_ones`` — ``ε_T(1)``; ``eps_at_final_d`` — ``ε_T(d_T)``, the preconditioner used at the last
   position of the stream (valid or not);

@@ -407,7 +407,7 @@ class _Problems:
         S = len(segs)
         L = max((e - s for _, s, e in segs), default=0)
         row, start, n = from_host([[r for r, _, _ in segs], [s for _, s, _ in segs], [e - s for _, s, e in segs]],
-                                  torch.long, dev).view(3, S)
+                                  torch.long, dev)
         pos = torch.arange(L, device=dev)
         inside = pos[None, :] < n[:, None]  # [S, L]
         # Padding reads the sequence's last token (eps_at_final_d reads d at the last position);

@@ -2,8 +2,12 @@
 
 Two kinds of evidence are accepted:
 
-* an **identity** holds when the numerator of ``lhs − rhs`` (over a common denominator) expands to
-  the zero polynomial (:func:`vanishes`); ``simplify`` is tried only when the expression is not a
+* an **identity** holds when the numerator of ``lhs − rhs`` (over a common denominator) is the zero
+  polynomial (:func:`vanishes`). A numerator built from symbols, rational numbers, sums, products
+  and non-negative integer powers is evaluated in the sparse polynomial ring ``Q[symbols]``, where
+  zero is decided exactly (the same answer as expanding it, often a hundred times faster: the
+  GatedDeltaProduct token product at n = K = V = 2 took 21.6 s to expand, 0.24 s in the ring).
+  Anything else is expanded by sympy, and ``simplify`` is tried only when the result is not a
   rational function of its symbols (e.g. powers like ``(−1)^t``);
 * a **sign** holds when sympy derives it from the declared assumptions of the symbols
   (:func:`is_positive`, :func:`is_nonnegative`); a sympy "unknown" counts as not established.
@@ -19,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import sympy as sp
+from sympy.polys.rings import ring
 
 __all__ = [
     "all_vanish",
@@ -47,11 +52,50 @@ def dot(a: sp.Matrix, b: sp.Matrix) -> sp.Expr:
     return sum((x * y for x, y in zip(a, b)), sp.Integer(0))
 
 
+class _NotPolynomial(Exception):
+    """The expression has a node that is not a symbol, a rational, a sum, a product or a power with a
+    non-negative integer exponent."""
+
+
+def _polynomial(expr: sp.Expr):
+    """``expr`` as an element of the sparse ring ``Q[free symbols]``, evaluated node by node (shared
+    subexpressions once), never expanded as a sympy expression. Raises :class:`_NotPolynomial`."""
+    symbols = sorted(expr.free_symbols, key=sp.default_sort_key)
+    R, *gens = ring(symbols or [sp.Dummy("one")], sp.QQ)
+    value = dict(zip(symbols, gens))
+    memo: dict = {}
+
+    def ev(e):
+        if e in memo:
+            return memo[e]
+        if e.is_Symbol:
+            v = value[e]
+        elif e.is_Rational:
+            v = R(e)
+        elif e.is_Add or e.is_Mul:
+            parts = [ev(a) for a in e.args]
+            v = parts[0]
+            for p in parts[1:]:
+                v = v + p if e.is_Add else v * p
+        elif e.is_Pow and e.exp.is_Integer and e.exp >= 0:
+            v = ev(e.base) ** int(e.exp)
+        else:
+            raise _NotPolynomial(e)
+        memo[e] = v
+        return v
+
+    return ev(expr)
+
+
 def vanishes(expr: sp.Expr) -> bool:
     """True iff ``expr`` is identically zero (see the module docstring for what is tried)."""
     # one fraction over a common denominator (no gcd cancellation needed: a rational function is 0
     # exactly when the numerator of any such representation is the zero polynomial)
     num, _ = sp.sympify(expr).as_numer_denom()
+    try:
+        return _polynomial(num) == 0
+    except _NotPolynomial:
+        pass
     num = sp.expand(num)
     if num == 0:
         return True

@@ -3,11 +3,12 @@
 Two kinds of evidence are accepted:
 
 * an **identity** holds when the numerator of ``lhs − rhs`` (over a common denominator) is the zero
-  polynomial (:func:`vanishes`). A numerator built from symbols, rational numbers, sums, products
-  and non-negative integer powers is evaluated in the sparse polynomial ring ``Q[symbols]``, where
+  polynomial (:func:`vanishes`). A numerator built from commuting symbols, rational numbers, sums,
+  products and non-negative integer powers is evaluated in the sparse polynomial ring ``Q[symbols]``, where
   zero is decided exactly (the same answer as expanding it, often a hundred times faster: the
   GatedDeltaProduct token product at n = K = V = 2 took 21.6 s to expand, 0.24 s in the ring).
-  Anything else is expanded by sympy, and ``simplify`` is tried only when the result is not a
+  Anything else (noncommutative symbols included: the free algebra's identities) is expanded by
+  sympy, and ``simplify`` is tried only when the result is not a
   rational function of its symbols (e.g. powers like ``(−1)^t``);
 * a **sign** holds when sympy derives it from the declared assumptions of the symbols
   (:func:`is_positive`, :func:`is_nonnegative`); a sympy "unknown" counts as not established.
@@ -53,14 +54,16 @@ def dot(a: sp.Matrix, b: sp.Matrix) -> sp.Expr:
 
 
 class _NotPolynomial(Exception):
-    """The expression has a node that is not a symbol, a rational, a sum, a product or a power with a
-    non-negative integer exponent."""
+    """The expression has a noncommutative symbol, or a node that is not a symbol, a rational, a sum,
+    a product or a power with a non-negative integer exponent."""
 
 
 def _polynomial(expr: sp.Expr):
     """``expr`` as an element of the sparse ring ``Q[free symbols]``, evaluated node by node (shared
     subexpressions once), never expanded as a sympy expression. Raises :class:`_NotPolynomial`."""
     symbols = sorted(expr.free_symbols, key=sp.default_sort_key)
+    if not all(s.is_commutative for s in symbols):  # the ring commutes: x·y − y·x would read as 0
+        raise _NotPolynomial(expr)
     R, *gens = ring(symbols or [sp.Dummy("one")], sp.QQ)
     value = dict(zip(symbols, gens))
     memo: dict = {}

@@ -86,6 +86,12 @@ def test_vanishes_falls_back_outside_polynomials():
     assert vanishes(sp.sqrt(2) * x * sp.sqrt(2) - 2 * x)
     assert not vanishes(sp.sqrt(2) * x - x)
     assert vanishes(sp.Integer(0)) and not vanishes(sp.Integer(1))
+    # noncommutative symbols (the free algebra of Lemma 4.1 and Lemma D.3): a commuting ring would
+    # take A·B − B·A for zero
+    A, B = sp.symbols("A B", commutative=False)
+    assert not vanishes(A * B - B * A)
+    assert not vanishes((A + B) ** 2 - A**2 - 2 * A * B - B**2)
+    assert vanishes((A + B) ** 2 - A**2 - A * B - B * A - B**2)
 
 
 def test_sign_needs_strict_assumptions():

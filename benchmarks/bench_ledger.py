@@ -6,17 +6,15 @@ sparse polynomial ring (the shipped path) and, as the baseline in the same proce
 ``proofs/_sym.py::vanishes`` evaluates a numerator made of symbols, rationals, sums, products and
 non-negative integer powers in ``Q[symbols]``; the baseline forces every identity through
 ``sympy.expand``, as before. Both runs must give every claim the same outcome and the same evidence
-(the ledger's JSON, less its timings), or the script exits with status 1. Prints each claim's seconds
+(the ledger's JSON records, less their timings), or the script exits with status 1. Prints each claim's seconds
 under both, the totals and their ratio; ``--json`` writes the same numbers. CPU only (sympy).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,8 +29,8 @@ def _no_ring(expr):
     raise _sym._NotPolynomial(expr)
 
 
-def _evidence(results) -> dict:
-    """The ledger's JSON without its timings."""
+def _evidence(results) -> list[dict]:
+    """The ledger's JSON records (:func:`ledger.to_records`) without their timings."""
 
     def strip(x):
         if isinstance(x, dict):
@@ -41,10 +39,7 @@ def _evidence(results) -> dict:
             return [strip(v) for v in x]
         return x
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "ledger.json"
-        ledger.write_json(results, path)
-        return strip(json.loads(path.read_text(encoding="utf-8")))
+    return strip(ledger.to_records(results))
 
 
 def _run(claims, expand: bool):

@@ -1,10 +1,14 @@
 """Replay throughput: the fused Triton replay against the torch reference loop and fla's fp32
 ``fused_recurrent_delta_rule`` on the same inputs (GPU only).
 
-    python benchmarks/bench_replay.py [--B 8 --T 4096 --H 8 --K 128 --V 128] [--json FILE]
+    python benchmarks/bench_replay.py [--B 8 --T 4096 --H 8 --K 128 --V 128] [--chunk] [--json FILE]
+    python benchmarks/bench_replay.py --captured RUN_DIR     (errors on a capture's own inputs)
 
 Prints a table (median time, measurements per second, ratios against both baselines measured in the
-same run) after checking the fused replay against an fp64 reference at the benchmark shape.
+same run) after checking the fused replay (and, with ``--chunk``, the chunked replay) against an fp64
+reference at the benchmark shape. ``--captured`` replays every call a capture stored (``osdn-diag
+capture``; its keys are a model's, correlated as a model makes them) with both replays and prints
+their largest relative errors against the fp64 reference, field by field.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import platform
 import time
 
 import torch
-from _common import bench, rel, write_json
+from _common import bench, kernel_timeline, rel, write_json
 
 
 def _timed_once(fn) -> float:
@@ -47,9 +51,18 @@ def main(argv=None) -> dict:
                    help="--sweep's key groups, the partial sums of each product (1,4)")
     p.add_argument("--sweep-stages", type=ints, default=(0, 3), metavar="N,N,...",
                    help="--sweep's pipeline stages of the loads (0: the register prefetch) (0,3)")
+    p.add_argument("--chunk", action="store_true",
+                   help="also time the chunked replay (osdn_diag.ops.replay_chunk; no channel gate)")
+    p.add_argument("--chunk-sweep", action="store_true",
+                   help="with --chunk: also time its launch configurations (chunk sizes x state rows x warps x "
+                        "precisions)")
+    p.add_argument("--captured", metavar="RUN_DIR",
+                   help="instead of timing: the errors of both replays against fp64 on every call a capture stored")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_replay needs a CUDA GPU")
+    if a.captured:
+        return captured_errors(a.captured, a.json)
 
     from osdn_diag.math import delta_rule_recurrence
     from osdn_diag.ops.replay import STATE_ENTRIES, fused_replay
@@ -72,6 +85,14 @@ def main(argv=None) -> dict:
     got = fused_replay(q, k, v, beta, g=g)
     errors = {n: rel(getattr(got, n), getattr(ref, n)) for n in ("o", "loss_before", "loss_after", "final_state")}
 
+    chunk = a.chunk and a.gate != "channel" and K <= 128
+    if chunk:
+        from osdn_diag.ops.replay_chunk import chunk_replay
+
+        got = chunk_replay(q, k, v, beta, g=g)
+        errors.update({f"chunk {n}": rel(getattr(got, n), getattr(ref, n))
+                       for n in ("o", "loss_before", "loss_after", "final_state")})
+
     rows = []
     t_fused = bench(lambda: fused_replay(q, k, v, beta, g=g), rep=100)
     rows.append(("fused replay (ours, fp32)", t_fused))
@@ -91,6 +112,11 @@ def main(argv=None) -> dict:
             rows.append((f"fla fused_recurrent_gated_delta_rule ({a.gate} gate, fp32)", t_fla))
     except ImportError:
         pass
+    timeline = None
+    if chunk:
+        rows.append(("chunked replay (ours, fp32)", bench(lambda: chunk_replay(q, k, v, beta, g=g), rep=100)))
+        timeline = kernel_timeline(lambda: chunk_replay(q, k, v, beta, g=g))
+        print("chunked replay, kernel by kernel: " + ", ".join(f"{n[:40]} {us:.0f} us" for n, us in timeline), flush=True)
     t_torch = None
     if not a.skip_torch:
         delta_rule_recurrence(q[:, :8], k[:, :8], v[:, :8], beta[:, :8],
@@ -99,6 +125,27 @@ def main(argv=None) -> dict:
         rows.append(("torch reference loop (fp32)", t_torch))
 
     sweep = []
+    if a.chunk_sweep and chunk:
+        # (plain fp32 products, "ieee", are FMA loops Triton unrolls: minutes to compile, one point)
+        points = [*itertools.product((32, 64), (32, 64), (4, 8), ("tf32x3",)), (64, 64, 4, "ieee")]
+        for C, bv, warps, prec in points:
+            if bv > max(V, 16):
+                continue
+            launch = dict(chunk_size=C, block_v=bv, num_warps=warps, precision=prec)
+            try:
+                ms = bench(lambda: chunk_replay(q, k, v, beta, g=g, **launch), rep=50)
+            except Exception as err:  # a configuration that does not compile (shared memory) is skipped
+                print(f"chunk sweep {launch}: {type(err).__name__}: {str(err)[:120]}", flush=True)
+                continue
+            out = chunk_replay(q, k, v, beta, g=g, **launch)
+            err = max(rel(getattr(out, n), getattr(ref, n)) for n in ("o", "loss_before", "loss_after", "final_state"))
+            sweep.append(dict(launch, kernel="chunk", ms=ms, max_error=err))
+            print("chunk sweep " + " ".join(f"{n}={x!s:6}" for n, x in launch.items()) + f": {ms:8.3f} ms"
+                  + (f"  ({t_fla / ms:.2f}x fla)" if t_fla else "") + f", largest error vs fp64 {err:.1e}", flush=True)
+        best = min(sweep, key=lambda r: r["ms"])
+        rows.append(("chunked replay, best (" + ", ".join(f"{n}={best[n]}" for n in
+                                                           ("chunk_size", "block_v", "num_warps", "precision")) + ")",
+                     best["ms"]))
     if a.sweep:
         def timed(**launch):
             ms = bench(lambda: fused_replay(q, k, v, beta, g=g, **launch), rep=100)
@@ -115,15 +162,15 @@ def main(argv=None) -> dict:
         for bv, kl, kg, st, contiguous in points:
             if bv <= max(V, 4) and kl <= min(K, 32) and bv * K <= STATE_ENTRIES and kg <= max(K // kl, 1):
                 timed(block_v=bv, num_warps=1, key_lanes=kl, key_groups=kg, stages=st, contiguous_keys=contiguous)
-        if not sweep:
+        if not any("kernel" not in r for r in sweep):
             raise SystemExit(f"--sweep: no launch configuration fits (rows x K <= {STATE_ENTRIES}, key lanes <= K and 32); "
                              "give other --sweep-rows / --sweep-lanes")
-        best = min(sweep, key=lambda r: r["ms"])
+        best = min((r for r in sweep if "kernel" not in r), key=lambda r: r["ms"])
         best_launch = {n: best[n] for n in ("block_v", "key_lanes", "key_groups", "stages", "contiguous_keys")}
         timed(**best_launch, num_warps=2)
         if best_launch["stages"] == 0:
             timed(**best_launch, num_warps=1, prefetch=False)
-        best = min(sweep, key=lambda r: r["ms"])
+        best = min((r for r in sweep if "kernel" not in r), key=lambda r: r["ms"])
         rows.append((f"fused replay, best (BV={best['block_v']}, warps={best['num_warps']}, "
                      f"key lanes={best['key_lanes']}, key groups={best['key_groups']}, stages={best['stages']}, "
                      f"contiguous keys={best['contiguous_keys']}"
@@ -146,8 +193,46 @@ def main(argv=None) -> dict:
         "errors_vs_fp64": errors,
         "ms": {name: ms for name, ms in rows},
         "sweep": sweep,
+        "chunk_kernels_us": timeline,
     }
     write_json(a.json, result)
+    return result
+
+
+def captured_errors(run_dir: str, json_path: str | None) -> dict:
+    """Both replays of every call ``run_dir``'s capture stored, against the fp64 reference recurrence
+    on the same device: the largest relative error (Frobenius, per field and call) over the calls."""
+    from osdn_diag.capture.store import CaptureReader, to_device
+    from osdn_diag.math import delta_rule_recurrence
+    from osdn_diag.ops.replay import fused_replay
+    from osdn_diag.ops.replay_chunk import chunk_replay
+    from osdn_diag.replay.call import recurrence_inputs
+
+    fields = ("o", "loss_before", "loss_after", "loss_before_decayed", "final_state")
+    worst = {}
+    calls = 0
+    for stored in CaptureReader(run_dir):
+        call = to_device(stored.call, "cuda")
+        if call.g is not None and call.g.dim() == 4:
+            continue
+        inputs = recurrence_inputs(call, torch.float64, None)
+        ref = delta_rule_recurrence(**inputs)
+        inputs.pop("dtype")
+        for name, run in (("fused", fused_replay), ("chunk", chunk_replay)):
+            got = run(**inputs)
+            for f in fields:
+                if getattr(ref, f) is not None:
+                    e = rel(getattr(got, f), getattr(ref, f))
+                    worst[f"{name} {f}"] = max(worst.get(f"{name} {f}", 0.0), e)
+        calls += 1
+    shape = f"B={call.k.shape[0]} T={call.k.shape[1]} H={call.num_heads} K={call.k.shape[-1]} V={call.v.shape[-1]}"
+    print(f"\ncaptured calls of {run_dir}: {calls} ({shape}), {torch.cuda.get_device_name()}")
+    print("largest relative error against fp64, over the calls:")
+    for n, e in worst.items():
+        print(f"  {n:32s} {e:.2e}")
+    result = {"run_dir": run_dir, "calls": calls, "shape": shape, "device": torch.cuda.get_device_name(),
+              "worst_errors_vs_fp64": worst}
+    write_json(json_path, result)
     return result
 
 

@@ -1,0 +1,166 @@
+"""The chunked replay against the fp64 reference recurrence (CPU: Triton interpreter; GPU: real), on
+the awkward inputs of the token-by-token replay's tests and on correlated keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from osdn_diag.math import delta_rule_recurrence
+
+ops_chunk = pytest.importorskip("osdn_diag.ops.replay_chunk", reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+FIELDS = ("o", "final_state", "loss_before", "loss_after", "loss_before_decayed", "write_gain")
+
+
+def _inputs(seed, B, T, H, K, V, *, gate, asym, h0):
+    """Random queries and values; unit keys but one zero key; β in (0, 1) with β = 1e-6 and 1 − 1e-6
+    at the first and last head; a write key scaled per channel; a head gate's log decay in (−1, 0]."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
+    k[:, 0, 0] = 0.0
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    beta[..., 0] = 1e-6
+    beta[..., -1] = 1 - 1e-6
+    kw = {}
+    if asym:
+        kw["write_key"] = (0.5 + 1.5 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)) * k
+    if gate == "head":
+        kw["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    if h0:
+        kw["initial_state"] = rnd(B, H, V, K)
+    return rnd(B, T, H, K), k, rnd(B, T, H, V), beta, kw
+
+
+def _to(kw):
+    return {n: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+
+
+def _assert_close(got, ref, name, tol):
+    assert got.shape == ref.shape, name
+    assert got.dtype == torch.float32, name
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    err = ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol}"
+
+
+def _assert_fields_close(got, ref, tol=1e-5):
+    for name in FIELDS:
+        r = getattr(ref, name)
+        if r is None:
+            assert getattr(got, name) is None, name
+        else:
+            _assert_close(getattr(got, name), r, name, tol)
+
+
+@pytest.mark.parametrize(
+    "B,T,H,K,V,gate,asym,h0",
+    [
+        (1, 1, 1, 8, 8, None, False, False),        # one token, padded keys and values
+        (2, 19, 2, 8, 12, None, True, True),
+        (1, 23, 2, 12, 16, "head", True, False),
+        (1, 70, 3, 32, 32, "head", False, True),    # two chunks of 64, the second partial
+        (2, 130, 1, 16, 40, None, True, True),      # V over several blocks, the last partial
+    ],
+)
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunk_replay_matches_reference(B, T, H, K, V, gate, asym, h0, chunk_size):
+    q, k, v, beta, kw = _inputs(B * 1000 + T, B, T, H, K, V, gate=gate, asym=asym, h0=h0)
+    ref = delta_rule_recurrence(q, k, v, beta, **kw)
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), chunk_size=chunk_size,
+                                 block_v=16, **_to(kw))
+    _assert_fields_close(got, ref)
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
+@pytest.mark.parametrize("K", [64, 128])
+def test_chunk_replay_default_launch_by_key_width(precision, K):
+    """The default launch (64-token chunks, 64 state rows) with a head gate, a write key and an
+    initial state, over more than one chunk."""
+    q, k, v, beta, kw = _inputs(K + 1, 1, 80, 2, K, K, gate="head", asym=True, h0=True)
+    ref = delta_rule_recurrence(q, k, v, beta, **kw)
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), precision=precision, **_to(kw))
+    _assert_fields_close(got, ref)
+
+
+def test_chunk_replay_packed_sequences_restart():
+    """Chunks restart at every packed sequence (an empty one included), each from its own state."""
+    q, k, v, beta, kw = _inputs(7, 1, 150, 2, 16, 16, gate="head", asym=True, h0=False)
+    cu = torch.tensor([0, 11, 11, 90, 150])
+    h0 = torch.randn(4, 2, 16, 16, dtype=torch.float64)
+    ref = delta_rule_recurrence(q, k, v, beta, initial_state=h0, cu_seqlens=cu, **kw)
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), initial_state=h0.to(DEVICE),
+                                 cu_seqlens=cu.to(DEVICE), chunk_size=32, **_to(kw))
+    _assert_fields_close(got, ref)
+    # the empty sequence's final state is its initial state, exactly
+    assert torch.equal(got.final_state[1].cpu(), h0[1].float())
+
+
+@pytest.mark.parametrize("noise,beta_value,gate", [(0.0, 1.5, None), (0.03, 1.5, None), (0.03, 0.9, "head"),
+                                                    (0.3, 1.9, None)])
+def test_chunk_replay_correlated_keys(noise, beta_value, gate):
+    """Keys that all point nearly one way (a head's keys from a model are correlated, and then the
+    chunk's products cancel): with β up to 1.9 the error stays within fp32's 1e-5. (Identical keys
+    with β = 1.99 reach 2e-5 to 4e-5 at 64-token chunks, 1e-5 at 16: docs/math.md.)"""
+    gen = torch.Generator().manual_seed(11)
+    B, T, H, K, V = 1, 160, 2, 32, 32
+    base = torch.randn(1, 1, H, K, generator=gen, dtype=torch.float64)
+    k = torch.nn.functional.normalize(base + noise * torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    q = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    beta = torch.full((B, T, H), beta_value, dtype=torch.float64)
+    kw = {} if gate is None else {"g": -0.05 * torch.rand(B, T, H, generator=gen, dtype=torch.float64)}
+    ref = delta_rule_recurrence(q, k, v, beta, **kw)
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), **_to(kw))
+    _assert_fields_close(got, ref)
+
+
+def test_chunk_replay_strong_decay_does_not_overflow():
+    """A log decay of −40 per token: the decay ratios of a chunk reach exp(−2,520); formed in log
+    space they underflow to 0, never overflow to inf (γ_t/γ_s would be 0/0)."""
+    q, k, v, beta, _ = _inputs(5, 1, 64, 1, 16, 16, gate=None, asym=False, h0=True)
+    g = torch.full((1, 64, 1), -40.0, dtype=torch.float64)
+    ref = delta_rule_recurrence(q, k, v, beta, g=g)
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), g=g.to(DEVICE))
+    _assert_fields_close(got, ref)
+
+
+def test_chunk_replay_zero_residuals():
+    """v = 0 from a zero state: every loss is exactly zero, never NaN."""
+    q, k, v, beta, _ = _inputs(3, 1, 40, 1, 16, 16, gate="head", asym=False, h0=False)
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, torch.zeros_like(v), beta)), chunk_size=16)
+    for name in ("loss_before", "loss_after"):
+        assert torch.equal(getattr(got, name).cpu(), torch.zeros(1, 40, 1)), name
+
+
+@pytest.mark.parametrize("h0", [False, True])
+def test_chunk_replay_of_no_token(h0):
+    """T = 0: empty per-token fields and the initial state back, no launch."""
+    B, H, K, V = 2, 2, 8, 8
+    q, k = torch.zeros(B, 0, H, K), torch.zeros(B, 0, H, K)
+    v, beta = torch.zeros(B, 0, H, V), torch.zeros(B, 0, H)
+    kw = {"initial_state": torch.randn(B, H, V, K)} if h0 else {}
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), **_to(kw))
+    assert got.o.shape == (B, 0, H, V) and got.loss_after.shape == (B, 0, H)
+    expected = kw["initial_state"] if h0 else torch.zeros(B, H, V, K)
+    assert torch.equal(got.final_state.cpu(), expected)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(k=torch.zeros(1, 3, 1, 129)), r"keys of at most 128 channels, got K = 129.*fused_replay"),
+    (dict(g=torch.zeros(1, 3, 1, 12)), r"g must be a per-head log decay \[B, T, H\].*fused_replay"),
+    (dict(chunk_size=8), r"chunk_size must be a power of two from 16 to 64, got 8"),
+    (dict(chunk_size=48), r"chunk_size must be a power of two from 16 to 64, got 48"),
+    (dict(block_v=True), r"block_v must be a power of two from 16 to 128, got True"),
+    (dict(num_warps=3), r"num_warps must be a power of two from 1 to 16, got 3"),
+    (dict(precision="tf32"), r"precision must be one of \('tf32x3', 'ieee'\), got 'tf32'"),
+    (dict(initial_state=torch.zeros(1, 1, 12, 8)), r"initial_state.*\[N, H, V, K\]"),
+])
+def test_chunk_replay_refuses_what_it_cannot_do(options, message):
+    q, k, v, beta, _ = _inputs(1, 1, 3, 1, 12, 8, gate=None, asym=False, h0=False)
+    args = dict(q=q, k=k, v=v, beta=beta)
+    args.update(options)
+    with pytest.raises(ValueError, match=message):
+        ops_chunk.chunk_replay(**_to(args))

@@ -69,7 +69,7 @@ for step in "${steps[@]}"; do
         layers)     run_step layers 400 "$PY" benchmarks/bench_layers.py --profile --json "$OUT/layers.json" ;;
         phase1)     run_step phase1 200 "$PY" benchmarks/bench_phase1.py --json "$OUT/phase1.json" ;;
         replay)     run_step replay 360 bash -c '
-                        set -e; "$0" benchmarks/bench_replay.py --sweep --json "$1/replay.json"
+                        set -e; "$0" benchmarks/bench_replay.py --sweep --chunk --json "$1/replay.json"
                         for kv in 64 256; do
                             "$0" benchmarks/bench_replay.py --K $kv --V $kv --skip-torch --json "$1/replay_k$kv.json"; done
                         for gate in head channel; do for kv in 64 128 256; do

@@ -40,7 +40,7 @@ def test_public_ops_import_from_the_package():
             "assert not any(m.startswith(('fla', 'triton')) for m in sys.modules), 'eager import'; "
             "print(sorted(ops.__all__))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['chunk_osdn', 'fused_recurrent_osdn', 'fused_replay', 'osdn_precondition']"
+    assert out.strip() == "['chunk_osdn', 'chunk_replay', 'fused_recurrent_osdn', 'fused_replay', 'osdn_precondition']"
 
 
 def test_public_ops_are_the_modules_functions(fla_interpreter):
@@ -49,7 +49,8 @@ def test_public_ops_are_the_modules_functions(fla_interpreter):
     from osdn_diag import ops
 
     for name, module in (("osdn_precondition", "phase1"), ("chunk_osdn", "osdn_chunk"),
-                         ("fused_recurrent_osdn", "osdn_recurrent"), ("fused_replay", "replay")):
+                         ("fused_recurrent_osdn", "osdn_recurrent"), ("fused_replay", "replay"),
+                         ("chunk_replay", "replay_chunk")):
         fn = getattr(ops, name)
         assert fn is getattr(importlib.import_module(f"osdn_diag.ops.{module}"), name)
         assert "[B, T, H" in (fn.__doc__ or "") or "[N, " in (fn.__doc__ or ""), name

@@ -11,6 +11,9 @@ The public ops, importable from here (``from osdn_diag.ops import chunk_osdn``):
   (inference, decoding).
 * :func:`fused_replay` (:mod:`.replay`) — the diagnostic's replay: the recurrence with both residual
   norms of every write, fp32.
+* :func:`chunk_replay` (:mod:`.replay_chunk`) — the same replay a chunk of tokens at a time on tensor
+  cores (3×TF32), ungated or head-gated, K ≤ 128; a second algorithm for the same numbers (the
+  diagnostic uses ``fused_replay``, faster today: ``docs/performance.md``).
 
 Each states its shapes, dtypes and devices in its docstring. They are loaded on first access: the
 modules import triton and fla, which on a machine without a GPU must wait until
@@ -26,6 +29,7 @@ _PUBLIC = {
     "chunk_osdn": "osdn_chunk",
     "fused_recurrent_osdn": "osdn_recurrent",
     "fused_replay": "replay",
+    "chunk_replay": "replay_chunk",
 }
 
 __all__ = sorted(_PUBLIC)

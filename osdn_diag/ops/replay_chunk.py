@@ -287,7 +287,7 @@ def chunk_replay(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
     block_v: int | None = None,
     precision: str = "tf32x3",
     num_warps: int | None = None,
@@ -305,7 +305,8 @@ def chunk_replay(
             (``ValueError``): :func:`~osdn_diag.ops.replay.fused_replay` replays it.
         initial_state: ``[N, H, V, K]`` (``V×K`` per head) or ``None`` (zeros).
         cu_seqlens: ``[N + 1]`` packed sequence bounds with ``B = 1``, or ``None`` (``N = B``).
-        chunk_size: tokens per chunk, a power of two from 16 to 64.
+        chunk_size: tokens per chunk, a power of two from 16 to 64 (default 32, the fastest on an H200:
+            ``benchmarks/RESULTS.md``).
         block_v: state rows per program (a power of two, 16 to 128; default 64).
         precision: ``tl.dot``'s input precision, one of :data:`PRECISIONS`.
 

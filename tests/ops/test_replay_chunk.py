@@ -8,51 +8,23 @@ import torch
 
 from osdn_diag.math import delta_rule_recurrence
 
+from _replay_cases import FIELDS, assert_fields_close
+from _replay_cases import replay_inputs as _inputs
+
 ops_chunk = pytest.importorskip("osdn_diag.ops.replay_chunk", reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-FIELDS = ("o", "final_state", "loss_before", "loss_after", "loss_before_decayed", "write_gain")
-
-
-def _inputs(seed, B, T, H, K, V, *, gate, asym, h0):
-    """Random queries and values; unit keys but one zero key; β in (0, 1) with β = 1e-6 and 1 − 1e-6
-    at the first and last head; a write key scaled per channel; a head gate's log decay in (−1, 0]."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
-    k[:, 0, 0] = 0.0
-    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    beta[..., 0] = 1e-6
-    beta[..., -1] = 1 - 1e-6
-    kw = {}
-    if asym:
-        kw["write_key"] = (0.5 + 1.5 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)) * k
-    if gate == "head":
-        kw["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    if h0:
-        kw["initial_state"] = rnd(B, H, V, K)
-    return rnd(B, T, H, K), k, rnd(B, T, H, V), beta, kw
 
 
 def _to(kw):
     return {n: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
 
 
-def _assert_close(got, ref, name, tol):
-    assert got.shape == ref.shape, name
-    assert got.dtype == torch.float32, name
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-    assert err <= tol, f"{name}: relative error {err:.3g} > {tol}"
-
-
 def _assert_fields_close(got, ref, tol=1e-5):
+    """Every field within ``tol`` of the fp64 reference's, and in fp32 (the only precision it has)."""
     for name in FIELDS:
-        r = getattr(ref, name)
-        if r is None:
-            assert getattr(got, name) is None, name
-        else:
-            _assert_close(getattr(got, name), r, name, tol)
+        x = getattr(got, name)
+        assert x is None or x.dtype == torch.float32, name
+    assert_fields_close(got, ref, tol)
 
 
 @pytest.mark.parametrize(

@@ -8,48 +8,13 @@ import torch
 
 from osdn_diag.math import delta_rule_recurrence
 
+from _replay_cases import FIELDS
+from _replay_cases import assert_close as _assert_close
+from _replay_cases import assert_fields_close as _assert_fields_close
+from _replay_cases import replay_inputs as _inputs
+
 ops_replay = pytest.importorskip("osdn_diag.ops.replay", reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-FIELDS = ("o", "final_state", "loss_before", "loss_after", "loss_before_decayed", "write_gain")
-
-
-def _inputs(seed, B, T, H, K, V, *, gate, asym, h0):
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    k = torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1)
-    k[:, 0, 0] = 0.0  # a zero key
-    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    beta[..., 0] = 1e-6
-    beta[..., -1] = 1 - 1e-6
-    kw = {}
-    if asym:
-        kw["write_key"] = (0.5 + 1.5 * torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)) * k
-    if gate == "head":
-        kw["g"] = -torch.rand(B, T, H, generator=gen, dtype=torch.float64)
-    elif gate == "channel":
-        kw["g"] = -torch.rand(B, T, H, K, generator=gen, dtype=torch.float64)
-    if h0:
-        kw["initial_state"] = rnd(B, H, V, K)
-    return rnd(B, T, H, K), k, rnd(B, T, H, V), beta, kw
-
-
-def _assert_close(got, ref, name, tol):
-    assert got.shape == ref.shape, name
-    assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    err = ((got.double().cpu() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-    assert err <= tol, f"{name}: relative error {err:.3g} > {tol}"
-
-
-def _assert_fields_close(got, ref, tol):
-    """Every field of the replay against the reference's; a field the reference leaves out (no gate:
-    ``loss_before_decayed``) is left out of the replay too."""
-    for name in FIELDS:
-        r = getattr(ref, name)
-        if r is None:
-            assert getattr(got, name) is None, name
-        else:
-            _assert_close(getattr(got, name), r, name, tol)
 
 
 @pytest.mark.parametrize(

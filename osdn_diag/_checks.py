@@ -38,6 +38,39 @@ def check_shape(name: str, x: torch.Tensor, expected: Sequence[int | None], layo
         )
 
 
+def check_recurrence_inputs(q, k, v, beta, write_key=None, g=None, device=None,
+                            initial_state=None) -> tuple[int, int, int, int, int]:
+    """The per-token inputs of a delta-rule recurrence: floating-point tensors ``q, k: [B, T, H, K]``,
+    ``v: [B, T, H, V]``, ``beta: [B, T, H]``, ``write_key: [B, T, H, K]`` and ``g: [B, T, H]`` or
+    ``[B, T, H, K]`` where given, all on ``device`` where given (a kernel would read another
+    device's memory through its pointer), ``initial_state`` too (its shape, which needs the number of
+    sequences, is the caller's to check). Returns ``(B, T, H, K, V)``; reads no values (no device
+    synchronisation)."""
+    named = [("q", q), ("k", k), ("v", v), ("beta", beta), ("write_key", write_key), ("g", g),
+             ("initial_state", initial_state)]
+    for name, x in named:
+        if x is not None or name in ("q", "k", "v", "beta"):
+            check_tensor(name, x)
+    if k.dim() != 4:
+        check_shape("k", k, [None] * 4, "[B, T, H, K]")
+    B, T, H, K = k.shape
+    check_shape("q", q, [B, T, H, K], "[B, T, H, K]")
+    check_shape("v", v, [B, T, H, None], "[B, T, H, V]")
+    check_shape("beta", beta, [B, T, H], "[B, T, H]")
+    if write_key is not None:
+        check_shape("write_key", write_key, [B, T, H, K], "[B, T, H, K]")
+    if g is not None:
+        if g.dim() == 3:
+            check_shape("g", g, [B, T, H], "[B, T, H]")
+        else:
+            check_shape("g", g, [B, T, H, K], "[B, T, H] or [B, T, H, K]")
+    if device is not None:
+        for name, x in named:
+            if x is not None and x.device != torch.device(device):
+                raise ValueError(f"argument {name!r}: expected a tensor on {device} like q, got {x.device}")
+    return B, T, H, K, v.shape[-1]
+
+
 def check_finite(name: str, x: torch.Tensor) -> None:
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())

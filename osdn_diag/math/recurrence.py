@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import check_cu_seqlens, check_finite, check_shape, check_tensor
+from .._checks import check_cu_seqlens, check_finite, check_recurrence_inputs, check_shape, check_tensor
 
 __all__ = [
     "RecurrenceResult",
@@ -78,27 +78,9 @@ def _compute_dtype(dtype: torch.dtype | None, *xs: torch.Tensor | None) -> torch
 
 
 def _validate(q, k, v, beta, write_key, g, initial_state, cu_seqlens, allow_nonfinite=False):
-    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
-        check_tensor(name, x)
-    if k.dim() != 4:
-        check_shape("k", k, [None] * 4, "[B, T, H, K]")
-    B, T, H, K = k.shape
-    check_shape("q", q, [B, T, H, K], "[B, T, H, K]")
-    check_shape("v", v, [B, T, H, None], "[B, T, H, V]")
-    check_shape("beta", beta, [B, T, H], "[B, T, H]")
-    V = v.shape[-1]
-    named = [("q", q), ("k", k), ("v", v), ("beta", beta)]
-    if write_key is not None:
-        check_tensor("write_key", write_key)
-        check_shape("write_key", write_key, [B, T, H, K], "[B, T, H, K]")
-        named.append(("write_key", write_key))
-    if g is not None:
-        check_tensor("g", g)
-        if g.dim() == 3:
-            check_shape("g", g, [B, T, H], "[B, T, H]")
-        else:
-            check_shape("g", g, [B, T, H, K], "[B, T, H] or [B, T, H, K]")
-        named.append(("g", g))
+    B, T, H, K, V = check_recurrence_inputs(q, k, v, beta, write_key, g)
+    named = [(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("beta", beta), ("write_key", write_key), ("g", g))
+             if x is not None]
     offsets = [0, T] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
     N = B if cu_seqlens is None else len(offsets) - 1
     if initial_state is not None:

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_cu_seqlens, check_shape
+from .._checks import check_cu_seqlens, check_recurrence_inputs, check_shape
 from .._interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
 from ._common import sequence_bounds
@@ -285,8 +285,8 @@ def fused_replay(
     configuration (``benchmarks/bench_replay.py --sweep`` measures the choices). ``cu_seqlens`` is checked in
     full (int32/int64 on ``q``'s device, 0 to T without decreasing) before the launch; CPU tensors
     need the kernel built for Triton's interpreter (``RuntimeError`` otherwise)."""
-    B, T, H, K = k.shape
-    V = v.shape[-1]
+    B, T, H, K, V = check_recurrence_inputs(q, k, v, beta, write_key, g, device=q.device,
+                                            initial_state=initial_state)
     if K < 1 or V < 1:
         raise ValueError(f"fused_replay: keys and values need at least one channel, got K = {K} (k's last "
                          f"dimension) and V = {V} (v's)")
@@ -327,7 +327,7 @@ def fused_replay(
         dummy if alpha is None else alpha,
         dummy if wk is None else wk,
         dummy if h0 is None else h0,
-        cu_seqlens if cu_seqlens is not None else dummy,
+        cu_seqlens.contiguous() if cu_seqlens is not None else dummy,  # a strided view would be read as packed
         scale_t,
         o, parts[0], parts[1], parts[2], gain, ht,
         T, H=H, K=K, V=V, BK=BK, BV=BV, KL=KL, P=P,

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_cu_seqlens, check_shape
+from .._checks import check_cu_seqlens, check_recurrence_inputs, check_shape
 from .._interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
 
@@ -59,15 +59,25 @@ PRECISIONS = ("tf32x3", "ieee")
 
 @triton.jit
 def _chunk_decay(g, tok, m_t, GATE: tl.constexpr, C: tl.constexpr):
-    """``(G, G_prev)``, ``[C]``: the chunk's cumulative log decay through token t and through t − 1
-    (zeros without a gate; tokens past the sequence's end add nothing)."""
+    """``(G, G_prev)``, ``[C]`` fp64: the chunk's cumulative log decay through token t and through
+    t − 1 (zeros without a gate; tokens past the sequence's end add nothing). In fp64 because decay
+    ratios are differences ``G_t − G_s``: after one strongly decaying token both are large and their
+    small difference would lose fp32's digits (G = −1,000: an ulp of 6e-5). The sums run as a
+    masked reduction rather than a scan: the same fp64 operations as the fused replay's fp64 path."""
+    o_t = tl.arange(0, C)
     if GATE:
         b_g = tl.load(g + tok, mask=m_t, other=0.0)
-        G = tl.cumsum(b_g, axis=0)
+        G = tl.sum(tl.where(o_t[:, None] >= o_t[None, :], b_g[None, :], 0.0), axis=1)
         return G, G - b_g
     else:
-        z = tl.zeros([C], dtype=tl.float32)
+        z = tl.zeros([C], dtype=tl.float64)
         return z, z
+
+
+@triton.jit
+def _decay(x):
+    """``exp(x)`` in fp32 of an fp64 log decay (or difference of two), rounded once to fp32 first."""
+    return tl.exp(x.to(tl.float32))
 
 
 @triton.jit
@@ -100,7 +110,9 @@ def _chunk_solve_kernel(
         KW += tl.dot(b_k, tl.trans(b_w), input_precision=PRECISION)
     strict = o_t[:, None] > o_t[None, :]
     # exp of a non-positive exponent only: above the diagonal (and past the end) it is masked to 0
-    L = tl.where(strict, b_beta[:, None] * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)) * KW, 0.0)
+    if GATE:
+        KW = KW * _decay(tl.where(strict, G[:, None] - G[None, :], 0.0))
+    L = tl.where(strict, b_beta[:, None] * KW, 0.0)
     # Forward substitution, X = (I + L)⁻¹ one row at a time: X_i = e_i − Σ_{s<i} L_is X_s.
     X = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
     for i in range(1, C):
@@ -108,7 +120,7 @@ def _chunk_solve_kernel(
         x_i = tl.sum(l_i[:, None] * X, axis=0)                            # Σ_s L_is X_s, [C]
         X = tl.where(o_t[:, None] == i, X - x_i[None, :], X)
     b_A = X * b_beta[None, :]
-    b_Ag = b_A * tl.exp(G)[None, :] if GATE else b_A
+    b_Ag = b_A * _decay(G)[None, :] if GATE else b_A
     for i_k in tl.static_range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         m = m_t[:, None] & (o_k < K)[None, :]
@@ -165,8 +177,8 @@ def _chunk_state_kernel(
         if GATE:
             G, G_prev = _chunk_decay(g, tok, m_t, GATE, C)
             G_end = tl.sum(tl.where(o_t == C - 1, G, 0.0), axis=0)   # tokens past the end add no decay
-            b_w = b_w * tl.exp(G_end - G)[:, None]                   # γ_C / γ_s
-            St = tl.exp(G_end) * St
+            b_w = b_w * _decay(G_end - G)[:, None]                   # γ_C / γ_s
+            St = _decay(G_end) * St
         St += tl.dot(tl.trans(b_w), delta, input_precision=PRECISION)
     tl.store(ht + i_nh.to(tl.int64) * V * K + o_s, St, mask=m_s)
 
@@ -224,11 +236,11 @@ def _chunk_output_kernel(
     strict = o_t[:, None] > o_t[None, :]
     if GATE:
         G, G_prev = _chunk_decay(g, tok, m_t, GATE, C)
-        gam = tl.exp(G)
-        D_incl = tl.exp(tl.where(incl, G[:, None] - G[None, :], 0.0))
-        D_prev = tl.exp(tl.where(strict, G_prev[:, None] - G[None, :], 0.0))
+        gam = _decay(G)
+        D_incl = _decay(tl.where(incl, G[:, None] - G[None, :], 0.0))
+        D_prev = _decay(tl.where(strict, G_prev[:, None] - G[None, :], 0.0))
         KWd = KW * D_incl
-        e_before = tl.exp(G_prev)[:, None] * KS + tl.dot(tl.where(strict, KW * D_prev, 0.0), delta,
+        e_before = _decay(G_prev)[:, None] * KS + tl.dot(tl.where(strict, KW * D_prev, 0.0), delta,
                                                           input_precision=PRECISION) - b_v
         u = b_v - gam[:, None] * KS - tl.dot(tl.where(strict, KWd, 0.0), delta, input_precision=PRECISION)
         tl.store(lbd + tok * NV + i_v, 0.5 * tl.sum(u * u, axis=1), mask=m_t)
@@ -258,7 +270,7 @@ def _power_of_two(name: str, value, low: int, high: int) -> int:
 
 
 def _chunk_table(cu_seqlens: torch.Tensor | None, B: int, T: int, C: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(chunks, offsets)``: ``chunks`` ``[NC, 2]`` int32, each chunk's first token and its sequence's
+    """``(chunks, offsets)``: ``chunks`` ``[NC, 2]`` int64, each chunk's first token and its sequence's
     end (flattened token indices); ``offsets`` ``[N + 1]``, sequence n's chunks are rows
     ``offsets[n]:offsets[n+1]``. Chunks restart at every sequence start."""
     if cu_seqlens is None:
@@ -272,8 +284,8 @@ def _chunk_table(cu_seqlens: torch.Tensor | None, B: int, T: int, C: int, device
     total = int(offsets[-1])
     seq = torch.repeat_interleave(torch.arange(len(lens), device=device), counts, output_size=total)
     first = bounds[:-1][seq] + (torch.arange(total, device=device) - offsets[:-1][seq]) * C
-    chunks = torch.stack([first, bounds[1:][seq]], 1).to(torch.int32).contiguous()
-    return chunks, offsets.to(torch.int32)
+    chunks = torch.stack([first, bounds[1:][seq]], 1).contiguous()
+    return chunks, offsets
 
 
 def chunk_replay(
@@ -301,19 +313,28 @@ def chunk_replay(
             ``K ≤ 128`` (wider keys: ``ValueError``; ``fused_replay`` replays them).
         v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
         write_key: ``[B, T, H, K]`` (OSDN's ``d ⊙ k``) or ``None`` (the read key writes).
-        g: log decay per head ``[B, T, H]`` or ``None``. A key-channel gate ``[B, T, H, K]`` is refused
-            (``ValueError``): :func:`~osdn_diag.ops.replay.fused_replay` replays it.
+        g: log decay per head ``[B, T, H]``, at most 0, or ``None``. A key-channel gate ``[B, T, H, K]``
+            or a positive entry (a growing state, whose chunk products cancel) is refused
+            (``ValueError``; checking the sign waits for the GPU):
+            :func:`~osdn_diag.ops.replay.fused_replay` replays both. Entries below −10⁴ read as −10⁴
+            (the decay is exactly 0 either way).
         initial_state: ``[N, H, V, K]`` (``V×K`` per head) or ``None`` (zeros).
         cu_seqlens: ``[N + 1]`` packed sequence bounds with ``B = 1``, or ``None`` (``N = B``).
         chunk_size: tokens per chunk, a power of two from 16 to 64 (default 32, the fastest on an H200:
             ``benchmarks/RESULTS.md``).
         block_v: state rows per program (a power of two, 16 to 128; default 64).
         precision: ``tl.dot``'s input precision, one of :data:`PRECISIONS`.
+        num_warps: warps per program of the walk and the outputs (a power of two, 1 to 16; default 4).
+
+    Every input is checked (shapes, floating-point dtypes, one device) before a kernel runs.
+    Accuracy: within 1e-5 of the fp64 reference on the tests' awkward inputs and on captured keys, but
+    several times the fused replay's error where the chunk's sums cancel: keys that repeat with β
+    near 2, and ``loss_after`` where β⟨w, k⟩ is near 1 (``docs/math.md``).
 
     Returns a :class:`~osdn_diag.math.recurrence.RecurrenceResult` in fp32: outputs ``[B, T, H, V]``,
     the losses before and after each write ``[B, T, H]``, the final state ``[N, H, V, K]``."""
-    B, T, H, K = k.shape
-    V = v.shape[-1]
+    B, T, H, K, V = check_recurrence_inputs(q, k, v, beta, write_key, g, device=q.device,
+                                            initial_state=initial_state)
     if K < 1 or V < 1:
         raise ValueError(f"chunk_replay: keys and values need at least one channel, got K = {K} (k's last "
                          f"dimension) and V = {V} (v's)")
@@ -333,21 +354,30 @@ def chunk_replay(
     BV = _power_of_two("block_v", block_v, 16, 128)
     BV = min(BV, max(triton.next_power_of_2(V), 16))
     warps = 4 if num_warps is None else _power_of_two("num_warps", num_warps, 1, 16)
+    if g is not None and bool((g > 0).any()):  # (reads g: waits for the work queued before it)
+        raise ValueError("chunk_replay: g must be a log decay, at most 0 everywhere (a growing state makes the "
+                         "chunk's products cancel); osdn_diag.ops.fused_replay replays any g")
     N = B if cu_seqlens is None else len(check_cu_seqlens(cu_seqlens, B, T, q.device)) - 1
     if initial_state is not None:
         check_shape("initial_state", initial_state, [N, H, V, K], "[N, H, V, K]")
     check_launchable("chunk_replay", q.device, _chunk_output_kernel)
     dtype = torch.float32
     cast = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
-    q, k, v, beta, g, wk, h0 = map(cast, (q, k, v, beta, g, write_key, initial_state))
+    q, k, v, beta, wk, h0 = map(cast, (q, k, v, beta, write_key, initial_state))
+    if g is not None:
+        # fp64: the kernels sum it within each chunk (see _chunk_decay). A log decay below −10⁴ reads as
+        # −10⁴: the decay is exactly 0 either way, and −inf would make −inf − (−inf) = nan of a ratio.
+        g = g.detach().to(torch.float64).clamp_min(-1e4).contiguous()
     scale_t = torch.full((1,), K**-0.5 if scale is None else scale, dtype=dtype, device=q.device)
     NV = triton.cdiv(V, BV)
     o = torch.zeros_like(v)
     parts = torch.zeros(3, B * T * H, NV, dtype=dtype, device=q.device)
     gain = torch.zeros(B, T, H, dtype=dtype, device=q.device)
-    ht = torch.zeros(N, H, V, K, dtype=dtype, device=q.device) if h0 is None else h0.clone()
     chunks, offsets = _chunk_table(cu_seqlens, B, T, C, q.device)
-    if len(chunks):
+    if not len(chunks):  # no token: the initial state back, not attached to any graph
+        ht = torch.zeros(N, H, V, K, dtype=dtype, device=q.device) if h0 is None else h0.detach().clone()
+    else:
+        ht = torch.empty(N, H, V, K, dtype=dtype, device=q.device)  # every (sequence, head) is written
         dummy = q.new_empty(1)
         wk_, g_ = dummy if wk is None else wk, dummy if g is None else g
         W = torch.empty(B * T, H, K, dtype=dtype, device=q.device)

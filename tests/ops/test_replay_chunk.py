@@ -121,7 +121,9 @@ def test_chunk_replay_of_no_token(h0):
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(k=torch.zeros(1, 3, 1, 129)), r"keys of at most 128 channels, got K = 129.*fused_replay"),
+    (dict(q=torch.zeros(1, 3, 1, 129), k=torch.zeros(1, 3, 1, 129)),
+     r"keys of at most 128 channels, got K = 129.*fused_replay"),
+    (dict(g=torch.tensor([[[-1.0], [0.5], [-1.0]]])), r"g must be a log decay, at most 0.*fused_replay"),
     (dict(g=torch.zeros(1, 3, 1, 12)), r"g must be a per-head log decay \[B, T, H\].*fused_replay"),
     (dict(chunk_size=8), r"chunk_size must be a power of two from 16 to 64, got 8"),
     (dict(chunk_size=48), r"chunk_size must be a power of two from 16 to 64, got 48"),
@@ -136,3 +138,82 @@ def test_chunk_replay_refuses_what_it_cannot_do(options, message):
     args.update(options)
     with pytest.raises(ValueError, match=message):
         ops_chunk.chunk_replay(**_to(args))
+
+
+@pytest.mark.parametrize("strong", [-20.0, -1000.0])
+def test_chunk_replay_decay_ratios_keep_their_digits_after_a_strong_decay(strong):
+    """One token that forgets almost everything, then slow decay: the chunk's cumulative log decays
+    are large and their differences small. Summed in fp32 this lost 9e-6 (strong = −20) to 4e-4
+    (−1,000) of accuracy; in fp64 it keeps the fused replay's 1e-7."""
+    q, k, v, beta, _ = _inputs(3, 1, 64, 1, 16, 16, gate=None, asym=False, h0=True)
+    g = torch.full((1, 64, 1), -0.001, dtype=torch.float64)
+    g[0, 1, 0] = strong
+    ref = delta_rule_recurrence(q, k, v, beta, g=g)
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), g=g.to(DEVICE), chunk_size=64)
+    _assert_fields_close(got, ref, 1e-6)
+
+
+@pytest.mark.parametrize("value", [-1e38, -1e300, float("-inf")])
+def test_chunk_replay_takes_any_negative_log_decay(value):
+    """A log decay of −inf (or beyond fp32's range) is a decay to exactly 0, as in the reference: the
+    chunk's differences of cumulative decays must not become −inf − (−inf)."""
+    q, k, v, beta, _ = _inputs(4, 1, 40, 1, 16, 16, gate=None, asym=True, h0=False)
+    g = torch.full((1, 40, 1), -0.1, dtype=torch.float64)
+    g[0, 2:4, 0] = value
+    ref = delta_rule_recurrence(q, k, v, beta, g=g.clamp_min(-1e4))  # the reference refuses -inf itself
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), g=g.to(DEVICE), chunk_size=16)
+    _assert_fields_close(got, ref)
+
+
+@pytest.mark.parametrize("T", [0, 20])
+def test_chunk_replay_returns_results_outside_autograd(T):
+    """The replay is a measurement, not a differentiable op: an initial state that requires grad
+    comes back as a plain tensor (a clone of it would carry the graph and give d final / d h0 = I)."""
+    q, k, v, beta, _ = _inputs(5, 1, max(T, 1), 1, 16, 16, gate=None, asym=False, h0=False)
+    h0 = torch.randn(1, 1, 16, 16, device=DEVICE, requires_grad=True)
+    got = ops_chunk.chunk_replay(*(x[:, :T].to(DEVICE) for x in (q, k, v, beta)), initial_state=h0)
+    assert not got.final_state.requires_grad and got.final_state.grad_fn is None
+
+
+@pytest.mark.parametrize("op", ["chunk_replay", "fused_replay"])
+@pytest.mark.parametrize("name,shape,message", [
+    ("v", (1, 9, 2, 16), r"argument 'v': expected shape \[B, T, H, V\] = \[1, 10, 2, \*\], got \[1, 9, 2, 16\]"),
+    ("q", (1, 10, 2, 8), r"argument 'q': expected shape \[B, T, H, K\]"),
+    ("q", (1, 10, 2, 32), r"argument 'q': expected shape \[B, T, H, K\]"),
+    ("beta", (1, 10, 1), r"argument 'beta': expected shape \[B, T, H\]"),
+    ("write_key", (1, 10, 2, 8), r"argument 'write_key': expected shape \[B, T, H, K\]"),
+    ("g", (1, 10, 1), r"argument 'g': expected shape \[B, T, H\]"),
+], ids=["v-shorter", "q-narrower", "q-wider", "beta-one-head", "write-key-narrower", "g-one-head"])
+def test_replays_refuse_inputs_of_the_wrong_shape(op, name, shape, message):
+    """A kernel indexes every input by k's shape: a shorter v was written past its end (the process
+    crashed), a wider q read as a narrower one, a g of one head as every head's. Both replays check
+    before launching."""
+    from osdn_diag import ops
+
+    q, k, v, beta, _ = _inputs(6, 1, 10, 2, 16, 16, gate=None, asym=False, h0=False)
+    args = dict(q=q, k=k, v=v, beta=beta)
+    args[name] = torch.zeros(shape, dtype=torch.float64)
+    with pytest.raises(ValueError, match=message):
+        getattr(ops, op)(**_to(args))
+
+
+def test_replays_refuse_integer_inputs():
+    from osdn_diag import ops
+
+    q, k, v, beta, _ = _inputs(6, 1, 4, 1, 16, 16, gate=None, asym=False, h0=False)
+    for op in (ops.chunk_replay, ops.fused_replay):
+        with pytest.raises(ValueError, match=r"argument 'q': expected a floating-point tensor, got dtype torch.int64"):
+            op(q.long().to(DEVICE), *(x.to(DEVICE) for x in (k, v, beta)))
+
+
+def test_fused_replay_reads_a_strided_cu_seqlens_as_its_values():
+    """A strided view of the offsets (every second entry) went to the kernel as is, which read the
+    storage as if packed: the wrong bounds, and heap corruption."""
+    from osdn_diag import ops
+
+    q, k, v, beta, kw = _inputs(8, 1, 20, 1, 16, 16, gate="head", asym=False, h0=False)
+    cu = torch.tensor([0, 99, 3, 99, 7, 99, 20, 99])[::2]
+    ref = delta_rule_recurrence(q, k, v, beta, cu_seqlens=cu.contiguous(), **kw)
+    for op in (ops.chunk_replay, ops.fused_replay):
+        got = op(*(x.to(DEVICE) for x in (q, k, v, beta)), cu_seqlens=cu.to(DEVICE), **_to(kw))
+        _assert_fields_close(got, ref)

@@ -84,31 +84,6 @@ def pytest_report_header(config) -> str:
             f"(rerun with {_SEED_ENV}={HYPOTHESIS_SEED})")
 
 
-#: The test files that take longest (CPU seconds in one CI run on the 2-core machine, series 19: 205,
-#: 107, 99, 84, 74, 71, 69, 65, 64, 63 of 1,878 in all), in that order. With ``--dist loadfile`` a
-#: worker runs a file whole, and xdist hands files out in collection order (``--no-loadscope-reorder``
-#: in ``pyproject.toml``), so these go first and the short files fill in at the end: a long file dealt
-#: last would keep one worker busy while the other idles.
-SLOW_FILES_FIRST = (
-    "tests/ops/test_phase1_parallel_kernel.py",
-    "tests/test_fla_import.py",
-    "tests/pipeline/test_multinode.py",
-    "tests/capture/test_kernel_exact.py",
-    "tests/report/test_report_workers.py",
-    "tests/capture/test_capture.py",
-    "tests/pipeline/test_run_integrity.py",
-    "tests/examples/test_examples.py",
-    "tests/ops/test_replay_kernel.py",
-    "tests/layers/test_osdn_layer.py",
-)
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
-    # a stable sort: the other files, and the tests within each file, keep their order
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 def pytest_generate_tests(metafunc) -> None:
     if _twin_batches(metafunc.function):
         metafunc.parametrize("_hypothesis_batch", ["fixed", "seeded"], indirect=True)

@@ -1,9 +1,40 @@
-"""Triton pieces the per-(sequence, head) kernels of :mod:`osdn_diag.ops` share."""
+"""What the kernels of :mod:`osdn_diag.ops` share: Triton pieces of the per-(sequence, head) kernels, and
+the replays' launch checks and results."""
 
 from __future__ import annotations
 
+import operator
+
+import torch
 import triton
 import triton.language as tl
+
+from ..math.recurrence import RecurrenceResult
+
+
+def power_of_two(op: str, name: str, value, low: int = 1, high: int | None = None) -> int:
+    """A launch option ``value`` checked: an int (or anything that is one, numpy's included, but not a
+    bool), a power of two, from ``low`` to ``high`` where given. ``ValueError`` names ``op`` and
+    ``name``."""
+    try:
+        n = -1 if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = -1
+    if n < low or (high is not None and n > high) or n & (n - 1):
+        bounds = "" if high is None else f" from {low} to {high}"
+        raise ValueError(f"{op}: {name} must be a power of two{bounds}, got {value!r}")
+    return n
+
+
+def replay_result(o: torch.Tensor, final_state: torch.Tensor, parts: torch.Tensor, gain: torch.Tensor,
+                  gated: bool) -> RecurrenceResult:
+    """A replay's result from its kernels' outputs: ``parts`` ``[3, B·T·H, NV]`` holds each V-block's
+    share of ``loss_before``, ``loss_before_decayed`` and ``loss_after``, added here; ``gain`` is
+    ``[B, T, H]``. ``loss_before_decayed`` only where the layer has a gate."""
+    B, T, H = gain.shape
+    before, before_dec, after = (p.sum(-1).view(B, T, H) for p in parts)
+    return RecurrenceResult(o=o, final_state=final_state, loss_before=before, loss_after=after, write_gain=gain,
+                            loss_before_decayed=before_dec if gated else None)
 
 
 @triton.jit

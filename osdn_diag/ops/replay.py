@@ -38,7 +38,7 @@ import triton.language as tl
 from .._checks import check_cu_seqlens, check_recurrence_inputs, check_shape
 from .._interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
-from ._common import sequence_bounds
+from ._common import power_of_two, replay_result, sequence_bounds
 
 __all__ = ["STATE_ENTRIES", "fused_replay"]
 
@@ -209,15 +209,8 @@ def _resolve_launch(launch: dict, BK: int, *, block_v, key_lanes, key_groups, st
         launch[n] if x is None else x
         for n, x in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups), ("stages", stages),
                      ("contiguous_keys", contiguous_keys)))
-    checked = []
-    for name, value in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups)):
-        try:  # an int, or anything that is one (numpy's), but not a bool
-            n = -1 if isinstance(value, bool) else operator.index(value)
-        except TypeError:
-            n = -1
-        if n < 1 or n & (n - 1):
-            raise ValueError(f"fused_replay: {name} must be a power of two, got {value!r}")
-        checked.append(n)
+    checked = [power_of_two("fused_replay", name, value)
+               for name, value in (("block_v", block_v), ("key_lanes", key_lanes), ("key_groups", key_groups))]
     block_v, key_lanes, key_groups = checked
     if key_lanes > 32:  # the lanes of one warp
         raise ValueError(f"fused_replay: key_lanes must be at most 32 (a warp's lanes), got {key_lanes}")
@@ -229,15 +222,7 @@ def _resolve_launch(launch: dict, BK: int, *, block_v, key_lanes, key_groups, st
 def _warps(num_warps) -> int:
     """``num_warps`` checked: ``None`` is one warp; else a power of two from 1 to 32 (an int, or
     anything that is one, but not a bool)."""
-    if num_warps is None:
-        return 1
-    try:
-        warps = -1 if isinstance(num_warps, bool) else operator.index(num_warps)
-    except TypeError:
-        warps = -1
-    if not 1 <= warps <= 32 or warps & (warps - 1):
-        raise ValueError(f"fused_replay: num_warps must be a power of two from 1 to 32, got {num_warps!r}")
-    return warps
+    return 1 if num_warps is None else power_of_two("fused_replay", "num_warps", num_warps, 1, 32)
 
 
 def fused_replay(
@@ -308,18 +293,14 @@ def fused_replay(
     alpha = None if g is None else g.exp()
     scale_t = torch.full((1,), K**-0.5 if scale is None else scale, dtype=dtype, device=q.device)
     NV = triton.cdiv(V, BV)
-    if B * T == 0:  # no token: nothing to launch (the register prefetch loads a first token unconditionally)
-        zeros = q.new_zeros(B, T, H)
-        return RecurrenceResult(
-            o=torch.empty_like(v),
-            final_state=torch.zeros(N, H, V, K, dtype=dtype, device=q.device) if h0 is None else h0.clone(),
-            loss_before=zeros, loss_after=zeros.clone(), write_gain=zeros.clone(),
-            loss_before_decayed=None if g is None else zeros.clone(),
-        )
     o = torch.empty_like(v)
     # Tokens outside every packed sequence are never written: zeros, not garbage, there.
     parts = torch.zeros(3, B * T * H, NV, dtype=dtype, device=q.device)
     gain = torch.zeros(B, T, H, dtype=dtype, device=q.device)
+    if B * T == 0:  # no token: nothing to launch (the register prefetch loads a first token unconditionally)
+        # the initial state back, not attached to any graph
+        ht = torch.zeros(N, H, V, K, dtype=dtype, device=q.device) if h0 is None else h0.detach().clone()
+        return replay_result(o, ht, parts, gain, gated=g is not None)
     ht = torch.empty(N, H, V, K, dtype=dtype, device=q.device)
     dummy = q.new_empty(1)
     _replay_kernel[(NV, N * H)](
@@ -334,12 +315,4 @@ def fused_replay(
         GATE=gate, HAS_WK=wk is not None, HAS_H0=h0 is not None, VARLEN=cu_seqlens is not None,
         PREFETCH=prefetch, STAGES=stages, CONTIGUOUS=contiguous_keys, num_warps=num_warps,
     )
-    before, before_dec, after = (p.sum(-1).view(B, T, H) for p in parts)
-    return RecurrenceResult(
-        o=o,
-        final_state=ht,
-        loss_before=before,
-        loss_after=after,
-        write_gain=gain,
-        loss_before_decayed=None if g is None else before_dec,
-    )
+    return replay_result(o, ht, parts, gain, gated=g is not None)

@@ -40,8 +40,6 @@ The plain reference is :func:`osdn_diag.math.recurrence.delta_rule_recurrence`; 
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +47,7 @@ import triton.language as tl
 from .._checks import check_cu_seqlens, check_recurrence_inputs, check_shape
 from .._interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
+from ._common import power_of_two, replay_result
 
 __all__ = ["PRECISIONS", "chunk_replay"]
 
@@ -259,33 +258,17 @@ def _chunk_output_kernel(
         tl.store(gain + tok, b_beta * kw, mask=m_t)
 
 
-def _power_of_two(name: str, value, low: int, high: int) -> int:
-    try:  # an int, or anything that is one (numpy's), but not a bool
-        n = -1 if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        n = -1
-    if not low <= n <= high or n & (n - 1):
-        raise ValueError(f"chunk_replay: {name} must be a power of two from {low} to {high}, got {value!r}")
-    return n
-
-
-def _chunk_table(cu_seqlens: torch.Tensor | None, B: int, T: int, C: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(chunks, offsets)``: ``chunks`` ``[NC, 2]`` int64, each chunk's first token and its sequence's
-    end (flattened token indices); ``offsets`` ``[N + 1]``, sequence n's chunks are rows
-    ``offsets[n]:offsets[n+1]``. Chunks restart at every sequence start."""
-    if cu_seqlens is None:
-        bounds = torch.arange(B + 1, device=device, dtype=torch.int64) * T
-    else:
-        bounds = cu_seqlens.to(torch.int64)
-    lens = bounds[1:] - bounds[:-1]
-    counts = (lens + C - 1) // C
-    offsets = torch.zeros(len(lens) + 1, dtype=torch.int64, device=device)
-    offsets[1:] = counts.cumsum(0)
-    total = int(offsets[-1])
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), counts, output_size=total)
-    first = bounds[:-1][seq] + (torch.arange(total, device=device) - offsets[:-1][seq]) * C
-    chunks = torch.stack([first, bounds[1:][seq]], 1).contiguous()
-    return chunks, offsets
+def _chunk_table(bounds: list[int], C: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(chunks, offsets)`` on ``device``, from the sequences' token bounds ``[0, t_1, …, B·T]`` (the
+    checked ``cu_seqlens``, or every T tokens): ``chunks`` ``[NC, 2]`` int64, each chunk's first token
+    and its sequence's end (flattened token indices); ``offsets`` ``[N + 1]``, sequence n's chunks are
+    rows ``offsets[n]:offsets[n+1]``. Chunks restart at every sequence start."""
+    chunks, offsets = [], [0]
+    for bos, eos in zip(bounds, bounds[1:]):
+        chunks.extend((first, eos) for first in range(bos, eos, C))
+        offsets.append(len(chunks))
+    return (torch.tensor(chunks, dtype=torch.int64).view(-1, 2).to(device),
+            torch.tensor(offsets, dtype=torch.int64).to(device))
 
 
 def chunk_replay(
@@ -347,17 +330,18 @@ def chunk_replay(
         raise ValueError(f"chunk_replay: keys of at most 128 channels, got K = {K}: a chunk's [C, K] key tiles "
                          "would not fit in one program's registers and shared memory; osdn_diag.ops.fused_replay "
                          "replays wider keys")
-    C = _power_of_two("chunk_size", chunk_size, 16, 64)
+    C = power_of_two("chunk_replay", "chunk_size", chunk_size, 16, 64)
     BK = max(triton.next_power_of_2(K), 16)
     if block_v is None:
         block_v = 64
-    BV = _power_of_two("block_v", block_v, 16, 128)
+    BV = power_of_two("chunk_replay", "block_v", block_v, 16, 128)
     BV = min(BV, max(triton.next_power_of_2(V), 16))
-    warps = 4 if num_warps is None else _power_of_two("num_warps", num_warps, 1, 16)
+    warps = 4 if num_warps is None else power_of_two("chunk_replay", "num_warps", num_warps, 1, 16)
     if g is not None and bool((g > 0).any()):  # (reads g: waits for the work queued before it)
         raise ValueError("chunk_replay: g must be a log decay, at most 0 everywhere (a growing state makes the "
                          "chunk's products cancel); osdn_diag.ops.fused_replay replays any g")
-    N = B if cu_seqlens is None else len(check_cu_seqlens(cu_seqlens, B, T, q.device)) - 1
+    bounds = [n * T for n in range(B + 1)] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
+    N = len(bounds) - 1
     if initial_state is not None:
         check_shape("initial_state", initial_state, [N, H, V, K], "[N, H, V, K]")
     check_launchable("chunk_replay", q.device, _chunk_output_kernel)
@@ -373,7 +357,7 @@ def chunk_replay(
     o = torch.zeros_like(v)
     parts = torch.zeros(3, B * T * H, NV, dtype=dtype, device=q.device)
     gain = torch.zeros(B, T, H, dtype=dtype, device=q.device)
-    chunks, offsets = _chunk_table(cu_seqlens, B, T, C, q.device)
+    chunks, offsets = _chunk_table(bounds, C, q.device)
     if not len(chunks):  # no token: the initial state back, not attached to any graph
         ht = torch.zeros(N, H, V, K, dtype=dtype, device=q.device) if h0 is None else h0.detach().clone()
     else:
@@ -399,12 +383,4 @@ def chunk_replay(
             o, parts[0], parts[1], parts[2], gain,
             H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKB=min(BK, 32), **flags, num_warps=warps,
         )
-    before, before_dec, after = (p.sum(-1).view(B, T, H) for p in parts)
-    return RecurrenceResult(
-        o=o,
-        final_state=ht,
-        loss_before=before,
-        loss_after=after,
-        write_gain=gain,
-        loss_before_decayed=None if g is None else before_dec,
-    )
+    return replay_result(o, ht, parts, gain, gated=g is not None)

@@ -165,13 +165,17 @@ def test_chunk_replay_takes_any_negative_log_decay(value):
     _assert_fields_close(got, ref)
 
 
+@pytest.mark.parametrize("op", ["chunk_replay", "fused_replay"])
 @pytest.mark.parametrize("T", [0, 20])
-def test_chunk_replay_returns_results_outside_autograd(T):
+def test_replays_return_results_outside_autograd(T, op):
     """The replay is a measurement, not a differentiable op: an initial state that requires grad
-    comes back as a plain tensor (a clone of it would carry the graph and give d final / d h0 = I)."""
+    comes back as a plain tensor (a clone of it would carry the graph and give d final / d h0 = I),
+    with tokens or without."""
+    from osdn_diag import ops
+
     q, k, v, beta, _ = _inputs(5, 1, max(T, 1), 1, 16, 16, gate=None, asym=False, h0=False)
     h0 = torch.randn(1, 1, 16, 16, device=DEVICE, requires_grad=True)
-    got = ops_chunk.chunk_replay(*(x[:, :T].to(DEVICE) for x in (q, k, v, beta)), initial_state=h0)
+    got = getattr(ops, op)(*(x[:, :T].to(DEVICE) for x in (q, k, v, beta)), initial_state=h0)
     assert not got.final_state.requires_grad and got.final_state.grad_fn is None
 
 

@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
                    help="also time the chunked replay (osdn_diag.ops.replay_chunk; no channel gate)")
     p.add_argument("--chunk-sweep", action="store_true",
                    help="with --chunk: also time its launch configurations (chunk sizes x state rows x warps x "
-                        "precisions)")
+                        "pipeline stages, and one point of plain fp32 products)")
     p.add_argument("--captured", metavar="RUN_DIR",
                    help="instead of timing: the errors of both replays against fp64 on every call a capture stored")
     a = p.parse_args(argv)
@@ -126,12 +126,14 @@ def main(argv=None) -> dict:
 
     sweep = []
     if a.chunk_sweep and chunk:
-        # (plain fp32 products, "ieee", are FMA loops Triton unrolls: minutes to compile, one point)
-        points = [*itertools.product((32, 64), (32, 64), (4, 8), ("tf32x3",)), (64, 64, 4, "ieee")]
-        for C, bv, warps, prec in points:
+        # chunk sizes x state rows x warps x pipeline stages of the walk; plain fp32 products
+        # ("ieee") are FMA loops Triton unrolls: minutes to compile, one point
+        points = [*itertools.product((16, 32), (32, 64), (4, 8), (1, 2), ("tf32x3",)), (64, 64, 4, 1, "tf32x3"),
+                  (16, 64, 8, 2, "ieee")]
+        for C, bv, warps, stages, prec in points:
             if bv > max(V, 16):
                 continue
-            launch = dict(chunk_size=C, block_v=bv, num_warps=warps, precision=prec)
+            launch = dict(chunk_size=C, block_v=bv, num_warps=warps, num_stages=stages, precision=prec)
             try:
                 ms = bench(lambda: chunk_replay(q, k, v, beta, g=g, **launch), rep=50)
             except Exception as err:  # a configuration that does not compile (shared memory) is skipped
@@ -144,7 +146,7 @@ def main(argv=None) -> dict:
                   + (f"  ({t_fla / ms:.2f}x fla)" if t_fla else "") + f", largest error vs fp64 {err:.1e}", flush=True)
         best = min(sweep, key=lambda r: r["ms"])
         rows.append(("chunked replay, best (" + ", ".join(f"{n}={best[n]}" for n in
-                                                           ("chunk_size", "block_v", "num_warps", "precision")) + ")",
+                                                           ("chunk_size", "block_v", "num_warps", "num_stages", "precision")) + ")",
                      best["ms"]))
     if a.sweep:
         def timed(**launch):

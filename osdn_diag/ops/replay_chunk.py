@@ -24,12 +24,14 @@ includes ``s = t``), not from Lemma 4.1's identity ``(1 − β⟨w, k⟩)·e``: 
 contraction, and the identity remains a check on it. Ratios of decays are formed in log space
 (``exp(G_t − G_s)``), never as ``γ_t / γ_s``, which would underflow on long chunks of strong decay.
 
-Three kernels, as fla's chunked delta rule is built: :func:`_chunk_solve_kernel` inverts each chunk's
-``I + L`` by forward substitution and forms the state-free parts of its writes (in parallel over all
-chunks and heads); :func:`_chunk_state_kernel`, the only sequential one, walks each (sequence, head,
-V-block)'s chunks in order with ``S`` (as ``Sᵀ``, ``[K, BV]``) in registers, storing the state each
-chunk starts from and its writes ``δ``; :func:`_chunk_output_kernel` computes every chunk's residuals
-and outputs from those, in parallel.
+Two kernels. :func:`_chunk_prep_kernel`, in parallel over all chunks and heads, forms everything
+that does not depend on the state: ``A = (I + L)⁻¹ diag(β)`` (so that ``δ = A (V − diag(γ) K S₀ᵀ)``;
+forward substitution inside 16×16 blocks, then the blocks merged by products) and the masked,
+decayed ``C×C`` matrices above. :func:`_chunk_walk_kernel`, one program per (V-block, sequence, head),
+walks the sequence's chunks in order with ``S`` (as ``Sᵀ``, ``[K, BV]``) in registers: per chunk
+``S₀k_t`` and ``S₀q_t``, the writes, the state at the chunk's end, then the residuals and outputs
+from the same products. Nothing of the size of the state is stored per chunk: the walk reads the
+inputs and the ``C×C`` matrices, and writes the results.
 Products run as ``tl.dot`` with ``precision`` (``"tf32x3"``: three TF32 tensor-core products that
 together carry fp32's mantissa; ``"ieee"``: plain fp32 FMAs). The key-channel gate (KDA, GLA-style
 decays) is not covered: it needs per-channel decay ratios inside a chunk, which overflow without
@@ -80,14 +82,45 @@ def _decay(x):
 
 
 @triton.jit
-def _chunk_solve_kernel(
-    k, wk, v, beta, g, chunks, W, U,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _unit_lower_inverse(L, C: tl.constexpr, PRECISION: tl.constexpr):
+    """``(I + L)⁻¹`` of a strictly lower-triangular ``[C, C]`` ``L``, blockwise: forward substitution
+    inside the diagonal 16×16 blocks (all blocks at once, 15 steps for any C), then the blocks merged
+    by products. With ``D = I + L_bd`` the block diagonal and ``E = L − L_bd`` the blocks below it,
+    ``(D + E)⁻¹ = (I + N)⁻¹ D⁻¹`` with ``N = D⁻¹E``, nilpotent (``N^{C/16} = 0``), so
+    ``(I + N)⁻¹ = (I − N)(I + N²)`` for up to four blocks."""
+    o_t = tl.arange(0, C)
+    o_r = o_t % 16
+    same = (o_t[:, None] // 16) == (o_t[None, :] // 16)
+    L_bd = tl.where(same, L, 0.0)
+    # Row r of X = D⁻¹ is e_r − Σ_s L_rs X_s over the earlier rows s of r's block. At step i the rows
+    # r ≡ i (mod 16) of every block go together: their sums live in disjoint column blocks, so one
+    # vector holds them all.
+    X = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
+    for i in range(1, 16):
+        l_i = tl.sum(tl.where(o_r[:, None] == i, L_bd, 0.0), axis=0)     # rows ≡ i of L, [C] over s
+        x_i = tl.sum(l_i[:, None] * X, axis=0)                          # their sums, [C] over columns
+        X = tl.where((o_r[:, None] == i) & same, X - x_i[None, :], X)
+    if C > 16:
+        N = tl.dot(X, L - L_bd, input_precision=PRECISION)
+        if C > 32:
+            X = X + tl.dot(tl.dot(N, N, input_precision=PRECISION), X, input_precision=PRECISION)
+        X = X - tl.dot(N, X, input_precision=PRECISION)
+    return X
+
+
+@triton.jit
+def _chunk_prep_kernel(
+    q, k, wk, beta, g, chunks, scale, M, dec, gain,
+    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, NM: tl.constexpr,
     GATE: tl.constexpr, HAS_WK: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One program per (chunk, head): ``A = (I + L)⁻¹ diag(β)`` by forward substitution, then the
-    state-free parts of the writes, ``W = A diag(γ) K`` and ``U = A V``, so that the chunk's writes
-    are ``δ = U − W S₀ᵀ`` (rows ``[start, end)`` of ``W`` ``[B·T, H, K]`` and ``U`` ``[B·T, H, V]``)."""
+    """One program per (chunk, head), in parallel: everything of the chunk that does not depend on the
+    state. ``M[c, h]`` (``[NM, C, C]``) holds ``A = (I + L)⁻¹ diag(β)`` (by forward substitution) and the
+    masked, decayed products of the keys with the write keys that carry the writes ``δ`` to each
+    residual: ``Mb`` (before the write, ``s < t``, decays to ``t − 1``), ``Ma`` (after it, ``s ≤ t``),
+    ``Mo`` (the outputs: queries, ``s ≤ t``) and, with a gate, ``Mu`` (the decayed state before the write,
+    ``s < t``, decays to ``t``). With a gate, ``dec[c, h]`` (``[3, C]``) holds ``γ_t``, ``γ_{t−1}`` and
+    ``γ_C / γ_t``. Also each token's write gain ``β⟨w, k⟩``."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     start = tl.load(chunks + 2 * i_c).to(tl.int64)
     end = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
@@ -95,57 +128,68 @@ def _chunk_solve_kernel(
     m_t = start + o_t < end
     tok = (start + o_t) * H + i_h
     b_beta = tl.load(beta + tok, mask=m_t, other=0.0)
-    G, G_prev = _chunk_decay(g, tok, m_t, GATE, C)
-    # ⟨k_t, w_s⟩ over key blocks of BK
-    KW = tl.zeros([C, C], dtype=tl.float32)
+    b_scale = tl.load(scale)
+    KW = tl.zeros([C, C], dtype=tl.float32)     # ⟨k_t, w_s⟩
+    QW = tl.zeros([C, C], dtype=tl.float32)     # ⟨scale·q_t, w_s⟩
+    kw = tl.zeros([C], dtype=tl.float32)        # ⟨k_t, w_t⟩
     for i_k in tl.static_range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         m = m_t[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m, other=0.0)
+        b_q = tl.load(q + tok[:, None] * K + o_k[None, :], mask=m, other=0.0) * b_scale
         if HAS_WK:
             b_w = tl.load(wk + tok[:, None] * K + o_k[None, :], mask=m, other=0.0)
         else:
             b_w = b_k
         KW += tl.dot(b_k, tl.trans(b_w), input_precision=PRECISION)
+        QW += tl.dot(b_q, tl.trans(b_w), input_precision=PRECISION)
+        kw += tl.sum(b_k * b_w, axis=1)
+    tl.store(gain + tok, b_beta * kw, mask=m_t)
     strict = o_t[:, None] > o_t[None, :]
-    # exp of a non-positive exponent only: above the diagonal (and past the end) it is masked to 0
+    incl = o_t[:, None] >= o_t[None, :]
+    p_m = M + (i_c * H + i_h).to(tl.int64) * NM * C * C + o_t[:, None] * C + o_t[None, :]
     if GATE:
-        KW = KW * _decay(tl.where(strict, G[:, None] - G[None, :], 0.0))
-    L = tl.where(strict, b_beta[:, None] * KW, 0.0)
-    # Forward substitution, X = (I + L)⁻¹ one row at a time: X_i = e_i − Σ_{s<i} L_is X_s.
-    X = tl.where(o_t[:, None] == o_t[None, :], 1.0, 0.0)
-    for i in range(1, C):
-        l_i = tl.sum(tl.where(o_t[:, None] == i, L, 0.0), axis=0)        # row i of L, [C] over s
-        x_i = tl.sum(l_i[:, None] * X, axis=0)                            # Σ_s L_is X_s, [C]
-        X = tl.where(o_t[:, None] == i, X - x_i[None, :], X)
-    b_A = X * b_beta[None, :]
-    b_Ag = b_A * _decay(G)[None, :] if GATE else b_A
-    for i_k in tl.static_range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=m, other=0.0)
-        tl.store(W + tok[:, None] * K + o_k[None, :], tl.dot(b_Ag, b_k, input_precision=PRECISION), mask=m)
-    for i_v in tl.static_range(0, V, BV):
-        o_v = i_v + tl.arange(0, BV)
-        m = m_t[:, None] & (o_v < V)[None, :]
-        b_v = tl.load(v + tok[:, None] * V + o_v[None, :], mask=m, other=0.0)
-        tl.store(U + tok[:, None] * V + o_v[None, :], tl.dot(b_A, b_v, input_precision=PRECISION), mask=m)
+        G, G_prev = _chunk_decay(g, tok, m_t, GATE, C)
+        # exp of a non-positive exponent only: above the diagonal (and past the end) it is masked to 0
+        KWd = KW * _decay(tl.where(incl, G[:, None] - G[None, :], 0.0))
+        L = tl.where(strict, b_beta[:, None] * KWd, 0.0)
+        tl.store(p_m + C * C, tl.where(strict, KW * _decay(tl.where(strict, G_prev[:, None] - G[None, :], 0.0)), 0.0))
+        tl.store(p_m + 2 * C * C, tl.where(incl, KWd, 0.0))
+        tl.store(p_m + 3 * C * C, tl.where(incl, QW * _decay(tl.where(incl, G[:, None] - G[None, :], 0.0)), 0.0))
+        tl.store(p_m + 4 * C * C, tl.where(strict, KWd, 0.0))
+        G_end = tl.sum(tl.where(o_t == C - 1, G, 0.0), axis=0)      # tokens past the end add no decay
+        p_d = dec + (i_c * H + i_h).to(tl.int64) * 3 * C + o_t
+        tl.store(p_d, _decay(G))
+        tl.store(p_d + C, _decay(G_prev))
+        tl.store(p_d + 2 * C, _decay(G_end - G))
+    else:
+        L = tl.where(strict, b_beta[:, None] * KW, 0.0)
+        tl.store(p_m + C * C, tl.where(strict, KW, 0.0))
+        tl.store(p_m + 2 * C * C, tl.where(incl, KW, 0.0))
+        tl.store(p_m + 3 * C * C, tl.where(incl, QW, 0.0))
+    tl.store(p_m, _unit_lower_inverse(L, C, PRECISION) * b_beta[None, :])
 
 
 @triton.jit
-def _chunk_state_kernel(
-    wk, k, g, W, U, h0, chunk_offsets, chunks, S0, D, ht,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, HAS_WK: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
+def _chunk_walk_kernel(
+    q, k, v, wk, M, dec, h0, bounds, chunk_offsets, scale,
+    o, lb, lbd, la, ht,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NM: tl.constexpr, GATE: tl.constexpr, HAS_WK: tl.constexpr, HAS_H0: tl.constexpr,
+    PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One program per (V-block, sequence·head), the only sequential part: the sequence's chunks in
-    order (rows ``chunk_offsets[n]`` to ``chunk_offsets[n+1]`` of ``chunks``), ``Sᵀ`` ``[BK, BV]`` in
-    registers. Per chunk it stores the state the chunk starts from (``S0`` ``[NC, H, V, K]``) and
-    the chunk's writes ``δ = U − W S₀ᵀ`` (``D`` ``[B·T, H, V]``), then moves the state to the chunk's
-    end."""
+    order with ``Sᵀ`` ``[BK, BV]`` in registers. Per chunk, from the state it starts from: the products
+    ``S₀k_t`` and ``S₀q_t``, the writes ``δ = A (V − diag(γ) K S₀ᵀ)``, every token's residuals before
+    and after its write and its output (this V-block's share of each loss, ``[B·T·H, NV]``), then the
+    state at the chunk's end. Chunk ``i`` of sequence ``n`` starts at token ``bos + i·C``: addresses
+    affine in the loop's index, which lets the compiler load a chunk ahead (``STAGES``)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    NV = tl.num_programs(0)
     i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(bounds + i_n).to(tl.int64)
+    eos = tl.load(bounds + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
     o_t = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -153,122 +197,77 @@ def _chunk_state_kernel(
     m_v = o_v < V
     o_s = o_k[:, None] + o_v[None, :] * K       # Sᵀ[key, v] of the V×K row-major state
     m_s = m_k[:, None] & m_v[None, :]
+    o_c = o_t[:, None] * C + o_t[None, :]
     St = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_H0:
         St += tl.load(h0 + i_nh.to(tl.int64) * V * K + o_s, mask=m_s, other=0.0)
-    c0 = tl.load(chunk_offsets + i_n)
-    c1 = tl.load(chunk_offsets + i_n + 1)
-    for i_c in range(c0, c1):
-        start = tl.load(chunks + 2 * i_c).to(tl.int64)
-        end = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
-        m_t = start + o_t < end
+    b_scale = tl.load(scale)
+    for i in tl.range(0, tl.cdiv(eos - bos, C), num_stages=STAGES):
+        start = bos + i * C
+        m_t = start + o_t < eos
         tok = (start + o_t) * H + i_h
         mk = m_t[:, None] & m_k[None, :]
-        tl.store(S0 + (i_c * H + i_h).to(tl.int64) * V * K + o_s, St, mask=m_s)
-        b_W = tl.load(W + tok[:, None] * K + o_k[None, :], mask=mk, other=0.0)
-        b_U = tl.load(U + tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        delta = b_U - tl.dot(b_W, St, input_precision=PRECISION)       # δ_s = β_s u_s, [C, BV]
-        tl.store(D + tok[:, None] * V + o_v[None, :], delta, mask=m_t[:, None] & m_v[None, :])
-        if HAS_WK:
-            b_w = tl.load(wk + tok[:, None] * K + o_k[None, :], mask=mk, other=0.0)
-        else:
-            b_w = tl.load(k + tok[:, None] * K + o_k[None, :], mask=mk, other=0.0)
-        if GATE:
-            G, G_prev = _chunk_decay(g, tok, m_t, GATE, C)
-            G_end = tl.sum(tl.where(o_t == C - 1, G, 0.0), axis=0)   # tokens past the end add no decay
-            b_w = b_w * _decay(G_end - G)[:, None]                   # γ_C / γ_s
-            St = _decay(G_end) * St
-        St += tl.dot(tl.trans(b_w), delta, input_precision=PRECISION)
-    tl.store(ht + i_nh.to(tl.int64) * V * K + o_s, St, mask=m_s)
-
-
-@triton.jit
-def _chunk_output_kernel(
-    q, k, v, beta, wk, g, D, S0, chunks, scale,
-    o, lb, lbd, la, gain,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr,
-    GATE: tl.constexpr, HAS_WK: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """One program per (chunk, V-block, head), in parallel: the chunk's per-token residuals and
-    outputs from its starting state and its writes. Writes this V-block's partial losses
-    (``[B·T·H, NV]`` each) and its outputs. (Chunks run along the grid's first axis, the only one
-    that takes more than 65,535 programs.)"""
-    i_c, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    NV = tl.num_programs(1)
-    start = tl.load(chunks + 2 * i_c).to(tl.int64)
-    end = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
-    o_t = tl.arange(0, C)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_t = start + o_t < end
-    m_v = o_v < V
-    tok = (start + o_t) * H + i_h
-    mv = m_t[:, None] & m_v[None, :]
-    b_scale = tl.load(scale)
-    b_v = tl.load(v + tok[:, None] * V + o_v[None, :], mask=mv, other=0.0)
-    delta = tl.load(D + tok[:, None] * V + o_v[None, :], mask=mv, other=0.0)
-    # The products with S₀ and with the write keys, over key blocks of BKB: whole [C, K] tiles of
-    # k, q and w next to S₀ would not fit in registers.
-    KS = tl.zeros([C, BV], dtype=tl.float32)    # S₀ k_t
-    QS = tl.zeros([C, BV], dtype=tl.float32)    # S₀ q_t
-    KW = tl.zeros([C, C], dtype=tl.float32)     # ⟨k_t, w_s⟩
-    QW = tl.zeros([C, C], dtype=tl.float32)     # ⟨q_t, w_s⟩
-    kw = tl.zeros([C], dtype=tl.float32)        # ⟨k_t, w_t⟩
-    p_s = S0 + (i_c * H + i_h).to(tl.int64) * V * K
-    for i_k in tl.static_range(0, BK, BKB):
-        o_k = i_k + tl.arange(0, BKB)
-        m_k = o_k < K
-        mk = m_t[:, None] & m_k[None, :]
-        St = tl.load(p_s + o_k[:, None] + o_v[None, :] * K, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        mv = m_t[:, None] & m_v[None, :]
         b_k = tl.load(k + tok[:, None] * K + o_k[None, :], mask=mk, other=0.0)
         b_q = tl.load(q + tok[:, None] * K + o_k[None, :], mask=mk, other=0.0) * b_scale
+        b_v = tl.load(v + tok[:, None] * V + o_v[None, :], mask=mv, other=0.0)
         if HAS_WK:
             b_w = tl.load(wk + tok[:, None] * K + o_k[None, :], mask=mk, other=0.0)
         else:
             b_w = b_k
-        KS += tl.dot(b_k, St, input_precision=PRECISION)
-        QS += tl.dot(b_q, St, input_precision=PRECISION)
-        KW += tl.dot(b_k, tl.trans(b_w), input_precision=PRECISION)
-        QW += tl.dot(b_q, tl.trans(b_w), input_precision=PRECISION)
-        kw += tl.sum(b_k * b_w, axis=1)
-    incl = o_t[:, None] >= o_t[None, :]
-    strict = o_t[:, None] > o_t[None, :]
-    if GATE:
-        G, G_prev = _chunk_decay(g, tok, m_t, GATE, C)
-        gam = _decay(G)
-        D_incl = _decay(tl.where(incl, G[:, None] - G[None, :], 0.0))
-        D_prev = _decay(tl.where(strict, G_prev[:, None] - G[None, :], 0.0))
-        KWd = KW * D_incl
-        e_before = _decay(G_prev)[:, None] * KS + tl.dot(tl.where(strict, KW * D_prev, 0.0), delta,
-                                                          input_precision=PRECISION) - b_v
-        u = b_v - gam[:, None] * KS - tl.dot(tl.where(strict, KWd, 0.0), delta, input_precision=PRECISION)
-        tl.store(lbd + tok * NV + i_v, 0.5 * tl.sum(u * u, axis=1), mask=m_t)
-        e_after = gam[:, None] * KS + tl.dot(tl.where(incl, KWd, 0.0), delta, input_precision=PRECISION) - b_v
-        b_o = gam[:, None] * QS + tl.dot(tl.where(incl, QW * D_incl, 0.0), delta, input_precision=PRECISION)
-    else:
-        e_before = KS + tl.dot(tl.where(strict, KW, 0.0), delta, input_precision=PRECISION) - b_v
-        e_after = KS + tl.dot(tl.where(incl, KW, 0.0), delta, input_precision=PRECISION) - b_v
-        b_o = QS + tl.dot(tl.where(incl, QW, 0.0), delta, input_precision=PRECISION)
-    tl.store(lb + tok * NV + i_v, 0.5 * tl.sum(e_before * e_before, axis=1), mask=m_t)
-    tl.store(la + tok * NV + i_v, 0.5 * tl.sum(e_after * e_after, axis=1), mask=m_t)
-    tl.store(o + tok[:, None] * V + o_v[None, :], b_o, mask=mv)
-    if i_v == 0:
-        # the write gain β⟨w, k⟩ needs no state: one V-block reports it
-        b_beta = tl.load(beta + tok, mask=m_t, other=0.0)
-        tl.store(gain + tok, b_beta * kw, mask=m_t)
+        p_m = M + ((c0 + i) * H + i_h) * NM * C * C + o_c
+        # The chain from one chunk's state to the next first (S₀k_t, the writes, the state at the end),
+        # then what hangs off it.
+        KS = tl.dot(b_k, St, input_precision=PRECISION)     # S₀ k_t, [C, BV]
+        if GATE:
+            p_d = dec + ((c0 + i) * H + i_h) * 3 * C + o_t
+            gam = tl.load(p_d)
+            KSg = gam[:, None] * KS
+        else:
+            KSg = KS
+        delta = tl.dot(tl.load(p_m), b_v - KSg, input_precision=PRECISION)     # δ_s = β_s u_s
+        QS = tl.dot(b_q, St, input_precision=PRECISION)     # S₀ q_t
+        if GATE:
+            gam_end = tl.load(p_d + 2 * C)                                      # γ_C / γ_s
+            St = tl.sum(tl.where(o_t == C - 1, gam, 0.0), axis=0) * St         # γ_C S₀
+            St += tl.dot(tl.trans(b_w * gam_end[:, None]), delta, input_precision=PRECISION)
+            e_before = tl.load(p_d + C)[:, None] * KS + tl.dot(tl.load(p_m + C * C), delta,
+                                                              input_precision=PRECISION) - b_v
+            u = b_v - KSg - tl.dot(tl.load(p_m + 4 * C * C), delta, input_precision=PRECISION)
+            tl.store(lbd + tok * NV + i_v, 0.5 * tl.sum(u * u, axis=1), mask=m_t)
+            b_o = gam[:, None] * QS
+        else:
+            St += tl.dot(tl.trans(b_w), delta, input_precision=PRECISION)
+            e_before = KS + tl.dot(tl.load(p_m + C * C), delta, input_precision=PRECISION) - b_v
+            b_o = QS
+        e_after = KSg + tl.dot(tl.load(p_m + 2 * C * C), delta, input_precision=PRECISION) - b_v
+        b_o += tl.dot(tl.load(p_m + 3 * C * C), delta, input_precision=PRECISION)
+        tl.store(lb + tok * NV + i_v, 0.5 * tl.sum(e_before * e_before, axis=1), mask=m_t)
+        tl.store(la + tok * NV + i_v, 0.5 * tl.sum(e_after * e_after, axis=1), mask=m_t)
+        tl.store(o + tok[:, None] * V + o_v[None, :], b_o, mask=mv)
+    tl.store(ht + i_nh.to(tl.int64) * V * K + o_s, St, mask=m_s)
 
 
-def _chunk_table(bounds: list[int], C: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(chunks, offsets)`` on ``device``, from the sequences' token bounds ``[0, t_1, …, B·T]`` (the
-    checked ``cu_seqlens``, or every T tokens): ``chunks`` ``[NC, 2]`` int64, each chunk's first token
-    and its sequence's end (flattened token indices); ``offsets`` ``[N + 1]``, sequence n's chunks are
-    rows ``offsets[n]:offsets[n+1]``. Chunks restart at every sequence start."""
-    chunks, offsets = [], [0]
-    for bos, eos in zip(bounds, bounds[1:]):
-        chunks.extend((first, eos) for first in range(bos, eos, C))
-        offsets.append(len(chunks))
-    return (torch.tensor(chunks, dtype=torch.int64).view(-1, 2).to(device),
-            torch.tensor(offsets, dtype=torch.int64).to(device))
+def _chunk_tables(bounds: list[int], C: int, device) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(NC, chunks, offsets, bounds)`` on ``device``, from the sequences' token bounds
+    ``[0, t_1, …, B·T]`` (the checked ``cu_seqlens``, or every T tokens). ``chunks`` ``[NC, 2]``: each
+    chunk's first token and its sequence's end (flattened token indices); chunks restart at every
+    sequence start. Sequence n's chunks are rows ``offsets[n]:offsets[n+1]`` and its tokens
+    ``bounds[n]:bounds[n+1]``. All int64, built on the host and moved in one copy that does not wait
+    for the GPU (from pinned memory): a blocking copy would hold the host until the work queued
+    before it had finished, and the GPU idle while the host then prepares this launch."""
+    edges = torch.tensor(bounds, dtype=torch.int64)
+    bos, eos = edges[:-1], edges[1:]
+    counts = (eos - bos + C - 1) // C
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    NC = int(offsets[-1])
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    first = bos[seq] + (torch.arange(NC) - offsets[:-1][seq]) * C
+    host = torch.cat([torch.stack([first, eos[seq]], 1).view(-1), offsets, edges])
+    if device.type == "cuda":
+        host = host.pin_memory()
+    table = host.to(device, non_blocking=True)
+    return NC, table[: 2 * NC].view(NC, 2), table[2 * NC : 2 * NC + len(offsets)], table[2 * NC + len(offsets) :]
 
 
 def chunk_replay(
@@ -282,10 +281,11 @@ def chunk_replay(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 32,
+    chunk_size: int = 16,
     block_v: int | None = None,
     precision: str = "tf32x3",
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> RecurrenceResult:
     """The delta-rule recurrence with both residual norms of every write, chunk by chunk in fp32:
     the contract of :func:`osdn_diag.math.recurrence.delta_rule_recurrence` on ``q``'s device (CUDA;
@@ -303,11 +303,14 @@ def chunk_replay(
             (the decay is exactly 0 either way).
         initial_state: ``[N, H, V, K]`` (``V×K`` per head) or ``None`` (zeros).
         cu_seqlens: ``[N + 1]`` packed sequence bounds with ``B = 1``, or ``None`` (``N = B``).
-        chunk_size: tokens per chunk, a power of two from 16 to 64 (default 32, the fastest on an H200:
-            ``benchmarks/RESULTS.md``).
-        block_v: state rows per program (a power of two, 16 to 128; default 64).
+        chunk_size: tokens per chunk, a power of two from 16 to 64 (default 16).
+        block_v: state rows per program of the walk (a power of two, 16 to 128; default 64, 32 with a
+            gate).
         precision: ``tl.dot``'s input precision, one of :data:`PRECISIONS`.
-        num_warps: warps per program of the walk and the outputs (a power of two, 1 to 16; default 4).
+        num_warps: warps per program of the walk (a power of two, 1 to 16; default 8, 4 with a gate).
+        num_stages: chunks the walk loads ahead (``tl.range``'s pipeline stages, 1 to 4; default 2).
+            The defaults are the fastest launch measured on an H200 at K = V = 128
+            (``benchmarks/RESULTS.md``).
 
     Every input is checked (shapes, floating-point dtypes, one device) before a kernel runs.
     Accuracy: within 1e-5 of the fp64 reference on the tests' awkward inputs and on captured keys, but
@@ -333,10 +336,13 @@ def chunk_replay(
     C = power_of_two("chunk_replay", "chunk_size", chunk_size, 16, 64)
     BK = max(triton.next_power_of_2(K), 16)
     if block_v is None:
-        block_v = 64
+        block_v = 64 if g is None else 32
     BV = power_of_two("chunk_replay", "block_v", block_v, 16, 128)
     BV = min(BV, max(triton.next_power_of_2(V), 16))
-    warps = 4 if num_warps is None else power_of_two("chunk_replay", "num_warps", num_warps, 1, 16)
+    warps = (8 if g is None else 4) if num_warps is None else power_of_two("chunk_replay", "num_warps", num_warps, 1, 16)
+    stages = 2 if num_stages is None else num_stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 4:
+        raise ValueError(f"chunk_replay: num_stages must be an int from 1 to 4, got {num_stages!r}")
     if g is not None and bool((g > 0).any()):  # (reads g: waits for the work queued before it)
         raise ValueError("chunk_replay: g must be a log decay, at most 0 everywhere (a growing state makes the "
                          "chunk's products cancel); osdn_diag.ops.fused_replay replays any g")
@@ -344,7 +350,7 @@ def chunk_replay(
     N = len(bounds) - 1
     if initial_state is not None:
         check_shape("initial_state", initial_state, [N, H, V, K], "[N, H, V, K]")
-    check_launchable("chunk_replay", q.device, _chunk_output_kernel)
+    check_launchable("chunk_replay", q.device, _chunk_walk_kernel)
     dtype = torch.float32
     cast = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
     q, k, v, beta, wk, h0 = map(cast, (q, k, v, beta, write_key, initial_state))
@@ -354,33 +360,34 @@ def chunk_replay(
         g = g.detach().to(torch.float64).clamp_min(-1e4).contiguous()
     scale_t = torch.full((1,), K**-0.5 if scale is None else scale, dtype=dtype, device=q.device)
     NV = triton.cdiv(V, BV)
-    o = torch.zeros_like(v)
-    parts = torch.zeros(3, B * T * H, NV, dtype=dtype, device=q.device)
-    gain = torch.zeros(B, T, H, dtype=dtype, device=q.device)
-    chunks, offsets = _chunk_table(bounds, C, q.device)
-    if not len(chunks):  # no token: the initial state back, not attached to any graph
+    # every token is written (the walk writes the outputs and losses, the preparation the gains),
+    # except the decayed loss without a gate, which is not reported
+    o = torch.empty_like(v)
+    parts = torch.empty(3, B * T * H, NV, dtype=dtype, device=q.device)
+    if g is None:
+        parts[1].zero_()
+    gain = torch.empty(B, T, H, dtype=dtype, device=q.device)
+    NC, chunks, offsets, bounds_t = _chunk_tables(bounds, C, q.device)
+    if not NC:  # no token: the initial state back, not attached to any graph
         ht = torch.zeros(N, H, V, K, dtype=dtype, device=q.device) if h0 is None else h0.detach().clone()
     else:
         ht = torch.empty(N, H, V, K, dtype=dtype, device=q.device)  # every (sequence, head) is written
         dummy = q.new_empty(1)
         wk_, g_ = dummy if wk is None else wk, dummy if g is None else g
-        W = torch.empty(B * T, H, K, dtype=dtype, device=q.device)
-        U = torch.empty(B * T, H, V, dtype=dtype, device=q.device)
-        D = torch.empty(B * T, H, V, dtype=dtype, device=q.device)
-        S0 = torch.empty(len(chunks), H, V, K, dtype=dtype, device=q.device)
+        NM = 5 if g is not None else 4
+        M = torch.empty(NC, H, NM, C, C, dtype=dtype, device=q.device)
+        dec = torch.empty(NC, H, 3, C, dtype=dtype, device=q.device) if g is not None else dummy
         flags = dict(GATE=g is not None, HAS_WK=wk is not None, PRECISION=precision)
-        _chunk_solve_kernel[(len(chunks), H)](
-            k, wk_, v, beta, g_, chunks, W, U,
-            H=H, K=K, V=V, C=C, BK=min(BK, 64), BV=min(max(triton.next_power_of_2(V), 16), 64), **flags,
-            num_warps=4,
+        _chunk_prep_kernel[(NC, H)](
+            q, k, wk_, beta, g_, chunks, scale_t, M, dec, gain,
+            H=H, K=K, C=C, BK=min(BK, 32), NM=NM, **flags,
+            # one warp keeps the substitution's reductions inside a warp; 64-token chunks spill in one
+            num_warps=1 if C <= 32 else 4,
         )
-        _chunk_state_kernel[(NV, N * H)](
-            wk_, k, g_, W, U, dummy if h0 is None else h0, offsets, chunks, S0, D, ht,
-            H=H, K=K, V=V, C=C, BK=BK, BV=BV, HAS_H0=h0 is not None, **flags, num_warps=warps,
-        )
-        _chunk_output_kernel[(len(chunks), NV, H)](
-            q, k, v, beta, wk_, g_, D, S0, chunks, scale_t,
-            o, parts[0], parts[1], parts[2], gain,
-            H=H, K=K, V=V, C=C, BK=BK, BV=BV, BKB=min(BK, 32), **flags, num_warps=warps,
+        _chunk_walk_kernel[(NV, N * H)](
+            q, k, v, wk_, M, dec, dummy if h0 is None else h0, bounds_t,
+            offsets, scale_t, o, parts[0], parts[1], parts[2], ht,
+            H=H, K=K, V=V, C=C, BK=BK, BV=BV, NM=NM, HAS_H0=h0 is not None, **flags,
+            STAGES=stages, num_warps=warps,
         )
     return replay_result(o, ht, parts, gain, gated=g is not None)

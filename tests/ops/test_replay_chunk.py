@@ -49,12 +49,26 @@ def test_chunk_replay_matches_reference(B, T, H, K, V, gate, asym, h0, chunk_siz
 @pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
 @pytest.mark.parametrize("K", [64, 128])
 def test_chunk_replay_default_launch_by_key_width(precision, K):
-    """The default launch (64-token chunks, 64 state rows) with a head gate, a write key and an
-    initial state, over more than one chunk."""
+    """The default launch with a head gate, a write key and an initial state, over more than one
+    chunk."""
     q, k, v, beta, kw = _inputs(K + 1, 1, 80, 2, K, K, gate="head", asym=True, h0=True)
     ref = delta_rule_recurrence(q, k, v, beta, **kw)
     got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), precision=precision, **_to(kw))
     _assert_fields_close(got, ref)
+
+
+@pytest.mark.parametrize("bounds,C", [([0, 11, 11, 90, 150], 32), ([0, 16, 32], 16), ([0, 0], 16), ([0, 1, 65], 64)])
+def test_chunk_tables_list_every_sequences_chunks(bounds, C):
+    """The chunk table against a plain loop: every sequence's chunks in order, each ending at its
+    sequence's end, with the sequences' chunk and token offsets."""
+    chunks, offsets = [], [0]
+    for bos, eos in zip(bounds, bounds[1:]):
+        chunks += [[first, eos] for first in range(bos, eos, C)]
+        offsets.append(len(chunks))
+    NC, got_chunks, got_offsets, got_bounds = ops_chunk._chunk_tables(bounds, C, torch.device("cpu"))
+    assert NC == len(chunks)
+    assert got_chunks.tolist() == chunks and got_chunks.dtype == torch.int64
+    assert got_offsets.tolist() == offsets and got_bounds.tolist() == bounds
 
 
 def test_chunk_replay_packed_sequences_restart():

@@ -42,6 +42,8 @@ The plain reference is :func:`osdn_diag.math.recurrence.delta_rule_recurrence`; 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import triton
 import triton.language as tl
@@ -115,7 +117,7 @@ def _chunk_prep_kernel(
     GATE: tl.constexpr, HAS_WK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program per (chunk, head), in parallel: everything of the chunk that does not depend on the
-    state. ``M[c, h]`` (``[NM, C, C]``) holds ``A = (I + L)⁻¹ diag(β)`` (by forward substitution) and the
+    state. ``M[c, h]`` (``[NM, C, C]``) holds ``A = (I + L)⁻¹ diag(β)`` (:func:`_unit_lower_inverse`) and the
     masked, decayed products of the keys with the write keys that carry the writes ``δ`` to each
     residual: ``Mb`` (before the write, ``s < t``, decays to ``t − 1``), ``Ma`` (after it, ``s ≤ t``),
     ``Mo`` (the outputs: queries, ``s ≤ t``) and, with a gate, ``Mu`` (the decayed state before the write,
@@ -248,6 +250,17 @@ def _chunk_walk_kernel(
     tl.store(ht + i_nh.to(tl.int64) * V * K + o_s, St, mask=m_s)
 
 
+def _int_option(name: str, value, low: int, high: int) -> int:
+    """A launch option checked: an int (numpy's included, not a bool) from ``low`` to ``high``."""
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or not low <= n <= high:
+        raise ValueError(f"chunk_replay: {name} must be an int from {low} to {high}, got {value!r}")
+    return n
+
+
 def _chunk_tables(bounds: list[int], C: int, device) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(NC, chunks, offsets, bounds)`` on ``device``, from the sequences' token bounds
     ``[0, t_1, …, B·T]`` (the checked ``cu_seqlens``, or every T tokens). ``chunks`` ``[NC, 2]``: each
@@ -339,10 +352,10 @@ def chunk_replay(
         block_v = 64 if g is None else 32
     BV = power_of_two("chunk_replay", "block_v", block_v, 16, 128)
     BV = min(BV, max(triton.next_power_of_2(V), 16))
-    warps = (8 if g is None else 4) if num_warps is None else power_of_two("chunk_replay", "num_warps", num_warps, 1, 16)
-    stages = 2 if num_stages is None else num_stages
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= 4:
-        raise ValueError(f"chunk_replay: num_stages must be an int from 1 to 4, got {num_stages!r}")
+    if num_warps is None:
+        num_warps = 8 if g is None else 4
+    warps = power_of_two("chunk_replay", "num_warps", num_warps, 1, 16)
+    stages = 2 if num_stages is None else _int_option("num_stages", num_stages, 1, 4)
     if g is not None and bool((g > 0).any()):  # (reads g: waits for the work queued before it)
         raise ValueError("chunk_replay: g must be a log decay, at most 0 everywhere (a growing state makes the "
                          "chunk's products cancel); osdn_diag.ops.fused_replay replays any g")

@@ -143,6 +143,9 @@ def test_chunk_replay_of_no_token(h0):
     (dict(chunk_size=48), r"chunk_size must be a power of two from 16 to 64, got 48"),
     (dict(block_v=True), r"block_v must be a power of two from 16 to 128, got True"),
     (dict(num_warps=3), r"num_warps must be a power of two from 1 to 16, got 3"),
+    (dict(num_stages=0), r"num_stages must be an int from 1 to 4, got 0"),
+    (dict(num_stages=True), r"num_stages must be an int from 1 to 4, got True"),
+    (dict(num_stages=2.0), r"num_stages must be an int from 1 to 4, got 2.0"),
     (dict(precision="tf32"), r"precision must be one of \('tf32x3', 'ieee'\), got 'tf32'"),
     (dict(initial_state=torch.zeros(1, 1, 12, 8)), r"initial_state.*\[N, H, V, K\]"),
 ])

@@ -310,7 +310,7 @@ def chunk_replay(
         v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
         write_key: ``[B, T, H, K]`` (OSDN's ``d ⊙ k``) or ``None`` (the read key writes).
         g: log decay per head ``[B, T, H]``, at most 0, or ``None``. A key-channel gate ``[B, T, H, K]``
-            or a positive entry (a growing state, whose chunk products cancel) is refused
+            or a positive or NaN entry (a growing state, whose chunk products cancel) is refused
             (``ValueError``; checking the sign waits for the GPU):
             :func:`~osdn_diag.ops.replay.fused_replay` replays both. Entries below −10⁴ read as −10⁴
             (the decay is exactly 0 either way).
@@ -325,7 +325,10 @@ def chunk_replay(
             The defaults are the fastest launch measured on an H200 at K = V = 128
             (``benchmarks/RESULTS.md``).
 
-    Every input is checked (shapes, floating-point dtypes, one device) before a kernel runs.
+    Every input is checked (shapes, floating-point dtypes, one device) before a kernel runs. A
+    non-finite input makes its whole chunk non-finite, from the chunk's first token (products with
+    zeros keep a NaN), where the fused replay and the reference are non-finite from that token on;
+    earlier chunks, other heads and other sequences keep their values.
     Accuracy: within 1e-5 of the fp64 reference on the tests' awkward inputs and on captured keys, but
     several times the fused replay's error where the chunk's sums cancel: keys that repeat with β
     near 2, and ``loss_after`` where β⟨w, k⟩ is near 1 (``docs/math.md``).
@@ -356,9 +359,10 @@ def chunk_replay(
         num_warps = 8 if g is None else 4
     warps = power_of_two("chunk_replay", "num_warps", num_warps, 1, 16)
     stages = 2 if num_stages is None else _int_option("num_stages", num_stages, 1, 4)
-    if g is not None and bool((g > 0).any()):  # (reads g: waits for the work queued before it)
-        raise ValueError("chunk_replay: g must be a log decay, at most 0 everywhere (a growing state makes the "
-                         "chunk's products cancel); osdn_diag.ops.fused_replay replays any g")
+    # (reads g: waits for the work queued before it). "Not ≤ 0" refuses NaN too.
+    if g is not None and bool((~(g <= 0)).any()):
+        raise ValueError("chunk_replay: g must be a log decay, at most 0 everywhere and not NaN (a growing state "
+                         "makes the chunk's products cancel); osdn_diag.ops.fused_replay replays any g")
     bounds = [n * T for n in range(B + 1)] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
     N = len(bounds) - 1
     if initial_state is not None:

@@ -138,6 +138,7 @@ def test_chunk_replay_of_no_token(h0):
     (dict(q=torch.zeros(1, 3, 1, 129), k=torch.zeros(1, 3, 1, 129)),
      r"keys of at most 128 channels, got K = 129.*fused_replay"),
     (dict(g=torch.tensor([[[-1.0], [0.5], [-1.0]]])), r"g must be a log decay, at most 0.*fused_replay"),
+    (dict(g=torch.tensor([[[-1.0], [float("nan")], [-1.0]]])), r"g must be a log decay, at most 0 everywhere and not NaN"),
     (dict(g=torch.zeros(1, 3, 1, 12)), r"g must be a per-head log decay \[B, T, H\].*fused_replay"),
     (dict(chunk_size=8), r"chunk_size must be a power of two from 16 to 64, got 8"),
     (dict(chunk_size=48), r"chunk_size must be a power of two from 16 to 64, got 48"),
@@ -238,3 +239,22 @@ def test_fused_replay_reads_a_strided_cu_seqlens_as_its_values():
     for op in (ops.chunk_replay, ops.fused_replay):
         got = op(*(x.to(DEVICE) for x in (q, k, v, beta)), cu_seqlens=cu.to(DEVICE), **_to(kw))
         _assert_fields_close(got, ref)
+
+
+def test_chunk_replay_keeps_a_non_finite_input_in_its_chunk():
+    """A NaN in one token's value spreads over its chunk (from the chunk's first token: products with
+    zeros keep it) and on through its sequence and head, never to earlier chunks, other heads or
+    other sequences (docstring)."""
+    q, k, v, beta, kw = _inputs(9, 2, 40, 2, 16, 16, gate="head", asym=False, h0=False)
+    v = v.clone()
+    v[0, 37, 0, 3] = float("nan")
+    ref = delta_rule_recurrence(q, k, v, beta, allow_nonfinite=True, **kw)
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), chunk_size=16, **_to(kw))
+    for name in ("o", "loss_before", "loss_after"):
+        x = getattr(got, name).cpu()
+        finite = torch.isfinite(x.reshape(2, 40, 2, -1)).all(-1)
+        assert finite[0, :32, 0].all() and not finite[0, 32:, 0].any(), name
+        assert finite[1].all() and finite[0, :, 1].all(), name
+        r = getattr(ref, name)
+        assert torch.allclose(x[1].double(), r[1], rtol=1e-5, atol=1e-6), name
+        assert torch.allclose(x[0, :32, 0].double(), r[0, :32, 0], rtol=1e-5, atol=1e-6), name

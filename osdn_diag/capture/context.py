@@ -395,7 +395,8 @@ class Capture:
 
         def kernel(*args, **kwargs):
             self._kernel_calls += 1
-            bound = hf.resolve(site, original)
+            device = next((x.device.type for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+            bound = hf.resolve(site, original, device)
             recording = self.enabled and self._current is not None
             ask = {"output_final_state": True} if recording else {}
             if bound.kind == "torch":
@@ -425,7 +426,8 @@ class Capture:
                     out = adapter.strip_final_state(out)
             return out
 
-        kernel.__wrapped__ = original
+        # (the function behind a `kernels` module: what inspect.signature should see)
+        kernel.__wrapped__ = hf.kernel_function(original)
         kernel.__name__ = getattr(original, "__name__", site.name)
         return kernel
 

@@ -256,21 +256,37 @@ def _closure(fn) -> dict:
     return out
 
 
-def resolve(site: HFKernelSite, bound) -> Bound:
-    """Which implementation ``bound`` (the object the modeling file's name is bound to) runs.
+def kernel_function(bound):
+    """The function behind a modeling file's kernel name: ``bound`` itself, or, where the ``kernels``
+    package wraps it in a module (transformers 5.25 and later, which require that package), the
+    function the module's ``forward`` calls (a closure variable ``func``). A module whose forward
+    was replaced by a Hub kernel (``kernelize``) is returned as it is."""
+    if isinstance(bound, torch.nn.Module) and "forward" not in vars(bound):
+        func = _closure(type(bound).forward).get("func")
+        if func is not None:
+            return func
+    return bound
+
+
+def resolve(site: HFKernelSite, bound, device_type: str | None = None) -> Bound:
+    """Which implementation ``bound`` (the object the modeling file's name is bound to) runs on
+    inputs on ``device_type`` (``"cuda"``, ``"cpu"``; ``None``: not known).
 
     transformers 5's ``use_kernel_func_from_hub_with_fallback`` wrapper keeps the chosen
     implementation and the file's torch function in its closure (``implementation``,
-    ``torch_function``); a name bound to a plain function (fla's, the file's own) is that function.
+    ``torch_function``); from transformers 5.25 it also keeps the devices the implementation's
+    package runs on (``supported_devices``) and runs the torch function on any other (fla's on a
+    CPU). A name bound to a plain function (fla's, the file's own) is that function.
     """
-    cells = _closure(bound)
+    fn = kernel_function(bound)
+    cells = _closure(fn)
     impl, torch_fn = cells.get("implementation"), cells.get("torch_function")
     if impl is not None and torch_fn is not None:
-        if impl is torch_fn:
+        supported = cells.get("supported_devices")
+        elsewhere = supported is not None and device_type is not None and device_type not in supported
+        if impl is torch_fn or elsewhere:
             return Bound("torch", torch_fn, _dotted(torch_fn))
         fn = impl
-    else:
-        fn = bound
     module = getattr(fn, "__module__", "") or ""
     if module == site.module and getattr(fn, "__name__", "") == site.name:
         return Bound("torch", fn, _dotted(fn))

@@ -53,13 +53,39 @@ def fallback_bound(model: str) -> dict:
     modeling file's torch functions run through transformers' own wrapper, built with fla hidden."""
     from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
+    from osdn_diag.capture.transformers_sites import kernel_function
+
     module = sys.modules[MODELS[model][1]]
     out = {}
     for name in MODELS[model][2]:
-        torch_fn = getattr(module, name).__wrapped__  # functools.wraps keeps the torch function
+        # functools.wraps keeps the torch function (under the `kernels` package's module, if any)
+        torch_fn = kernel_function(getattr(module, name)).__wrapped__
         with hidden_module("fla"):
             out[name] = use_kernel_func_from_hub_with_fallback(FLA_NAMES[name], "fla")(torch_fn)
     return out
+
+
+@contextlib.contextmanager
+def fla_on_cpu(model: str):
+    """From transformers 5.25 a kernel name runs the modeling file's torch function on inputs on a
+    device fla is not listed for, the CPU among them. Inside, the CPU is listed, so that fla's
+    kernels run there (under Triton's interpreter) as they would on a GPU. Earlier transformers
+    have no list: nothing changes."""
+    from osdn_diag.capture.transformers_sites import kernel_function
+
+    module = sys.modules[MODELS[model][1]]
+    changed = []
+    for name in MODELS[model][2]:
+        fn = kernel_function(getattr(module, name))
+        for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            if var == "supported_devices" and cell.cell_contents is not None:
+                changed.append((cell, cell.cell_contents))
+                cell.cell_contents = (*cell.cell_contents, "cpu")
+    try:
+        yield
+    finally:
+        for cell, devices in changed:
+            cell.cell_contents = devices
 
 
 @contextlib.contextmanager

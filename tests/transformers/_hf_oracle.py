@@ -46,12 +46,15 @@ class RawCall:
 @contextlib.contextmanager
 def spy_kernel_calls(module_name: str, names: tuple[str, ...]):
     """Record every call of ``module_name``'s ``names`` (a list of :class:`RawCall`, in call order)."""
+    from osdn_diag.capture.transformers_sites import kernel_function
+
     module = sys.modules[module_name]
     calls: list[RawCall] = []
     saved = {name: getattr(module, name) for name in names}
 
     def spy(name, original):
-        sig = inspect.signature(original)  # the torch function's, through functools.wraps
+        # the torch function's, through functools.wraps (under the `kernels` package's module, if any)
+        sig = inspect.signature(kernel_function(original))
 
         def call(*args, **kwargs):
             bound = sig.bind_partial(*args, **kwargs)

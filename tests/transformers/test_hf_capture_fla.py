@@ -27,7 +27,7 @@ import dataclasses
 import pytest
 import torch
 
-from _hf_models import MODELS, decode_step, tiny_model
+from _hf_models import MODELS, decode_step, fla_on_cpu, tiny_model
 from _hf_oracle import consumed, fp64_delta_rule, ratio_error, relative_error, spy_kernel_calls, spy_stored_qk
 from osdn_diag.capture.context import capture
 from osdn_diag.replay import replay_call
@@ -67,7 +67,7 @@ def runs():
                 return [out.logits, nxt.logits]
 
             _, module, names = MODELS[model]
-            with torch.no_grad():
+            with torch.no_grad(), fla_on_cpu(model):
                 plain = forward()
                 with capture(net, kernels="fla") as cap, spy_kernel_calls(module, names) as raw, \
                         spy_stored_qk() as stored:

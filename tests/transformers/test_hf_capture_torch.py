@@ -155,8 +155,14 @@ def test_resolve_names_what_runs():
     module = __import__(site.module, fromlist=["x"])
     bound = getattr(module, site.name)
     fallback = fallback_bound("qwen3_next")[site.name]
+    torch_fn = hf.kernel_function(bound).__wrapped__
     assert hf.resolve(site, bound).kind == "fla" and hf.resolve(site, bound).fn is gdn.chunk_gated_delta_rule
-    assert hf.resolve(site, fallback).kind == "torch" and hf.resolve(site, fallback).fn is bound.__wrapped__
+    assert hf.resolve(site, bound, "cuda").kind == "fla"
+    assert hf.resolve(site, fallback).kind == "torch" and hf.resolve(site, fallback).fn is torch_fn
     assert hf.resolve(site, gdn.chunk_gated_delta_rule).kind == "fla"
-    assert hf.resolve(site, bound.__wrapped__).kind == "torch"
+    assert hf.resolve(site, torch_fn).kind == "torch"
     assert hf.resolve(site, lambda *a, **k: None).kind == "other"
+    # transformers 5.25 and later run the torch function on inputs fla's kernels do not run on (the
+    # CPU); earlier ones run fla's kernel on any device
+    listed = "supported_devices" in hf._closure(hf.kernel_function(bound))
+    assert hf.resolve(site, bound, "cpu").kind == ("torch" if listed else "fla")

@@ -16,11 +16,30 @@ from osdn_diag.models import load_model
 LENGTHS = (12, 7, 9)
 
 
+def _cpu_runs_the_torch_function(module_name: str, name: str) -> bool:
+    """Whether transformers runs the modeling file's torch function for ``name`` on a CPU (5.25 and
+    later, whose wrapper lists the devices fla runs on) rather than fla's kernel (earlier)."""
+    import importlib
+
+    from osdn_diag.capture import transformers_sites as hf
+
+    bound = getattr(importlib.import_module(module_name), name)
+    return "supported_devices" in hf._closure(hf.kernel_function(bound))
+
+
 def test_run_on_qwen3_next_batched_equals_one_by_one(tmp_path):
     """Three prompts of different lengths, one by one and as one right-padded batch: the manifest
     numbers the three Gated DeltaNet layers 0–2 and lists decoder layer 3 (full attention) as
     skipped; the table has one row per real token (none for padding), and the batched run measures
-    what the one-by-one run does. The report says how many layers were not captured."""
+    what the one-by-one run does. The report says how many layers were not captured. On a CPU the
+    layers run fla's kernel (the reference stands in for it) or, from transformers 5.25, the
+    modeling file's torch function, and the manifest names which."""
+    module = "transformers.models.qwen3_next.modeling_qwen3_next"
+    load_model("random:qwen3-next-tiny")  # imports the modeling module
+    if _cpu_runs_the_torch_function(module, "torch_chunk_gated_delta_rule"):
+        kernel, implementation = "torch_chunk_gated_delta_rule", f"{module}.torch_chunk_gated_delta_rule"
+    else:
+        kernel, implementation = "chunk_gated_delta_rule", "fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"input_ids": list(range(3, n + 3)), "task": f"t{n}"})
                                  for n in LENGTHS))
@@ -34,9 +53,9 @@ def test_run_on_qwen3_next_batched_equals_one_by_one(tmp_path):
         assert [entry["layer"] for entry in manifest["layers"]] == [0, 1, 2]
         assert manifest["layers_skipped"] == [{"layer": 3, "type": "full_attention"}]
         for entry in manifest["layers"]:
-            assert entry["family"] == "gated_delta_rule" and entry["kernel"] == "chunk_gated_delta_rule"
+            assert entry["family"] == "gated_delta_rule" and entry["kernel"] == kernel
             assert entry["heads"] == 4 and entry["head_k_dim"] == 16  # 2 key heads serve 4 value heads
-            assert entry["flags"]["implementation"] == "fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule"
+            assert entry["flags"]["implementation"] == implementation
         table = pq.read_table(out / "residuals.parquet").sort_by(
             [("prompt", "ascending"), ("layer", "ascending"), ("head", "ascending"), ("pos", "ascending")])
         assert table.num_rows == sum(LENGTHS) * 3 * 4  # real tokens × layers × value heads

@@ -12,15 +12,30 @@ import triton.language as tl
 from ..math.recurrence import RecurrenceResult
 
 
-def power_of_two(op: str, name: str, value, low: int = 1, high: int | None = None) -> int:
-    """A launch option ``value`` checked: an int (or anything that is one, numpy's included, but not a
-    bool), a power of two, from ``low`` to ``high`` where given. ``ValueError`` names ``op`` and
-    ``name``."""
+def as_int(value) -> int | None:
+    """``value`` as an int where it is one (numpy's ints included, but not a bool), else ``None``."""
+    if isinstance(value, bool):
+        return None
     try:
-        n = -1 if isinstance(value, bool) else operator.index(value)
+        return operator.index(value)
     except TypeError:
-        n = -1
-    if n < low or (high is not None and n > high) or n & (n - 1):
+        return None
+
+
+def int_in_range(op: str, name: str, value, low: int, high: int) -> int:
+    """A launch option ``value`` checked: an int (:func:`as_int`) from ``low`` to ``high``.
+    ``ValueError`` names ``op`` and ``name``."""
+    n = as_int(value)
+    if n is None or not low <= n <= high:
+        raise ValueError(f"{op}: {name} must be an int from {low} to {high}, got {value!r}")
+    return n
+
+
+def power_of_two(op: str, name: str, value, low: int = 1, high: int | None = None) -> int:
+    """A launch option ``value`` checked: an int (:func:`as_int`), a power of two, from ``low`` to
+    ``high`` where given. ``ValueError`` names ``op`` and ``name``."""
+    n = as_int(value)
+    if n is None or n < low or (high is not None and n > high) or n & (n - 1):
         bounds = "" if high is None else f" from {low} to {high}"
         raise ValueError(f"{op}: {name} must be a power of two{bounds}, got {value!r}")
     return n

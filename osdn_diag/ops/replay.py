@@ -29,8 +29,6 @@ Each V-block writes its partial sums; the wrapper adds the blocks. The plain ref
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import triton
 import triton.language as tl
@@ -38,7 +36,7 @@ import triton.language as tl
 from .._checks import check_cu_seqlens, check_recurrence_inputs, check_shape
 from .._interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
-from ._common import power_of_two, replay_result, sequence_bounds
+from ._common import as_int, power_of_two, replay_result, sequence_bounds
 
 __all__ = ["STATE_ENTRIES", "fused_replay"]
 
@@ -193,12 +191,8 @@ def _resolve_launch(launch: dict, BK: int, *, block_v, key_lanes, key_groups, st
     (``True``) or no prefetch (``False``), both unpipelined; ``prefetch=True`` with ``stages > 0`` asks
     for two ways of loading ahead at once and is refused."""
     if stages is not None:
-        given = stages
-        try:  # an int, or anything that is one (numpy's), but not a bool
-            stages = -1 if isinstance(stages, bool) else operator.index(stages)
-        except TypeError:
-            stages = -1
-        if stages < 0:
+        given, stages = stages, as_int(stages)
+        if stages is None or stages < 0:
             raise ValueError(f"fused_replay: stages must be an integer, 0 or more, got {given!r}")
     if prefetch and stages:
         raise ValueError(f"fused_replay: prefetch=True (the register prefetch) and stages={stages} (loads pipelined "

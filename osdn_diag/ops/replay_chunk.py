@@ -42,8 +42,6 @@ The plain reference is :func:`osdn_diag.math.recurrence.delta_rule_recurrence`; 
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import triton
 import triton.language as tl
@@ -51,7 +49,7 @@ import triton.language as tl
 from .._checks import check_cu_seqlens, check_recurrence_inputs, check_shape
 from .._interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
-from ._common import power_of_two, replay_result
+from ._common import int_in_range, power_of_two, replay_result
 
 __all__ = ["PRECISIONS", "chunk_replay"]
 
@@ -250,17 +248,6 @@ def _chunk_walk_kernel(
     tl.store(ht + i_nh.to(tl.int64) * V * K + o_s, St, mask=m_s)
 
 
-def _int_option(name: str, value, low: int, high: int) -> int:
-    """A launch option checked: an int (numpy's included, not a bool) from ``low`` to ``high``."""
-    try:
-        n = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        n = None
-    if n is None or not low <= n <= high:
-        raise ValueError(f"chunk_replay: {name} must be an int from {low} to {high}, got {value!r}")
-    return n
-
-
 def _chunk_tables(bounds: list[int], C: int, device) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(NC, chunks, offsets, bounds)`` on ``device``, from the sequences' token bounds
     ``[0, t_1, …, B·T]`` (the checked ``cu_seqlens``, or every T tokens). ``chunks`` ``[NC, 2]``: each
@@ -358,7 +345,7 @@ def chunk_replay(
     if num_warps is None:
         num_warps = 8 if g is None else 4
     warps = power_of_two("chunk_replay", "num_warps", num_warps, 1, 16)
-    stages = 2 if num_stages is None else _int_option("num_stages", num_stages, 1, 4)
+    stages = 2 if num_stages is None else int_in_range("chunk_replay", "num_stages", num_stages, 1, 4)
     # (reads g: waits for the work queued before it). "Not ≤ 0" refuses NaN too.
     if g is not None and bool((~(g <= 0)).any()):
         raise ValueError("chunk_replay: g must be a log decay, at most 0 everywhere and not NaN (a growing state "

@@ -65,6 +65,16 @@ def fallback_bound(model: str) -> dict:
     return out
 
 
+def torch_on_cpu(model: str) -> bool:
+    """Whether transformers runs ``model``'s modeling-file torch functions on a CPU even with fla
+    installed (5.25 and later, whose wrapper lists the devices fla runs on), rather than fla's
+    kernels (earlier). The modeling module must be imported."""
+    from osdn_diag.capture import transformers_sites as hf
+
+    bound = getattr(sys.modules[MODELS[model][1]], MODELS[model][2][0])
+    return "supported_devices" in hf._closure(hf.kernel_function(bound))
+
+
 @contextlib.contextmanager
 def fla_on_cpu(model: str):
     """From transformers 5.25 a kernel name runs the modeling file's torch function on inputs on a

@@ -9,22 +9,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from _hf_models import torch_on_cpu
 from osdn_diag.capture.context import capture
 from osdn_diag.cli import main
 from osdn_diag.models import load_model
 
 LENGTHS = (12, 7, 9)
-
-
-def _cpu_runs_the_torch_function(module_name: str, name: str) -> bool:
-    """Whether transformers runs the modeling file's torch function for ``name`` on a CPU (5.25 and
-    later, whose wrapper lists the devices fla runs on) rather than fla's kernel (earlier)."""
-    import importlib
-
-    from osdn_diag.capture import transformers_sites as hf
-
-    bound = getattr(importlib.import_module(module_name), name)
-    return "supported_devices" in hf._closure(hf.kernel_function(bound))
 
 
 def test_run_on_qwen3_next_batched_equals_one_by_one(tmp_path):
@@ -36,7 +26,7 @@ def test_run_on_qwen3_next_batched_equals_one_by_one(tmp_path):
     modeling file's torch function, and the manifest names which."""
     module = "transformers.models.qwen3_next.modeling_qwen3_next"
     load_model("random:qwen3-next-tiny")  # imports the modeling module
-    if _cpu_runs_the_torch_function(module, "torch_chunk_gated_delta_rule"):
+    if torch_on_cpu("qwen3_next"):
         kernel, implementation = "torch_chunk_gated_delta_rule", f"{module}.torch_chunk_gated_delta_rule"
     else:
         kernel, implementation = "chunk_gated_delta_rule", "fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule"

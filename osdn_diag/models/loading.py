@@ -13,6 +13,14 @@
 * ``random:PRESET`` — a randomly initialised model of a named shape (:data:`PRESETS`), seeded, for
   benchmarks and tests.
 * ``builtin:NAME`` — a small trained model shipped with the package (:mod:`osdn_diag.catalog.builtin`).
+
+The model is the one its user runs: it is loaded exactly as ``from_pretrained(DIR, dtype=DTYPE)``
+loads it — the parameters transformers keeps in fp32 whatever ``dtype`` asks (fla's Gated DeltaNet
+``A_log``, created in fp32; a model's ``_keep_in_fp32_modules_strict``, e.g. Kimi Linear's
+``dt_bias`` and MoE router) stay fp32 — and moved to its device without a cast. A ``random:``
+preset is built in fp32 and then loaded through the same ``from_pretrained`` from its in-memory
+state dict, so it holds exactly the dtypes a saved copy of it would load with.
+:attr:`LoadedModel.kept_dtypes` lists the parameters and buffers whose dtype is not ``dtype``.
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ class LoadedModel:
     config: dict
     directory: Path | None = None
     hub: dict | None = None  # a Hub model's repo_id, revision asked for, commit resolved, snapshot
+    #: ``{name: dtype}`` of every floating-point parameter and buffer whose dtype is not the model's
+    #: (kept in fp32 by transformers' loading), e.g. ``{"model.layers.0.attn.A_log": "float32"}``
+    kept_dtypes: dict | None = None
 
 
 #: Preset config classes of this package's own models (:mod:`osdn_diag.models`).
@@ -92,14 +103,17 @@ def load_model(
             import transformers
 
             config = getattr(transformers, cls_name)(**kwargs)
-        # Built and initialised where it will run: on a GPU, a 340M model's CPU initialisation
-        # alone took 3 s of the command's wall clock. CUDA's generator gives the same weights on any
-        # GPU; they differ from a CPU build's. A device map builds on the CPU, as the model may not
-        # fit one GPU.
+        # Built and initialised in fp32 where it will run (on a GPU, a 340M model's CPU initialisation
+        # alone took 3 s of the command's wall clock; CUDA's generator gives the same weights on any
+        # GPU, they differ from a CPU build's), then loaded from its own state dict by from_pretrained
+        # in ``dtype``: the dtypes a saved copy of it loads with. A device map builds on the CPU, as
+        # the model may not fit one GPU.
         build = _build_device(device, device_map)
         with torch.random.fork_rng(devices=[build.index] if build.type == "cuda" else []), build:
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config)
+            built = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = _from_state_dict(built, dtype, build)
+        del built
         source, directory, hub = "random", None, None
     else:
         from ..catalog import hub as _hub
@@ -125,6 +139,7 @@ def load_model(
             hint = f" (found {', '.join(pickles)}: pickled weights are not loaded)" if pickles else ""
             raise FileNotFoundError(f"MODEL {spec!r}: no *.safetensors weights in {directory}{hint}")
         config = _refuse_remote_code(spec, directory)
+        file_dtypes = _checkpoint_dtypes(spec, directory)
         # ignore_mismatched_sizes: transformers then reports a wrong shape in the loading info (which
         # we turn into our error) instead of raising its own, which names no tensor.
         from safetensors import SafetensorError
@@ -133,16 +148,17 @@ def load_model(
             model, info = AutoModelForCausalLM.from_pretrained(
                 directory, use_safetensors=True, local_files_only=True, dtype=dtype,
                 trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True,
+                **_placement(device, device_map),
             )
         except SafetensorError as err:  # its message names no file
             raise ValueError(f"MODEL {spec!r}: the *.safetensors weights in {directory} are not readable "
                              f"({err}): truncated or damaged; replace them with a complete copy") from err
         _check_loading_info(spec, directory, info)
+        _check_weight_dtypes(spec, directory, file_dtypes, model)
         source = "builtin" if builtin else "hub" if hub is not None else "directory"
-    if device_map is None:
-        model = model.to(device=device, dtype=dtype)
-    else:
-        model = _dispatch(model.to(dtype=dtype), device_map, spec)
+    # No dtype cast here: ``to(dtype)`` would also cast what transformers keeps in fp32.
+    if device_map is not None:
+        model = _dispatch(model, device_map, spec)
     model = model.eval()
     cfg = model.config.to_dict() if source == "random" else config
     if isinstance(cfg.get("text_config"), dict):
@@ -151,7 +167,73 @@ def load_model(
         cfg = {**cfg["text_config"], **{k: v for k, v in cfg.items() if v is not None}}
     if cfg.get("vocab_size") is None:
         cfg = {**cfg, "vocab_size": model.get_input_embeddings().num_embeddings}
-    return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory, hub=hub)
+    return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory, hub=hub,
+                       kept_dtypes=kept_dtypes(model, dtype))
+
+
+def _placement(device, device_map) -> dict:
+    """``from_pretrained``'s ``device_map`` for one ``device``: every tensor materialised there, in
+    its final dtype (transformers dispatches no hooks for a single device). A multi-device map is
+    applied afterwards by :func:`_dispatch`, from the CPU."""
+    if device_map is not None:
+        return {}
+    return {"device_map": {"": _build_device(device, None)}}
+
+
+def _from_state_dict(built: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """``built`` (an fp32 model) loaded again by its class's ``from_pretrained`` from its own state
+    dict in ``dtype``: transformers' loading then decides each tensor's dtype (what it keeps in fp32)
+    exactly as for a checkpoint saved from ``built``, and materialises it on ``device``."""
+    if dtype == torch.float32:
+        return built
+    placement = {} if device.type == "cpu" else {"device_map": {"": device}}
+    return type(built).from_pretrained(None, config=built.config, state_dict=built.state_dict(), dtype=dtype,
+                                       **placement)
+
+
+def kept_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, str]:
+    """``{name: dtype}`` of the floating-point parameters and buffers of ``model`` not in ``dtype``,
+    in module order (tied parameters once)."""
+    out = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            out[name] = str(tensor.dtype).removeprefix("torch.")
+    return out
+
+
+#: safetensors dtype names that hold no floating-point number.
+_NOT_FLOAT = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
+
+
+def _checkpoint_dtypes(spec: str, directory: Path) -> dict[str, tuple[str, str]]:
+    """``{tensor name: (safetensors dtype, file name)}`` of every tensor in ``directory``'s
+    ``*.safetensors``, from their headers alone (no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt") as fh:
+                for name in fh.keys():
+                    out[name] = (fh.get_slice(name).get_dtype(), path.name)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"MODEL {spec!r}: {path} is not readable safetensors ({err}): truncated or "
+                             "damaged; replace it with a complete copy") from err
+    return out
+
+
+def _check_weight_dtypes(spec: str, directory: Path, file_dtypes: dict, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint that stores integer or boolean tensors where the model has no integer or
+    boolean tensor of that name: transformers would cast them into floating-point parameters
+    silently (a bool checkpoint loads as 0/1 weights), and a quantized checkpoint is not a model this
+    package diagnoses."""
+    integral = {name for name, t in model.state_dict().items() if not t.is_floating_point()}
+    wrong = sorted(f"{name} ({kind} in {file})" for name, (kind, file) in file_dtypes.items()
+                   if kind in _NOT_FLOAT and name not in integral)
+    if wrong:
+        raise ValueError(f"MODEL {spec!r}: {_count(wrong)} in the *.safetensors weights in {directory} hold "
+                         f"integers or booleans where the model has floating-point parameters ({_few(wrong)}); "
+                         "quantized or converted checkpoints are not loaded: use the floating-point weights")
 
 
 def _build_device(device: str | torch.device, device_map) -> torch.device:
@@ -180,12 +262,66 @@ def _refuse_remote_code(spec: str, directory: Path) -> dict:
             listed = ", ".join(map(str, classes.values() if isinstance(classes, dict) else classes))
             raise ValueError(f"MODEL {spec!r}: {directory / name} asks for custom code (auto_map: "
                              f"{listed}){what} (if its model_type is one, delete auto_map)")
+    _check_implementations(spec, directory / "config.json", config)
     model_type = config.get("model_type") if isinstance(config, dict) else None
     import_model_type(model_type if isinstance(model_type, str) else None)  # fla's model of that type
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"MODEL {spec!r}: {directory / 'config.json'} has model_type {model_type!r}, "
                          f"which no installed library provides{what}")
     return config
+
+
+#: ``attn_implementation`` values whose code ships with transformers and torch. Any other value is
+#: code from elsewhere: an ``org/name`` Hub kernel, or ``flash_attention_N`` where the flash-attn
+#: package is not installed, for which transformers fetches a Hub kernel instead.
+_BUILTIN_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "paged|eager"})
+_FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface",
+                   "flash_attention_4": "flash_attn.cute"}
+#: ``experts_implementation`` values computed by torch alone (``deepgemm`` and ``sonicmoe`` load Hub
+#: kernels).
+_BUILTIN_EXPERTS = frozenset({"eager", "batched_mm", "grouped_mm"})
+
+
+def _builtin_attention(value: str) -> bool:
+    if value in _BUILTIN_ATTENTION:
+        return True
+    package = _FLASH_PACKAGES.get(value)
+    if package is None:
+        return False
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a parent package missing
+        return False
+
+
+def _check_implementations(spec: str, path: Path, config) -> None:
+    """Refuse a config (or any sub-config, e.g. ``text_config``) whose ``attn_implementation`` or
+    ``experts_implementation`` names code that is not part of transformers or torch: transformers 5
+    imports such a kernel from the Hub, or from the user's cache offline, where a config chooses it."""
+    def values(node):  # iterative: a config as deep as json.loads allows is walked without recursion
+        stack = [node]
+        while stack:
+            node = stack.pop()
+            items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+            for key, value in items:
+                if key in ("attn_implementation", "experts_implementation"):
+                    parts = value.values() if isinstance(value, dict) else [value]
+                    yield from ((key, v) for v in parts if v is not None)
+                else:
+                    stack.append(value)
+
+    for key, value in values(config):
+        builtin = isinstance(value, str) and (
+            _builtin_attention(value) if key == "attn_implementation" else value in _BUILTIN_EXPERTS)
+        if not builtin:
+            allowed = sorted(_BUILTIN_ATTENTION if key == "attn_implementation" else _BUILTIN_EXPERTS)
+            raise ValueError(
+                f"MODEL {spec!r}: {path} sets {key} = {value!r}, which is not an implementation built into "
+                f"transformers or torch (installed flash-attn aside): transformers would load its code from "
+                f"the Hub or the Hugging Face cache, and osdn-diag never runs code a model directory chooses; "
+                f"set it to one of {', '.join(allowed)} (or remove it)")
 
 
 def _read_json(spec: str, path: Path):
@@ -196,6 +332,8 @@ def _read_json(spec: str, path: Path):
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"MODEL {spec!r}: {path} is not readable JSON ({err})") from err
+    except RecursionError:
+        raise ValueError(f"MODEL {spec!r}: {path} nests its JSON too deeply to be a model's file") from None
 
 
 def _check_loading_info(spec: str, directory: Path, info: dict) -> None:

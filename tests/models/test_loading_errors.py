@@ -215,3 +215,59 @@ def _with_tokenizer(saved):
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(directory)
     return directory
+
+
+def _spy_from_pretrained(monkeypatch) -> list:
+    """Calls of transformers' ``from_pretrained`` from now on (each its path)."""
+    from transformers import AutoModelForCausalLM
+
+    calls, original = [], AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        calls.append(args[0] if args else None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    return calls
+
+
+@pytest.mark.parametrize("change", [
+    {"attn_implementation": "evilorg/evil"},  # a Hub kernel: imported from the cache offline
+    {"attn_implementation": "evilorg/evil@main:fn"},
+    {"attn_implementation": {"": "sdpa", "text_config": "evilorg/evil"}},
+    {"text_config": {"attn_implementation": "evilorg/evil"}},
+    {"experts_implementation": "sonicmoe"},  # torch's own grouped_mm aside, a Hub kernel
+    {"attn_implementation": 7},
+])
+def test_an_implementation_chosen_by_the_config_is_refused(saved, tmp_path, monkeypatch, change):
+    """transformers 5 reads ``attn_implementation`` / ``experts_implementation`` from config.json and
+    loads a named Hub kernel's code (from the user's cache, offline): refused before transformers
+    sees the directory."""
+    spec, _ = _remote_code_dir(saved, tmp_path, **change)
+    calls = _spy_from_pretrained(monkeypatch)
+    with pytest.raises(ValueError) as err:
+        load_model(spec)
+    msg = str(err.value)
+    assert msg.startswith(f"MODEL {spec!r}: ") and "config.json sets" in msg and "never runs code" in msg
+    assert "\n" not in msg
+    assert calls == []
+
+
+@pytest.mark.parametrize("change", [{"attn_implementation": "eager"},
+                                    {"attn_implementation": {"": "eager"}},
+                                    {"attn_implementation": None}])
+def test_built_in_implementations_load(saved, tmp_path, change):
+    spec, _ = _remote_code_dir(saved, tmp_path, **change)
+    assert load_model(spec).model is not None
+
+
+@pytest.mark.parametrize("kind", [torch.int8, torch.bool, torch.int64])
+def test_integer_or_boolean_weights_are_refused(saved, tmp_path, kind):
+    """A float parameter stored as integers or booleans would be cast silently (a bool checkpoint
+    measured as 0/1 weights): refused, naming the tensor."""
+    def edit(tensors):
+        tensors[Q_PROJ] = tensors[Q_PROJ].to(kind)
+
+    spec = _variant(saved, tmp_path, edit)
+    with pytest.raises(ValueError, match=rf"^MODEL .*1 tensor .*{Q_PROJ} \(\w+ in model\.safetensors\).*floating"):
+        load_model(spec)

@@ -202,6 +202,11 @@ def check_args(args) -> None:
     if cmd in ("run", "capture"):
         _positive("--num-prompts", args.num_prompts)
         _positive("--batch-size", args.batch_size)
+        if args.generate < 0:
+            raise UsageError(f"argument --generate: expected a number of tokens >= 0, got {args.generate}")
+        if args.generate and args.batch_size != 1:
+            raise UsageError(f"argument --generate: decoding is captured one prompt at a time; drop "
+                             f"--batch-size {args.batch_size} (it must be 1)")
         minimum = MIN_LENGTH.get(args.prompts, 2 if args.twice else 1)
         _positive("--length", args.length, minimum)
         if args.prompts not in BUILTIN_SUITES:

@@ -46,6 +46,7 @@ def _capture(args: argparse.Namespace):
         batch_size=args.batch_size, twice=args.twice, num_prompts=args.num_prompts,
         length=args.length, seed=args.seed, progress=not args.quiet, device_map=args.device_map,
         overwrite=args.overwrite, then=("replay", "report") if args.command == "run" else (),
+        generate=args.generate,
     )
 
 
@@ -73,7 +74,7 @@ def _stream(args: argparse.Namespace) -> dict:
         length=args.length, seed=args.seed, progress=not args.quiet, device_map=args.device_map,
         backend=args.backend, replay_dtype=torch.float64 if args.fp64 else torch.float32,
         tolerance=args.tolerance, retained=args.retained, overwrite=args.overwrite, then=("report",),
-        zero_residual=args.zero_residual,
+        zero_residual=args.zero_residual, generate=args.generate,
     )
 
 
@@ -285,6 +286,9 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=8, help="prompts of a built-in suite (8)")
     p.add_argument("--length", type=int, default=512, help="tokens per prompt of a built-in suite (512)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per forward pass (1)")
+    p.add_argument("--generate", type=int, default=0, metavar="N",
+                   help="greedily generate N tokens after each prompt and capture the prompt and its "
+                   "decoding as one stream (one prompt at a time; 0: no generation)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="model dtype (bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--kernels", choices=("auto", "fla", "reference"), default="auto",
                    help="what runs the delta rule during capture: fla's kernel, the reference "

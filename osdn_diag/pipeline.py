@@ -158,6 +158,7 @@ def capture_run(
     device_map: str | dict | None = None,
     overwrite: bool = False,
     then: tuple[str, ...] = (),
+    generate: int = 0,
 ) -> Path:
     """Load the model, run every prompt through it under :func:`osdn_diag.capture.capture`, and stream
     the captured calls to ``out_dir/capture``. The manifest says ``"complete": true`` only at the end,
@@ -171,13 +172,17 @@ def capture_run(
     :func:`osdn_diag.models.load_model` already loaded (then its device and dtype are the defaults).
     ``dtype`` defaults to bf16 on CUDA (fla's chunk kernels refuse fp32 DeltaNet inputs) and fp32 on
     the CPU. ``device_map`` spreads a model too large for one GPU over the machine's GPUs (see
-    :func:`osdn_diag.models.load_model`; one process only). Returns ``out_dir``.
+    :func:`osdn_diag.models.load_model`; one process only). ``generate`` > 0 has the model greedily
+    generate that many tokens after each prompt (one prompt at a time): the prompt's prefill and every
+    decoding step are captured as one stream per layer (:mod:`osdn_diag.capture.generation`), whose
+    decoded tokens the manifest lists (``generated_ids``) and the table marks (``decode_start``).
+    Returns ``out_dir``.
     """
     with output_lock(out_dir):
         session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
                                   batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
                                   seed=seed, device_map=device_map, overwrite=overwrite,
-                                  stages=("capture", *then))
+                                  stages=("capture", *then), generate=generate)
         session.run(lambda stored: session.writer.write(stored.batch, stored.prompts, stored.call), progress)
         session.finish()
     return session.out_dir
@@ -201,6 +206,7 @@ def stream_run(
     replay_dtype: torch.dtype = torch.float32,
     overwrite: bool = False,
     then: tuple[str, ...] = (),
+    generate: int = 0,
     **replay_kw,
 ) -> dict:
     """Capture and replay in one pass, storing no capture: every call is replayed on the device as
@@ -219,15 +225,15 @@ def stream_run(
         return _stream(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
                        batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length, seed=seed,
                        progress=progress, device_map=device_map, replay_dtype=replay_dtype, overwrite=overwrite,
-                       then=then, **replay_kw)
+                       then=then, generate=generate, **replay_kw)
 
 
 def _stream(model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_size, twice, num_prompts, length,
-            seed, progress, device_map, replay_dtype, overwrite, then, **replay_kw) -> dict:
+            seed, progress, device_map, replay_dtype, overwrite, then, generate=0, **replay_kw) -> dict:
     session = _CaptureSession(model_spec, prompts_spec, out_dir, device=device, dtype=dtype, kernels=kernels,
                               batch_size=batch_size, twice=twice, num_prompts=num_prompts, length=length,
                               seed=seed, stored=False, device_map=device_map, overwrite=overwrite,
-                              stages=("capture", "replay", *then))
+                              stages=("capture", "replay", *then), generate=generate)
     replay_kw.setdefault("device", session.replay_device)
     replayer = Replayer({p.id: p.manifest_entry() for p in session.prompts}, dtype=replay_dtype, **replay_kw)
     with _residuals_writer(session.out_dir, replayer.schema, session.ranks, session.run_id) as residuals:
@@ -255,12 +261,15 @@ class _CaptureSession:
 
     def __init__(self, model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_size, twice,
                  num_prompts, length, seed, stored: bool = True, device_map=None, overwrite: bool = False,
-                 stages: tuple[str, ...] = ("capture",)):
+                 stages: tuple[str, ...] = ("capture",), generate: int = 0):
         from . import distributed, runtime
         from .prompts import load_prompts
 
         if batch_size < 1:
             raise ValueError(f"argument 'batch_size': expected >= 1, got {batch_size}")
+        _check_generate(generate, batch_size)
+        self.generate = generate
+        self.generated: dict[int, list[int]] = {}  # prompt id -> the tokens generated after it
         self.ranks = distributed.current()
         if device_map is not None and self.ranks.world > 1:
             raise ValueError("argument 'device_map': spreads one model over every GPU of the machine, "
@@ -298,7 +307,7 @@ class _CaptureSession:
         self.settings = {"model": str(model_spec), "prompts": str(prompts_spec), "num_prompts": num_prompts,
                          "length": length, "seed": seed, "twice": twice, "batch_size": batch_size,
                          "kernels": kernels, "dtype": str(self.dtype).removeprefix("torch."),
-                         "capture_stored": stored, "stages": list(stages)}
+                         "capture_stored": stored, "stages": list(stages), "generate": generate}
         refusal, decision = None, None
         if self.ranks.is_main:
             try:
@@ -362,6 +371,7 @@ class _CaptureSession:
         :class:`StoredCall`) as soon as its batch has run, then drop it."""
         from . import distributed
         from .capture.context import capture
+        from .capture.generation import generate as generate_stream
 
         batches = [(i, b) for i, b in _batches(self.prompts, self.batch_size) if self.ranks.owns(i)]
         show = progress and self.ranks.is_main
@@ -369,6 +379,7 @@ class _CaptureSession:
             self.writer.shards.update(self.reused["shards"])
             self.writer.layers.update({int(k): v for k, v in self.reused["layers"].items()})
             self.hits.update({int(k): tuple(v) for k, v in self.reused["hits"].items()})
+            self.generated.update({int(k): list(v) for k, v in self.reused.get("generated", {}).items()})
             self.skipped = self.reused["skipped"]
             batches = []
         if show and batches and _compiles_kernels(self.device) and not has_compiled_kernels(triton_cache_dir()):
@@ -376,16 +387,22 @@ class _CaptureSession:
         with capture(self.loaded.model, kernels=self.kernels) as cap, torch.inference_mode():
             for batch_idx, batch in _progress(batches, len(batches), show, "capture", "batch"):
                 ids, mask = _inputs(batch, self.device)
-                out = self.loaded.model(input_ids=ids, attention_mask=mask, use_cache=False)
+                if self.generate:  # one prompt (batch_size 1): its prefill and decoding, one stream
+                    done = generate_stream(cap, ids, self.generate)
+                    calls, logits = done.calls, done.logits
+                    self.generated[batch[0].id] = done.tokens[0].tolist()
+                else:
+                    out = self.loaded.model(input_ids=ids, attention_mask=mask, use_cache=False)
+                    calls, logits = cap.calls, getattr(out, "logits", None)
                 prompt_ids = [p.id for p in batch]
-                for call in cap.calls:
+                for call in calls:
                     on_call(StoredCall(batch=batch_idx, prompts=prompt_ids, call=call))
                 cap.calls.clear()
-                self.hits.update(_recall_hits(batch, getattr(out, "logits", None)))
+                self.hits.update(_recall_hits(batch, logits))
             if self.reused is None:
                 self.skipped = cap.skipped  # a transformers model's full-attention layers
         # This rank's own parts, before the other ranks' are gathered into the same dictionaries.
-        self.own = (dict(self.writer.shards), dict(self.writer.layers), dict(self.hits))
+        self.own = (dict(self.writer.shards), dict(self.writer.layers), dict(self.hits), dict(self.generated))
         if self.ranks.world > 1 and self.stored:
             self.write_record()
         distributed.fault_point("captured")
@@ -396,17 +413,20 @@ class _CaptureSession:
             self.writer.shards.update(shards)
         for part in self.ranks.gather(self.hits):
             self.hits.update(part)
+        for part in self.ranks.gather(self.generated):
+            self.generated.update(part)
 
     def write_record(self, residuals: dict | None = None) -> None:
         """This rank's record of its parts (``ranks/rank-RRRRR.json`` under its own ``--out``): its
         shards with their sha256, what the manifest needs of its capture, and (``residuals``) its part
         of ``residuals.parquet``. Written after the files it lists."""
-        shards, layers, hits = self.own
+        shards, layers, hits, generated = self.own
         record = {"run_id": self.run_id, "rank": self.ranks.rank, "world_size": self.ranks.world,
                   "settings": self.settings,
                   "shards": {n: shards[n] for n in sorted(shards)},
                   "layers": {str(k): v for k, v in sorted(layers.items())},
                   "hits": {str(k): list(v) for k, v in sorted(hits.items())},
+                  "generated": {str(k): v for k, v in sorted(generated.items())},
                   "skipped": self.skipped}
         if residuals is not None:
             record["residuals"] = residuals
@@ -417,6 +437,10 @@ class _CaptureSession:
         entries = []
         for p in self.prompts:
             entry = p.manifest_entry()
+            if p.id in self.generated:  # the stream is the prompt and the tokens generated after it
+                tokens = self.generated[p.id]
+                entry.update(length=len(p) + len(tokens), prompt_length=len(p), decode_start=len(p),
+                             generated_ids=tokens)
             if p.id in self.hits:
                 # a rank record of an earlier version (resumed) has no nll: three numbers
                 entry["recall_correct"], entry["recall_queries"], excluded, *nll = self.hits[p.id]
@@ -444,6 +468,8 @@ class _CaptureSession:
                         "num_heads": cfg.get("num_heads"),
                         "vocab_size": cfg.get("vocab_size"),
                         **({"hub": self.loaded.hub} if self.loaded.hub else {}),
+                        # parameters and buffers loaded in another dtype than the model's (fp32)
+                        "kept_dtypes": self.loaded.kept_dtypes or {},
                     },
                     "prompts": self.manifest_prompts(),
                     # decoder layers not captured (a hybrid model's full attention), by index
@@ -456,6 +482,8 @@ class _CaptureSession:
                     "dtype": str(self.dtype).removeprefix("torch."),
                     "kernels": kernels_used,
                     "batch_size": self.batch_size,
+                    # tokens greedily generated after each prompt, captured with it (0: none)
+                    "generate": self.generate,
                     "world_size": self.ranks.world,
                     # whether every rank wrote under this directory (false: parts on other machines)
                     **({"shared_out": self.shared} if self.ranks.world > 1 else {}),
@@ -463,6 +491,15 @@ class _CaptureSession:
                 done,
             )
         self.ranks.barrier()  # and no rank goes on before it does
+
+
+def _check_generate(generate, batch_size: int) -> None:
+    """``generate``: an int >= 0; decoding runs one prompt at a time (``batch_size`` 1)."""
+    if isinstance(generate, bool) or not isinstance(generate, int) or generate < 0:
+        raise ValueError(f"argument 'generate': expected an int >= 0 (tokens to generate per prompt), got {generate!r}")
+    if generate and batch_size != 1:
+        raise ValueError(f"argument 'generate': decoding is captured one prompt at a time, so it needs "
+                         f"--batch-size 1 (got {batch_size})")
 
 
 def _resumable(out_dir: Path, settings: dict, world: int) -> dict | None:
@@ -803,7 +840,7 @@ class _ParquetEncoder:
     :meth:`write` or by :meth:`close`."""
 
     QUEUE = 4
-    DICTIONARY_COLUMNS = ["prompt", "task", "layer", "head", "repeat_start", "finite"]
+    DICTIONARY_COLUMNS = ["prompt", "task", "layer", "head", "repeat_start", "decode_start", "finite"]
 
     def __init__(self, path: str, schema: pa.Schema, target: Path):
         self.target = target

@@ -24,6 +24,7 @@ the reference otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from dataclasses import replace
@@ -188,6 +189,7 @@ class Capture:
                     continue
                 setattr(module, site.name, self._wrap_transformers(site, original))
                 self._patched.append((module, site.name, original))
+            self._guard_generate()
             for index, name, mod in self.layers:
                 if hf.is_transformers_layer(mod):
                     self._hooks.append(mod.register_forward_pre_hook(self._enter_hf_layer(index, name),
@@ -209,13 +211,62 @@ class Capture:
 
     def _restore(self) -> None:
         for module, name, original in reversed(self._patched):
-            setattr(module, name, original)
+            if original is _NOT_SET:  # an attribute the capture set on an instance: removed
+                delattr(module, name)
+            else:
+                setattr(module, name, original)
         self._patched.clear()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         self._current = None
         self._phase1_d = None
+
+    # -- generation -------------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedily generate ``max_new_tokens`` tokens after ``input_ids`` (one sequence, ``[1, P]``
+        or ``[P]``) and record the prompt and every token it generates as one stream per layer call
+        (:mod:`osdn_diag.capture.generation`): one record whose positions run over prompt and tokens,
+        ``flags["decode_start"] = P``. Returns the tokens, ``[1, N]``. Raises
+        :class:`~osdn_diag.capture.generation.GenerationError` where the model's cache does not carry
+        its state from step to step."""
+        from .generation import generate
+
+        forward = self._forward + 1
+        done = generate(self, input_ids, max_new_tokens)
+        self._forward = forward  # the stream is one forward pass, whatever number the steps took
+        self._last_layer = None
+        for call in done.calls:
+            self._sink(replace(call, forward=forward))
+        return done.tokens
+
+    @contextlib.contextmanager
+    def collecting(self):
+        """Within it, records go to the object it yields (``.take()`` returns and clears them)
+        instead of the capture's sink."""
+        bag = _Bag()
+        sink, self._sink = self._sink, bag.append
+        try:
+            yield bag
+        finally:
+            self._sink = sink
+
+    def _guard_generate(self) -> None:
+        """``model.generate()`` under capture is refused: its decoding steps would be recorded as
+        separate one-token sequences at position 0 (and under transformers 5.x an fla 0.6.0 model
+        decodes each from an empty state, silently). :meth:`generate` captures generation."""
+        model = self.model
+        if not callable(getattr(model, "generate", None)) or "generate" in vars(model):
+            return
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError(
+                f"{type(model).__name__}.generate() under osdn_diag.capture would record each decoding step as a "
+                "separate one-token sequence; use cap.generate(input_ids, max_new_tokens) (greedy, the prompt "
+                "and its tokens captured as one stream) or `osdn-diag run MODEL --generate N`")
+
+        model.generate = refuse
+        self._patched.append((model, "generate", _NOT_SET))
 
     # -- hooks ------------------------------------------------------------------------------------
     def _enter_layer(self, index: int, name: str):
@@ -271,30 +322,42 @@ class Capture:
 
     def _patch_short_conv(self) -> None:
         """Where the reference stands in for the delta-rule kernels on the CPU, fla's short
-        convolution runs in torch too (:func:`~osdn_diag.math.short_conv.causal_conv1d_reference`):
-        under Triton's interpreter it cost more than the rest of the forward pass. Calls with a
-        carried convolution state (decoding) or on a GPU still go to fla."""
+        convolution runs in torch too (:mod:`osdn_diag.math.short_conv`): under Triton's interpreter
+        it cost more than the rest of the forward pass. That covers a prefill that leaves its state
+        for decoding and the one-token decoding steps (fla's ``causal_conv1d_update``); calls with a
+        carried state of more than one token, or on a GPU, still go to fla."""
         from fla.modules.causal_conv1d import ops
 
-        from ..math.short_conv import causal_conv1d_reference
+        from ..math.short_conv import (causal_conv1d_final_state, causal_conv1d_reference,
+                                       causal_conv1d_step_reference)
 
-        original = ops.causal_conv1d
+        original, original_update = ops.causal_conv1d, ops.causal_conv1d_update
 
         def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
                           activation=None, backend="triton", cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                           cp_context=None, **kwargs):
-            if (weight is None or initial_state is not None or output_final_state or cp_context is not None
+            if (weight is None or initial_state is not None or cp_context is not None
                     or not self._use_reference(x)):
                 return original(x, weight=weight, bias=bias, residual=residual, initial_state=initial_state,
                                 output_final_state=output_final_state, activation=activation, backend=backend,
                                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
                                 cp_context=cp_context, **kwargs)
             y = causal_conv1d_reference(x, weight, bias, residual, activation, cu_seqlens)
-            return y, None
+            final = causal_conv1d_final_state(x, weight.shape[-1], cu_seqlens) if output_final_state else None
+            return y, final
+
+        def causal_conv1d_update(x, cache, residual=None, weight=None, bias=None, activation=None):
+            if weight is None or cache is None or not self._use_reference(x):
+                return original_update(x=x, cache=cache, residual=residual, weight=weight, bias=bias,
+                                       activation=activation)
+            return causal_conv1d_step_reference(x, cache, weight, bias, residual, activation), cache
 
         causal_conv1d.__wrapped__ = original
+        causal_conv1d_update.__wrapped__ = original_update
         ops.causal_conv1d = causal_conv1d
+        ops.causal_conv1d_update = causal_conv1d_update
         self._patched.append((ops, "causal_conv1d", original))
+        self._patched.append((ops, "causal_conv1d_update", original_update))
 
     def _use_reference(self, x: torch.Tensor) -> bool:
         return self.kernels == "reference" or (self.kernels == "auto" and x.device.type != "cuda")
@@ -447,6 +510,19 @@ class Capture:
         phase1.__wrapped__ = original
         phase1.__name__ = getattr(original, "__name__", site.name)
         return phase1
+
+
+#: Marks, in ``Capture._patched``, an attribute set on an instance that had none of its own.
+_NOT_SET = object()
+
+
+class _Bag(list):
+    """Records collected by :meth:`Capture.collecting`."""
+
+    def take(self) -> list[KernelCall]:
+        out = list(self)
+        self.clear()
+        return out
 
 
 def capture(

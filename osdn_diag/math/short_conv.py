@@ -8,7 +8,13 @@ with ``x`` taken as zero before the sequence's first token (no carried state), `
 identity, accumulated in fp32 and returned in ``x``'s dtype. With ``cu_seqlens`` (``x`` is ``[1, T, D]``,
 sequences packed) no sequence sees another's tokens.
 
-Capture uses this on the CPU in place of fla's Triton kernel where the package's reference stands in
+Decoding carries a state: the last ``W`` inputs of each sequence, ``cache [N, D, W]`` in ``x``'s dtype,
+the newest at ``W − 1`` (zeros where a sequence had fewer). :func:`causal_conv1d_final_state` is the
+state a prefill leaves, :func:`causal_conv1d_step_reference` one decoding step (one token per
+sequence), which shifts the new input into the cache in place and convolves the cache — fla's
+``causal_conv1d_update``.
+
+Capture uses these on the CPU in place of fla's Triton kernels where the package's reference stands in
 for the delta-rule kernels (``kernels="reference"``): under Triton's interpreter the convolution was
 the larger part of a language model's forward pass (31 of 45 s for a 4-layer model on 8 prompts).
 """
@@ -18,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d_reference"]
+__all__ = ["causal_conv1d_final_state", "causal_conv1d_reference", "causal_conv1d_step_reference"]
 
 
 def causal_conv1d_reference(
@@ -66,3 +72,50 @@ def causal_conv1d_reference(
     if residual is not None:
         y = y + residual.float()
     return y.to(x.dtype)
+
+
+def causal_conv1d_final_state(x: torch.Tensor, width: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The cache ``[N, D, width]`` a prefill of ``x [B, T, D]`` leaves (no carried state before it):
+    per sequence its last ``width`` inputs, the newest at ``width − 1``, zeros before its first token."""
+    B, T, D = x.shape
+    if cu_seqlens is None:
+        bounds = [(b, 0, T) for b in range(B)]
+    else:
+        offs = [int(v) for v in cu_seqlens.tolist()]
+        bounds = [(0, s, e) for s, e in zip(offs[:-1], offs[1:])]
+    out = x.new_zeros(len(bounds), D, width)
+    for n, (row, start, end) in enumerate(bounds):
+        take = min(width, end - start)
+        if take:
+            out[n, :, width - take:] = x[row, end - take:end].transpose(0, 1)
+    return out
+
+
+def causal_conv1d_step_reference(
+    x: torch.Tensor,
+    cache: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """One decoding step: ``x`` holds one token per sequence (``[N, 1, D]``, ``[1, N, D]`` or
+    ``[N, D]``), ``cache [N, D, W]`` the sequences' last ``W`` inputs. Shifts ``x`` into ``cache`` (in
+    place, as fla's kernel does) and returns ``y`` of ``x``'s shape: the taps over the new cache in fp32,
+    oldest first, then bias, activation and residual as :func:`causal_conv1d_reference`."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"argument 'activation': expected None, 'silu' or 'swish', got {activation!r}")
+    N, D, W = cache.shape
+    flat = x.reshape(N, D)
+    cache.copy_(torch.cat([cache[:, :, 1:], flat[:, :, None].to(cache.dtype)], dim=2))
+    wf, cf = weight.float(), cache.float()
+    y = torch.zeros(N, D, dtype=torch.float32, device=x.device)
+    for j in range(W):
+        y = y + cf[:, :, j] * wf[:, j]
+    if bias is not None:
+        y = y + bias.float()
+    if activation is not None:
+        y = y * torch.sigmoid(y)
+    if residual is not None:
+        y = y + residual.reshape(N, D).float()
+    return y.to(x.dtype).reshape(x.shape)

@@ -25,7 +25,7 @@ from .._host import from_host
 from ..capture.record import KernelCall
 from ..capture.store import StoredCall, to_device
 from ..metrics.audit import AuditAccumulator
-from ..metrics.ratios import RatioAccumulator
+from ..metrics.ratios import RatioAccumulator, RatioStats
 from ..metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
 from . import families
 from .call import ZERO_RESIDUAL, replay_call, working_precision
@@ -49,6 +49,8 @@ def _schema(value_type: pa.DataType) -> pa.Schema:
             ("pos", pa.int32()),
             ("rel_pos", pa.float32()),
             ("repeat_start", pa.int32()),
+            # where a generated stream's decoded tokens start (its prompt's length), -1 otherwise
+            ("decode_start", pa.int32()),
             *[(c, value_type) for c in _VALUE_COLUMNS + _GATED_COLUMNS],
             ("finite", pa.bool_()),
             # the further families' own per-token values (replay/families), null for the others
@@ -105,6 +107,8 @@ class Replayer:
         self.tokens = RatioAccumulator("token_ratio")
         self.tokens_post = RatioAccumulator("token_ratio_post")
         self.audit = AuditAccumulator()
+        # Generated streams: their prompt's tokens (prefill) and the tokens decoded after it, apart.
+        self.phases = {"prefill": RatioStats(), "decode": RatioStats()}
         self.retention = RetentionAccumulator() if retained else None
         self.box = box
         self.comparator_tables: list[pa.Table] | None = [] if comparator else None
@@ -156,12 +160,15 @@ class Replayer:
             for acc in (self.tokens, self.tokens_post):
                 acc.add(call.layer, first, tasks, res.sequence_lengths, call.num_heads)
         self.audit.add(call, res.grid["loss_before"], res.grid["finite"])
+        decode_start = _decode_start(call)
+        if decode_start >= 0:
+            _add_phases(self.phases, res.device_columns, decode_start)
         if self.retention is not None:
             _add_retention(self.retention, call, stored.prompts, self.prompts, res.sequence_lengths)
         if self.comparator_tables is not None:
             self._queue_problems(_Problems.of(stored, call, res, self.prompts))
         rows = functools.partial(_arrow_table, list(stored.prompts), call.layer, res.columns, res.sequence_lengths,
-                                 self.prompts, self.schema, self.np_dtype)
+                                 self.prompts, self.schema, self.np_dtype, decode_start)
         return rows() if table else rows
 
     def _add_state(self, layer: int, err: float, tol: float, units: float, precision: str) -> None:
@@ -220,6 +227,8 @@ class Replayer:
         self.tokens.merge(other.tokens)
         self.tokens_post.merge(other.tokens_post)
         self.audit.merge(other.audit)
+        for phase, stats in other.phases.items():
+            self.phases[phase] += stats
         if self.retention is not None and other.retention is not None:
             self.retention.merge(other.retention)
         for layer, err in other.fidelity.items():
@@ -241,7 +250,7 @@ class Replayer:
         """What :meth:`merge` needs, picklable (sent between ranks)."""
         self.flush()
         return {name: getattr(self, name) for name in (
-            "ratios", "post", "tokens", "tokens_post", "audit", "retention", "fidelity", "against", "families", "tolerances", "nonfinite",
+            "ratios", "post", "tokens", "tokens_post", "audit", "phases", "retention", "fidelity", "against", "families", "tolerances", "nonfinite",
             "excluded_streams", "streams", "state_fidelity", "state_meta", "comparator_tables")}
 
     def _add_against(self, layer: int, kernels: str) -> None:
@@ -296,6 +305,9 @@ class Replayer:
                     for k in layers
                 },
             }
+        if self.phases["decode"].n or self.phases["prefill"].n:
+            # Generated streams only: q_geo of the prompts' tokens and of the decoded ones.
+            summary["by_phase"] = {phase: stats.as_dict() for phase, stats in self.phases.items()}
         summary["assumptions"] = self.audit.summary()
         summary["nonfinite_heads_by_layer"] = {
             f"{k:03d}": v for k, v in sorted(self.nonfinite.items()) if v
@@ -523,8 +535,24 @@ def repeat_boundaries(prompts) -> dict[str, float]:
     return {task: sum(v) / len(v) for task, v in sorted(acc.items())}
 
 
+def _decode_start(call: KernelCall) -> int:
+    """Where a generated stream's decoded tokens start in ``call`` (one sequence), else -1."""
+    value = call.flags.get("decode_start")
+    return -1 if value is None else int(value)
+
+
+def _add_phases(phases: dict, cols: dict, decode_start: int) -> None:
+    """Add a generated stream's finite ratios to ``phases["prefill"]`` (positions before
+    ``decode_start``) and ``phases["decode"]`` (from it on)."""
+    finite = cols["finite"].bool()
+    decoded = cols["pos"] >= decode_start
+    q = cols["residual_ratio"]
+    phases["prefill"] += RatioStats.of(q[finite & ~decoded])
+    phases["decode"] += RatioStats.of(q[finite & decoded])
+
+
 def _arrow_table(prompt_ids: list[int], layer: int, cols: dict, lengths, prompts: dict, schema: pa.Schema,
-                 np_dtype: str) -> pa.Table:
+                 np_dtype: str, decode_start: int = -1) -> pa.Table:
     """The rows of one replayed call of layer ``layer`` from its host columns ``cols`` (the replay's
     ``columns``); sequence ``i`` of the call is prompt ``prompt_ids[i]``, ``lengths[i]`` tokens long."""
     seq = cols["sequence"].numpy()
@@ -545,6 +573,7 @@ def _arrow_table(prompt_ids: list[int], layer: int, cols: dict, lengths, prompts
         "pos": pos,
         "rel_pos": pos / per_seq["length"][seq],
         "repeat_start": per_seq["repeat_start"][seq],
+        "decode_start": np.full(n, decode_start, dtype=np.int32),
         "finite": cols["finite"].numpy(),
     }
     arrays = []

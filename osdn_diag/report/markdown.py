@@ -297,6 +297,23 @@ def _text_table(runs) -> str | None:
     return _table(header, rows)
 
 
+def _phase_table(runs) -> str | None:
+    """Generated runs (``--generate``): q_geo of the prompts' tokens (prefill) and of the tokens the
+    model decoded after them, per run; ``None`` when no run generated."""
+    rows = []
+    for label, m, s in runs:
+        phases = s.get("by_phase")
+        if not phases:
+            continue
+        pre, dec = phases.get("prefill", {}), phases.get("decode", {})
+        rows.append([label, str(m.get("generate", "–")), _q(pre.get("q_geo")), _q(dec.get("q_geo")),
+                     f"{pre.get('n', 0):,}", f"{dec.get('n', 0):,}"])
+    if not rows:
+        return None
+    return _table(["model", "tokens generated per prompt", "q_geo prefill", "q_geo decode", "n prefill",
+                   "n decode"], rows)
+
+
 def _nonfinite_note(runs) -> list[str]:
     """The sentences stating, beside the headline, what NaN/Inf left out of each run's numbers."""
     lines = []
@@ -642,6 +659,20 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
             "after the whole window was seen once. A token whose logits hold NaN/Inf is excluded.",
             "",
             text,
+            "",
+        ]
+    phases = _phase_table(runs)
+    if phases:
+        parts += [
+            "## Prefill and decoding",
+            "",
+            "Each prompt was read in one forward pass (prefill), then the model greedily generated "
+            "tokens one forward pass at a time, each starting from the state the step before left in "
+            "its cache; prompt and generated tokens were captured and replayed as one stream, the "
+            "positions of the generated tokens continuing the prompt's (`decode_start` in "
+            "residuals.parquet). q_geo over every layer and head, per phase:",
+            "",
+            phases,
             "",
         ]
     if counterfactual and any("answers" in p for _, m, _ in runs for p in m.get("prompts", [])):

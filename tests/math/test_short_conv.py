@@ -102,6 +102,38 @@ def test_matches_fla_triton_kernel_in_fp32():
         torch.testing.assert_close(ours, got, rtol=1e-5, atol=1e-6)
 
 
+def test_decoding_state_and_steps_match_fla_triton_kernels():
+    """The state a prefill leaves and one-token decoding steps, against fla's own kernels (interpreted):
+    ``causal_conv1d(..., output_final_state=True)`` and ``causal_conv1d_update`` (in place), for a
+    sequence longer and one shorter than the kernel, packed."""
+    from osdn_diag.runtime import prepare
+
+    prepare("cpu")
+    from fla.modules.causal_conv1d.ops import causal_conv1d, causal_conv1d_update
+
+    from osdn_diag.math.short_conv import causal_conv1d_final_state, causal_conv1d_step_reference
+
+    g = torch.Generator().manual_seed(5)
+    D, W = 12, 4
+    x = torch.randn(1, 9, D, generator=g)
+    w = torch.randn(D, W, generator=g) * 0.5
+    bias = torch.randn(D, generator=g)
+    cu = torch.tensor([0, 2, 9])  # 2 tokens (< W) and 7
+    _, fla_state = causal_conv1d(x=x.clone(), weight=w, bias=bias, activation="silu", output_final_state=True,
+                                 cu_seqlens=cu)
+    ours_state = causal_conv1d_final_state(x, W, cu)
+    assert ours_state.shape == fla_state.shape == (2, D, W)
+    torch.testing.assert_close(ours_state, fla_state, rtol=0, atol=0)
+    for step in range(3):
+        token = torch.randn(2, 1, D, generator=g)
+        res = torch.randn(2, 1, D, generator=g)
+        want, _ = causal_conv1d_update(x=token.clone(), cache=fla_state, residual=res, weight=w, bias=bias,
+                                       activation="silu")
+        got = causal_conv1d_step_reference(token, ours_state, w, bias, res, "silu")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours_state, fla_state, rtol=0, atol=0)  # both caches updated in place
+
+
 def test_capture_uses_the_stand_in_on_the_cpu_only_in_reference_mode_and_restores_it(monkeypatch):
     from osdn_diag.runtime import prepare
 
@@ -128,11 +160,21 @@ def test_capture_uses_the_stand_in_on_the_cpu_only_in_reference_mode_and_restore
     assert cap.calls
     with osdn_diag.capture(model, kernels="fla"):
         assert ops.causal_conv1d is original
-    # A call that carries a convolution state (decoding) still goes to fla's kernel.
+    # A prefill that leaves its state for decoding runs the stand-in too, and so do the one-token
+    # decoding steps (fla's causal_conv1d_update); a call carrying a state into several tokens goes to
+    # fla's kernel.
     seen.clear()
+    stepped, original_update = [], ops.causal_conv1d_update
+    real_step = sc.causal_conv1d_step_reference
+    monkeypatch.setattr(sc, "causal_conv1d_step_reference", lambda *a, **k: stepped.append(1) or real_step(*a, **k))
     with osdn_diag.capture(model, kernels="reference"), torch.no_grad():
-        model(input_ids=ids, use_cache=True)
-    assert not seen
+        out = model(input_ids=ids, use_cache=True)
+        assert len(seen) == 3
+        model(input_ids=ids[:, :1], past_key_values=out.past_key_values, use_cache=True)
+        assert len(stepped) == 3
+        model(input_ids=ids[:, :2], past_key_values=out.past_key_values, use_cache=True)
+        assert len(seen) == 3 and len(stepped) == 3
+    assert ops.causal_conv1d_update is original_update
 
 
 def test_a_sequence_gives_the_same_bits_alone_and_packed_and_nan_stays_in_its_sequence():

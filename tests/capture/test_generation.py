@@ -1,0 +1,125 @@
+"""Generation is captured as one stream per prompt: ``Capture.generate``.
+
+The prompt's prefill and every decoding step are joined into one record per layer call, positions
+continuing the prompt's; the state a step starts from must be the one the step before left. The
+independent check: the same prompt followed by the same tokens, run as one prefill (no cache, no
+decoding), gives the same per-token ratios (fp32, CPU, 1e-5), and the tokens are those of a plain
+greedy loop that recomputes the whole sequence for every token (no cache at all).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import osdn_diag
+from osdn_diag.capture.generation import GenerationError
+from osdn_diag.models import load_model
+
+#: One model per way a decoding state is carried: fla's delta rule, its gated rule, its key-channel
+#: gate (KDA), the package's OSDN layer (d carried beside S), a transformers model (its own cache
+#: class, ``cache=``) and an fla family with a further state (MomentumDeltaNet's momentum).
+MODELS = ["random:deltanet-tiny", "random:gated-deltanet-tiny", "random:kda-tiny", "builtin:mqar-osdn",
+          "random:qwen3.5-tiny", "random:momentum-deltanet-tiny"]
+N = 5
+
+
+@pytest.fixture(scope="module")
+def models(fla_kernels):
+    return {spec: load_model(spec, dtype=torch.float32).model for spec in MODELS}
+
+
+def _prompt(vocab: int, length: int = 19, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, min(vocab, 200), (1, length), generator=g)
+
+
+def _rows(results) -> dict[str, np.ndarray]:
+    t = results.table
+    cols = {c: t.column(c).to_numpy() for c in ("layer", "head", "pos", "residual_ratio", "decode_start")}
+    order = np.lexsort((cols["pos"], cols["head"], cols["layer"]))
+    return {c: v[order] for c, v in cols.items()}
+
+
+def _greedy_without_cache(model, prompt: torch.Tensor, n: int) -> list[int]:
+    """Greedy tokens recomputed from the whole sequence each time (under a capture only so that the
+    CPU runs the package's recurrence rather than fla's interpreted kernels; nothing is decoded)."""
+    ids = prompt
+    with osdn_diag.capture(model), torch.inference_mode():
+        for _ in range(n):
+            nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], 1)
+    return ids[0, prompt.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("spec", MODELS)
+def test_prompt_and_generated_tokens_replay_as_one_prefill(models, spec):
+    model = models[spec]
+    prompt = _prompt(model.config.vocab_size)
+    with osdn_diag.capture(model) as cap:
+        tokens = cap.generate(prompt, N)
+    assert tokens.shape == (1, N)
+    assert tokens[0].tolist() == _greedy_without_cache(model, prompt, N)
+    assert {c.forward for c in cap.calls} == {0}
+    for call in cap.calls:  # one stream per layer call: prompt + tokens, the boundary recorded
+        assert call.k.shape[:2] == (1, prompt.shape[1] + N)
+        assert call.flags["decode_start"] == prompt.shape[1]
+        assert call.flags["state_handoff_error"] == 0.0
+    with osdn_diag.capture(model) as whole, torch.inference_mode():
+        model(input_ids=torch.cat([prompt, tokens], 1), use_cache=False)
+    got, want = _rows(osdn_diag.replay(cap)), _rows(osdn_diag.replay(whole))
+    for name in ("layer", "head", "pos"):
+        np.testing.assert_array_equal(got[name], want[name])
+    assert np.isfinite(got["residual_ratio"]).all()
+    np.testing.assert_allclose(got["residual_ratio"], want["residual_ratio"], rtol=1e-5, atol=1e-7)
+    assert set(got["decode_start"]) == {prompt.shape[1]} and set(want["decode_start"]) == {-1}
+
+
+def test_two_generations_are_two_prompts(models):
+    model = models["random:deltanet-tiny"]
+    with osdn_diag.capture(model) as cap:
+        cap.generate(_prompt(256, 7, seed=1), 3)
+        cap.generate(_prompt(256, 11, seed=2), 4)
+    res = osdn_diag.replay(cap)
+    prompts = res.table.column("prompt").to_numpy()
+    pos = res.table.column("pos").to_numpy()
+    assert sorted(set(prompts)) == [0, 1]
+    assert pos[prompts == 0].max() == 7 + 3 - 1 and pos[prompts == 1].max() == 11 + 4 - 1
+    phases = res.summary["by_phase"]
+    assert phases["prefill"]["n"] == (7 + 11) * 2 * 2 and phases["decode"]["n"] == (3 + 4) * 2 * 2
+
+
+def test_a_state_that_is_not_carried_is_refused(models, monkeypatch):
+    """Decoding steps handed the cache under a name the model does not read (what transformers 5's
+    generate() does to fla 0.6.0's models) start from nothing: refused, naming the versions."""
+    from osdn_diag.capture import generation
+
+    monkeypatch.setattr(generation, "cache_argument", lambda model: "cache")
+    model = models["random:gated-deltanet-tiny"]
+    with osdn_diag.capture(model) as cap, pytest.raises(GenerationError) as err:
+        cap.generate(_prompt(256), 2)
+    msg = str(err.value)
+    assert "did not start from the state" in msg and "transformers" in msg and "flash-linear-attention" in msg
+    assert "\n" not in msg
+    assert cap.calls == []
+
+
+def test_model_generate_under_capture_is_refused_and_restored(models):
+    model = models["random:deltanet-tiny"]
+    with osdn_diag.capture(model) as cap, pytest.raises(RuntimeError, match=r"cap\.generate"):
+        model.generate(_prompt(256), max_new_tokens=2)
+    assert cap.calls == []
+    assert "generate" not in vars(model)  # the class's own generate() is back
+    assert callable(model.generate)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_max_new_tokens_is_checked(models, bad):
+    with osdn_diag.capture(models["random:deltanet-tiny"]) as cap, pytest.raises(ValueError, match="max_new_tokens"):
+        cap.generate(_prompt(256), bad)
+
+
+def test_a_batch_is_refused(models):
+    with osdn_diag.capture(models["random:deltanet-tiny"]) as cap, pytest.raises(ValueError, match="one sequence"):
+        cap.generate(torch.ones(2, 5, dtype=torch.long), 2)

@@ -47,7 +47,7 @@ def _manifest(run_dir):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """``osdn-diag demo --num-prompts 2 -q`` once: (out dir, exit code, stdout)."""
-    out = tmp_path_factory.mktemp("demo")
+    out = tmp_path_factory.mktemp("demo") / "osdn-demo"  # made by the demo, as its default is
     buf = io.StringIO()  # capsys is function-scoped; the run is shared by the module
     with contextlib.redirect_stdout(buf):
         rc = main(["demo", "--out", str(out), "--num-prompts", str(NUM_PROMPTS), "-q"])

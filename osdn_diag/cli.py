@@ -613,10 +613,38 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, OSError, IncompleteRunError, FidelityError, SafetensorError, InterpreterUnavailable)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a batch system preempting or cancelling a job), raised where Ctrl-C would be:
+    a subclass of KeyboardInterrupt, so that every clean-up that runs on Ctrl-C runs on it too (a
+    temporary removed, a replay's stages put back, the lock released) and the files stay consistent."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM raises :class:`Terminated` in the main thread while the block runs (the previous
+    handler is restored after it); elsewhere, where Python cannot handle signals, nothing changes."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def entry(argv: list[str] | None = None) -> int:
     """The console script: like :func:`main`, but an error about the user's input (a file, a layer,
-    an argument) is printed as one line and exits with status 2, and Ctrl-C exits with status 130
-    after one line; ``--debug`` (or ``OSDN_DIAG_DEBUG=1``) shows the traceback instead."""
+    an argument) is printed as one line and exits with status 2, Ctrl-C exits with status 130 and
+    SIGTERM with 143 (128 + the signal's number, as a shell reports it), each after one line;
+    ``--debug`` (or ``OSDN_DIAG_DEBUG=1``) shows the traceback instead."""
     import os
 
     from ._bytecode import keep_bytecode
@@ -625,13 +653,19 @@ def entry(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("OSDN_DIAG_DEBUG") == "1"
     try:
-        return main(argv, report_workers=True)
+        with _sigterm_as_interrupt():
+            return main(argv, report_workers=True)
     except SystemExit as done:  # argparse: --help, or a usage error it has printed on one line
         if isinstance(done.code, int) or done.code is None:
             return done.code or 0
         # A message (sys.exit("...")): the user's error, on one line like the others.
         print(f"osdn-diag: error: {' '.join(str(done.code).split())}", file=sys.stderr)
         return 2
+    except Terminated:
+        if debug:
+            raise
+        print("osdn-diag: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         if debug:
             raise

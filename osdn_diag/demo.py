@@ -83,7 +83,8 @@ def run_demo(
     Returns ``(report.md path, one row per model)``.
     """
     from .catalog import builtin_names, builtin_task
-    from .rundir import RunDirectoryError, check_output, existing_run_files, is_report_dir, output_lock
+    from .report.markdown import REPORT_FILES
+    from .rundir import RunDirectoryError, check_links, check_output, existing_run_files, is_report_dir, output_lock
 
     if num_prompts is None:
         num_prompts = LM_NUM_PROMPTS if lm else 16
@@ -139,18 +140,27 @@ def run_demo(
     if found and not overwrite:
         raise RunDirectoryError(f"{report_dir}: already holds a report; pass --overwrite to replace it, or "
                                 "choose another --out")
+    check_links(report_dir, REPORT_FILES)
+    made = not os.path.lexists(out_dir)  # the marker goes only into a directory the demo makes
     with output_lock(out_dir):
-        _ignore_in_git(out_dir)
+        if made:
+            _ignore_in_git(out_dir)
         return _run(out_dir, names, tasks, num_prompts=num_prompts, device=device, seed=seed, progress=progress,
                     root=root, overwrite=overwrite, lm=lm)
 
 
 def _ignore_in_git(out_dir: Path) -> None:
     """The demo writes into the working directory by default, often a checkout: a ``.gitignore`` of
-    ``*`` inside its folder keeps ``git status`` clean without touching the user's own ignore files."""
-    marker = out_dir / ".gitignore"
-    if not marker.exists():
-        marker.write_text("# osdn-diag demo output: generated, not source\n*\n")
+    ``*`` inside the folder it made keeps ``git status`` clean without touching the user's own ignore
+    files. Created only if there is nothing at that name (O_EXCL does not follow a link, even a
+    dangling one): a file or link there is the user's."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(out_dir / ".gitignore", flags, 0o666)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as fh:
+        fh.write("# osdn-diag demo output: generated, not source\n*\n")
 
 
 def _run(out_dir: Path, names, tasks, *, num_prompts, device, seed, progress, root, overwrite, lm):

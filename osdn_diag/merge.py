@@ -8,26 +8,31 @@ Merging checks, before writing anything, that exactly one ``DIR`` holds the mani
 capture and replay finished, that every rank of its world size left a record of this run id, and
 that every file the manifest lists (every rank's shards and table parts) is in some ``DIR`` with the
 size and sha256 recorded; a file of another run, a missing one or a changed one is refused, naming
-it. The merged run is assembled in a hidden directory beside ``OUT`` and renamed into place whole,
-its manifest written last; its report is then written, which makes it complete.
+it. Every name read from the manifest and the records must be one osdn-diag writes
+(:func:`~osdn_diag.rundir.check_file_name`): a copy never lands outside ``OUT``.
+
+``OUT`` is written as every run is: under its lock (:func:`~osdn_diag.rundir.output_lock`), refused
+or (``--overwrite``) emptied of an old run only after every check that could refuse it, its
+manifest written first with no stage done, then every file through a temporary name, then the
+manifest saying capture and replay are done; the report then makes it complete. A merge that is
+killed leaves a run that says it is not complete, which ``--overwrite`` replaces.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 from pathlib import Path
 
-from ._atomic import atomic_write_text
-from ._json import dumps as strict_json
+from ._atomic import atomic_path
 from .capture.store import IncompleteRunError
 from .rundir import (
     MANIFEST,
     RANKS_DIR,
     RunDirectoryError,
-    check_output,
-    check_placement,
+    check_file_name,
+    finish_stage,
+    output_lock,
     prepare_output,
     read_rank_record,
     run_manifest,
@@ -86,6 +91,8 @@ def merge_runs(dirs: list[str | os.PathLike], out: str | os.PathLike, *, overwri
                 "give the --out directory of the node it ran on"
             )
     files = {**manifest.get("shards", {}), **manifest.get("parts", {})}
+    for name in files:  # before any path is made of it
+        check_file_name(name, path)
     where: dict[str, Path] = {}
     for name, entry in sorted(files.items()):
         found = [d for d in dirs if (d / name).is_file()]
@@ -101,38 +108,31 @@ def merge_runs(dirs: list[str | os.PathLike], out: str | os.PathLike, *, overwri
         if name != "comparator.parquet" and not (src / name).is_file():
             raise RunDirectoryError(f"{src / name}: missing; rerun the run")
 
-    check_placement(out)
-    if check_output(out, overwrite=overwrite) is not None:
-        prepare_output(out, overwrite=True)
-    if out.exists() and any(out.iterdir()):
-        raise RunDirectoryError(f"--out {out}: holds other files; choose an empty or new --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out.parent.glob(f".{out.name}.merging-*"):  # of a merge that was killed
-        shutil.rmtree(stale, ignore_errors=True)
-    staging = out.parent / f".{out.name}.merging-{secrets.token_hex(4)}"
-    try:
+    with output_lock(out):
+        # Refused (a run there without --overwrite, a link, a file in capture/ that is not a shard)
+        # before anything is removed, and the old run's own files removed only then.
+        prepare_output(out, overwrite=overwrite)
+        merged = {**manifest, "merge_needed": False, "merged_from": [str(d) for d in dirs]}
+        stages = dict(merged["stages"])
+        merged["stages"] = dict.fromkeys(stages, False)
+        finish_stage(out, merged)  # the manifest first, no stage done: a killed merge is no complete run
         for name, d in where.items():
-            _copy(d / name, staging / name)
+            _copy(d / name, out, name)
         for rank, record_path in sorted(records.items()):
-            _copy(record_path, staging / RANKS_DIR / record_path.name)
+            _copy(record_path, out, f"{RANKS_DIR}/{record_path.name}")
         for name in _COPIED_FROM_RANK0:
             if (src / name).is_file():
-                _copy(src / name, staging / name)
-        merged = {**manifest, "merge_needed": False, "merged_from": [str(d) for d in dirs]}
-        merged["complete"] = all(merged["stages"].values())
-        atomic_write_text(staging / MANIFEST, strict_json(merged, indent=2))  # last
-        if out.exists():
-            out.rmdir()
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    if report and "report" in merged["stages"] and not stage_done(merged, "report"):
-        from .report import write_report
+                _copy(src / name, out, name)
+        finish_stage(out, merged, *(stage for stage in stages if stage != "report"))  # last
+        if report and "report" in stages:
+            from .report import write_report
 
-        write_report([out])
+            write_report([out])
     return out
 
 
-def _copy(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst)
+def _copy(src: Path, out: Path, name: str) -> None:
+    """``src`` to ``out/name`` through a temporary file and a rename, no link on the way
+    (``name`` is one osdn-diag writes, checked by the caller)."""
+    with atomic_path(out / name, root=out) as tmp:
+        shutil.copyfile(src, tmp)

@@ -30,6 +30,8 @@ from .rundir import (
     RANKS_DIR,
     RUN_ID_KEY,
     RunDirectoryError,
+    check_capture_files,
+    check_links,
     check_placement,
     existing_run_files,
     finish_stage,
@@ -47,6 +49,8 @@ from .rundir import (
     write_rank_record,
 )
 from .replay import CONTRACT_COLUMNS, Replayer
+
+_check_links = check_links  # _rank_reader's parameter of that name shadows it
 
 __all__ = [
     "COMPARATOR",
@@ -311,6 +315,7 @@ class _CaptureSession:
         refusal, decision = None, None
         if self.ranks.is_main:
             try:
+                check_links(self.out_dir)  # also where a run is resumed, which prepare_output does not see
                 resumed = None if overwrite else _resumable(self.out_dir, self.settings, self.ranks.world)
                 run_id = resumed["run_id"] if resumed else new_run_id()
                 if resumed is None:
@@ -551,6 +556,7 @@ def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume:
     found = existing_run_files(out_dir)
     if not found:
         return
+    check_links(out_dir)
     records = [read_rank_record(p) for p in sorted((out_dir / RANKS_DIR).glob("rank-*.json"))]
     manifest = run_manifest(out_dir)
     if resume and manifest is not None and manifest["run_id"] == run_id:
@@ -571,7 +577,8 @@ def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume:
     if manifest is not None:
         prepare_output(out_dir, overwrite=True)
     else:
-        remove_run_files(out_dir, {n for r in records if r is not None for n in r.get("shards", {})})
+        check_capture_files(out_dir)  # before anything is removed
+        remove_run_files(out_dir)
 
 
 def _verified_record(out_dir: Path, ranks, run_id: str) -> tuple[dict | None, str]:
@@ -712,8 +719,8 @@ def _replay(run_dir: Path, *, progress, out_dir, extra, run_id, recall, **replay
     ranks = distributed.current()
     # Every shard is where the manifest says, with its size, before the manifest is touched; each one's
     # sha256 is checked as it is read, below.
-    reader = _rank_reader(run_dir, ranks)
     in_place = out_dir is None or Path(out_dir).resolve() == run_dir.resolve()
+    reader = _rank_reader(run_dir, ranks, check_links=in_place)
     out_dir = run_dir if in_place else Path(out_dir)
     run_id = run_id or reader.manifest.get("run_id")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -757,16 +764,25 @@ def _replay(run_dir: Path, *, progress, out_dir, extra, run_id, recall, **replay
     return summary
 
 
-def _rank_reader(run_dir: Path, ranks) -> CaptureReader:
+#: what a replay writes into the run it replays (a link at any of these names is refused)
+_REPLAY_FILES = (MANIFEST, RESIDUALS, COMPARATOR, SUMMARY, RANKS_DIR)
+
+
+def _rank_reader(run_dir: Path, ranks, check_links: bool = False) -> CaptureReader:
     """The capture reader of this rank: under several processes rank 0 reads the manifest (and checks
     the whole capture where every rank's shards are in its directory) and hands it to every rank,
     which checks and reads only its own batches' shards, in its own directory (another machine's,
-    without a shared file system). A refusal on rank 0 is raised on every rank."""
+    without a shared file system). A refusal on rank 0 is raised on every rank. ``check_links``: the
+    replay writes into ``run_dir``, where rank 0 first refuses a link at a name it writes."""
     if ranks.world == 1:
+        if check_links:
+            _check_links(run_dir, _REPLAY_FILES)
         return CaptureReader(run_dir)
     reader, message = None, None
     if ranks.is_main:
         try:
+            if check_links:
+                _check_links(run_dir, _REPLAY_FILES)
             manifest = run_manifest(run_dir)
             shared = manifest is None or manifest.get("shared_out", True)
             reader = CaptureReader(run_dir, batches=None if shared else ranks.owns)
@@ -815,7 +831,7 @@ def _residuals_writer(out_dir: Path, schema: pa.Schema, ranks, run_id: str | Non
         target = target / f"part-{ranks.rank:05d}.parquet"
     elif target.is_dir():  # left by an earlier run with several processes
         _remove(target)
-    with atomic_path(target) as tmp:
+    with atomic_path(target, root=out_dir) as tmp:
         encoder = _ParquetEncoder(tmp, schema, target)
         try:
             yield encoder
@@ -915,7 +931,7 @@ def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: lis
     comparator = replayer.comparator_table()
     if comparator is not None:
         _atomic_parquet(comparator.replace_schema_metadata(_with_run_id(comparator.schema, run_id).metadata),
-                        out_dir / COMPARATOR)
+                        out_dir / COMPARATOR, root=out_dir)
     summary = {"run_id": run_id, **replayer.summary()}
     recall = recall_table({"prompts": prompt_entries})
     if recall:
@@ -923,7 +939,7 @@ def _finish_replay(replayer: Replayer, ranks, out_dir: Path, prompt_entries: lis
     summary.update(extra or {})
     if ranks.world > 1:
         summary["world_size"] = ranks.world
-    atomic_write_text(out_dir / SUMMARY, strict_json(summary, indent=2))
+    atomic_write_text(out_dir / SUMMARY, strict_json(summary, indent=2), root=out_dir)
     ranks.barrier()
     return summary
 
@@ -941,6 +957,6 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _atomic_parquet(table: pa.Table, path: Path) -> None:
-    with atomic_path(path) as tmp:
+def _atomic_parquet(table: pa.Table, path: Path, root: Path | None = None) -> None:
+    with atomic_path(path, root=root) as tmp:
         pq.write_table(table, tmp)

@@ -33,7 +33,8 @@ What is a run, and what ``--overwrite`` removes:
   rank's record checked with :func:`verify_files` before its capture is kept.
 * Every command that writes into a directory holds :func:`output_lock` on it for as long as it runs
   (``DIR/.osdn-diag.lock``, an exclusive ``flock``; on rank 0 only under ``torchrun``): a second
-  command on the same directory fails at once instead of interleaving its files with the first's.
+  command on the same directory fails at once instead of interleaving its files with the first's. A
+  lock path that is not a regular file of a single name (a link, a directory, a hard link) is refused.
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ import hashlib
 import json
 import os
 import re
+import stat
 import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ._atomic import atomic_write_text, remove_stale_temporaries
+from ._atomic import atomic_write_text, is_temporary, refuse_link, remove_stale_temporaries
 from ._json import dumps as strict_json
 
 __all__ = [
@@ -64,12 +66,16 @@ __all__ = [
     "RunDirectoryError",
     "read_manifest",
     "require_stage",
+    "check_capture_files",
+    "check_file_name",
+    "check_links",
     "check_output",
     "check_placement",
     "check_table_run_ids",
     "enclosing_runs",
     "existing_run_files",
     "finish_stage",
+    "foreign_capture_files",
     "is_report_dir",
     "new_run_id",
     "out_inside_input",
@@ -191,7 +197,81 @@ def check_output(out_dir: str | os.PathLike, *, overwrite: bool) -> dict | None:
             f"{out_dir}: already holds a run ({', '.join(found)}); pass --overwrite to replace it, or "
             "choose another --out"
         )
+    # Everything that would refuse the directory is checked here, before prepare_output removes a file.
+    check_links(out_dir)
+    check_capture_files(out_dir)
     return manifest
+
+
+def check_links(out_dir: str | os.PathLike, names=RUN_FILES) -> None:
+    """Refuse ``out_dir`` (:class:`~osdn_diag._atomic.LinkError`) if a name a command writes there is
+    a symbolic link: one of ``names``, and below them the package's own names (anything in
+    ``capture/``, ``ranks/`` and a ``residuals.parquet/`` directory; :data:`PLOT_FILES` in ``plots/``).
+    Writing through a link would change files outside the run, and replacing one would break what
+    the user linked it for: the link is the user's to remove. Writes nothing."""
+    out_dir = Path(out_dir)
+    for path in _own_paths(out_dir, names):
+        refuse_link(path)
+
+
+def _own_paths(out_dir: Path, names):
+    """``out_dir/name`` for each of ``names``, and what the package writes below those that are real
+    directories (see :func:`check_links`)."""
+    for name in names:
+        path = out_dir / name
+        yield path
+        if not _real_dir(path):
+            continue
+        if name == "plots":
+            yield from (path / plot for plot in PLOT_FILES)
+        elif name in ("capture", RANKS_DIR, "residuals.parquet"):
+            for entry in path.iterdir():
+                yield entry
+                if name == "capture" and _real_dir(entry):
+                    yield from entry.iterdir()
+
+
+def check_capture_files(out_dir: str | os.PathLike) -> None:
+    """Refuse ``out_dir`` if its ``capture/`` holds anything osdn-diag does not write there
+    (:func:`foreign_capture_files`), naming the first: a run's capture is exactly its listed shards,
+    so a capture written beside it would be refused at its replay, every time. Writes nothing."""
+    foreign = foreign_capture_files(out_dir)
+    if foreign:
+        raise RunDirectoryError(
+            f"{foreign[0]}: not a file osdn-diag writes, in capture/ (which holds only its "
+            "batch_BBBBB/layer_LLL.safetensors shards), where a new capture would not replay beside it; move "
+            f"it out of {Path(out_dir) / 'capture'}, or choose another --out"
+        )
+
+
+def foreign_capture_files(out_dir: str | os.PathLike) -> list[Path]:
+    """What ``out_dir/capture`` holds that osdn-diag does not write there, sorted: anything but
+    ``batch_BBBBB`` directories holding ``layer_LLL[_callN].safetensors`` shards and the temporaries
+    of killed writers (a link is foreign, whatever its name)."""
+    capture = Path(out_dir) / "capture"
+    if not _real_dir(capture):
+        return []
+    foreign = []
+    for batch in capture.iterdir():
+        if not (_BATCH.fullmatch(batch.name) and _real_dir(batch)):
+            foreign.append(batch)
+            continue
+        foreign += [f for f in batch.iterdir() if f.is_symlink() or not f.is_file()
+                    or not (_SHARD_FILE.fullmatch(f.name) or is_temporary(f.name))]
+    return sorted(foreign)
+
+
+def check_file_name(name, listed_in: str | os.PathLike, *, shard: bool = False) -> str:
+    """``name`` if it is the name of a file a run lists as osdn-diag writes it — a capture shard
+    (``capture/batch_BBBBB/layer_LLL[_callN].safetensors``) or, unless ``shard``, a part of the
+    per-token table (``residuals.parquet/part-RRRRR.parquet``) —, else :class:`RunDirectoryError`
+    naming ``listed_in``, the manifest or rank record that lists it: any other name (absolute, with
+    ``..``) could point outside the run, for a command to read, copy or remove."""
+    if isinstance(name, str) and (_SHARD.fullmatch(name) or (not shard and _PART_NAME.fullmatch(name))):
+        return name
+    kinds = "capture/batch_BBBBB/layer_LLL.safetensors" + ("" if shard else ", residuals.parquet/part-RRRRR.parquet")
+    raise RunDirectoryError(f"{listed_in}: lists {name!r}, not the name of a file osdn-diag writes ({kinds}): "
+                            "it is damaged, or not osdn-diag's; run the run again")
 
 
 def prepare_output(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
@@ -203,21 +283,22 @@ def prepare_output(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     if manifest is None:
         return
     (out_dir / MANIFEST).unlink()
-    remove_run_files(out_dir, manifest.get("shards") or {})
+    remove_run_files(out_dir)
 
 
-def remove_run_files(out_dir: str | os.PathLike, shards) -> None:
-    """Remove a run's own files but its manifest: the capture ``shards`` named (then empty batch
-    directories and ``capture/``), the tables, the summary, the rank records and the report."""
+def remove_run_files(out_dir: str | os.PathLike) -> None:
+    """Remove a run's own files but its manifest: every capture shard (those the manifest lists, and
+    those a capture interrupted before listing them left: the names are the package's own, in its
+    own directories; then empty batch directories and ``capture/``), the tables, the summary, the rank
+    records and the report. Nothing below a link: what it points to is not the run's."""
     out_dir = Path(out_dir)
     capture = out_dir / "capture"
-    for name in shards:
-        # Only names of the capture's layout, so that a damaged manifest cannot point anywhere else.
-        if _SHARD.fullmatch(str(name)):
-            (out_dir / name).unlink(missing_ok=True)
-    if capture.is_dir() and not capture.is_symlink():
-        for batch in sorted(capture.glob("batch_*")):
-            if batch.is_dir() and not batch.is_symlink():
+    if _real_dir(capture):
+        for batch in sorted(capture.iterdir()):
+            if _BATCH.fullmatch(batch.name) and _real_dir(batch):
+                for shard in batch.iterdir():
+                    if _SHARD_FILE.fullmatch(shard.name) and not shard.is_dir():
+                        shard.unlink()
                 remove_stale_temporaries(batch)
                 _rmdir_if_empty(batch)
         _rmdir_if_empty(capture)
@@ -258,9 +339,18 @@ def remove_report_files(out_dir: str | os.PathLike) -> None:
         _rmdir_if_empty(plots)
 
 
-_SHARD = re.compile(r"capture/batch_\d+/layer_\d+(_call\d+)?\.safetensors")
-_PART = re.compile(r"part-\d+\.parquet")
-_RECORD = re.compile(r"rank-\d+\.json")
+# The names the package writes ([0-9], not \d, which matches other scripts' digits too).
+_BATCH = re.compile(r"batch_[0-9]+")
+_SHARD_FILE = re.compile(r"layer_[0-9]+(_call[0-9]+)?\.safetensors")
+_SHARD = re.compile(r"capture/batch_[0-9]+/layer_[0-9]+(_call[0-9]+)?\.safetensors")
+_PART = re.compile(r"part-[0-9]+\.parquet")
+_PART_NAME = re.compile(r"residuals\.parquet/part-[0-9]+\.parquet")
+_RECORD = re.compile(r"rank-[0-9]+\.json")
+
+
+def _real_dir(path: Path) -> bool:
+    """A directory, not a link to one."""
+    return path.is_dir() and not path.is_symlink()
 
 
 def rank_record_path(out_dir: str | os.PathLike, rank: int) -> Path:
@@ -270,7 +360,7 @@ def rank_record_path(out_dir: str | os.PathLike, rank: int) -> Path:
 
 def write_rank_record(out_dir: str | os.PathLike, rank: int, record: dict) -> None:
     """Write a rank's record atomically (a reader sees the old one or the new one, never half)."""
-    atomic_write_text(rank_record_path(out_dir, rank), strict_json(record, indent=2))
+    atomic_write_text(rank_record_path(out_dir, rank), strict_json(record, indent=2), root=out_dir)
 
 
 def read_rank_record(path: str | os.PathLike) -> dict | None:
@@ -283,10 +373,17 @@ def read_rank_record(path: str | os.PathLike) -> dict | None:
 
 def verify_files(root: str | os.PathLike, entries: dict) -> str | None:
     """``None`` if every ``{relative name: {"sha256", "size"}}`` of ``entries`` is under ``root`` with
-    that size and sha256, else what is wrong with the first file that is not (one line, naming it)."""
+    that size and sha256, else what is wrong with the first file that is not (one line, naming it).
+    A name not of the form osdn-diag writes (:func:`check_file_name`) is wrong: it is not looked at."""
     root = Path(root)
-    for name, entry in sorted(entries.items()):
+    for name, entry in sorted(entries.items(), key=lambda item: str(item[0])):
+        try:
+            check_file_name(name, "its record")
+        except RunDirectoryError as err:
+            return str(err)
         path = root / name
+        if _link_below(root, name):
+            return f"{path}: below a symbolic link, which osdn-diag does not follow"
         if not path.is_file():
             return f"{path}: missing"
         if path.stat().st_size != entry.get("size"):
@@ -294,6 +391,16 @@ def verify_files(root: str | os.PathLike, entries: dict) -> str | None:
         if sha256_file(path) != entry.get("sha256"):
             return f"{path}: its sha256 differs from the one its record says"
     return None
+
+
+def _link_below(root: Path, name: str) -> bool:
+    """Whether ``root/name`` or a directory between ``root`` and it is a link."""
+    path = root
+    for part in Path(name).parts:
+        path = path / part
+        if path.is_symlink():
+            return True
+    return False
 
 
 def _unlink_file(path: Path) -> None:
@@ -341,7 +448,12 @@ def output_lock(directory: str | os.PathLike) -> Iterator[None]:
         return
     created = [p for p in (key, *key.parents) if not p.exists()]
     key.mkdir(parents=True, exist_ok=True)
-    fd = _acquire(key / LOCK_FILE, directory)
+    try:
+        fd = _acquire(key / LOCK_FILE, directory)
+    except BaseException:
+        for path in created:  # a refused command leaves no directory behind either
+            _rmdir_if_empty(path)
+        raise
     _HELD[key] = [1, fd, created]
     try:
         yield
@@ -361,7 +473,7 @@ def _acquire(path: Path, directory) -> int:
     import fcntl
 
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd, created = _open_lock(path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -369,27 +481,56 @@ def _acquire(path: Path, directory) -> int:
             os.close(fd)
             raise RunDirectoryError(f"{directory} is in use by another osdn-diag command (pid {pid}); wait "
                                     "for it to finish") from None
-        try:
-            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        try:  # lstat: a link put at the name meanwhile is not our file either
+            same = os.path.samestat(os.fstat(fd), os.lstat(path))
         except FileNotFoundError:
             same = False
         if same:
             break
         os.close(fd)  # the holder removed the file before we got the lock: take the new one
-    try:
-        os.fchmod(fd, 0o644)  # readable by whoever looks for the pid, whatever the umask
-    except OSError:
-        pass
+    if created:  # a file found there (a killed command's) keeps its mode: it may not be ours to change
+        try:
+            os.fchmod(fd, 0o644)  # readable by whoever looks for the pid, whatever the umask
+        except OSError:
+            pass
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _open_lock(path: Path) -> tuple[int, bool]:
+    """``(fd, created)``: the lock file opened for writing, created if missing. One that is not a
+    regular file of a single name (a link — even dangling —, a directory, a FIFO, a hard link to some
+    other file) is refused and left as it is: writing the pid would truncate or create what it points
+    to. O_NOFOLLOW and O_EXCL never follow a link; fstat checks what was opened, not the name."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    refused = RunDirectoryError(f"{path}: not a lock file osdn-diag made (a symbolic link, a directory, or a "
+                                "file with other names); it is left alone: remove it, then run the command again")
+    while True:
+        try:
+            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            continue  # its holder removed it meanwhile: create it
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK):
+                raise refused from None
+            raise
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            os.close(fd)
+            raise refused
+        return fd, False
 
 
 def _write(run_dir: Path, manifest: dict) -> None:
     # A run whose parts lie on several machines' disks (``"merge_needed": true``) is complete only once
     # ``osdn-diag merge`` has assembled them in one directory.
     manifest["complete"] = all(manifest["stages"].values()) and not manifest.get("merge_needed")
-    atomic_write_text(run_dir / MANIFEST, strict_json(manifest, indent=2))
+    atomic_write_text(run_dir / MANIFEST, strict_json(manifest, indent=2), root=run_dir)
 
 
 def start_stage(run_dir: str | os.PathLike, manifest: dict, stage: str) -> None:

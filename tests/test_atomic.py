@@ -160,3 +160,41 @@ def test_the_proof_ledger_json_gets_the_umask_mode(tmp_path, umask):
     ledger.write_json([], tmp_path / "ledger.json")
     assert _mode(tmp_path / "ledger.json") == 0o644
     assert list(tmp_path.iterdir()) == [tmp_path / "ledger.json"]  # no temporary left
+
+
+def test_a_killed_figure_writers_temporary_is_removed_too(tmp_path):
+    """A report killed while drawing left ``.q_geo.png.XXXXXXXX.png``, which no cleanup matched: every
+    temporary now ends ``.tmp`` or ``.tmp.EXT``, one pattern, and the old figure names go too (issue 44)."""
+    with atomic_path(tmp_path / "q_geo.png", suffix=".png") as tmp:
+        Path(tmp).write_bytes(b"png")
+        name = Path(tmp).name
+    (tmp_path / name).write_bytes(b"half")  # what a writer killed before its rename leaves
+    assert name.startswith(".q_geo.png.") and name.endswith(".tmp.png")
+    old = tmp_path / ".contraction.pdf.1a2b3c4d.pdf"  # what earlier versions named it
+    old.write_bytes(b"half")
+    mine = tmp_path / "figure.1a2b3c4d.png"
+    mine.write_bytes(b"mine")
+    assert sorted(remove_stale_temporaries(tmp_path)) == sorted([tmp_path / name, old])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figure.1a2b3c4d.png", "q_geo.png"]
+
+
+def test_with_a_root_no_link_on_the_way_is_followed(tmp_path):
+    from osdn_diag._atomic import LinkError
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "plots").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(LinkError, match="plots: a symbolic link"):
+        atomic_write_text(run / "plots" / "a.txt", "x", root=run)
+    (run / "b.txt").symlink_to(elsewhere / "b.txt")
+    with pytest.raises(LinkError, match="b.txt: a symbolic link"):
+        atomic_write_text(run / "b.txt", "x", root=run)
+    assert list(elsewhere.iterdir()) == [] and (run / "b.txt").is_symlink()
+    atomic_write_text(run / "ranks" / "r.json", "{}", root=run)  # real directories are made as needed
+    assert (run / "ranks" / "r.json").read_text() == "{}"
+    link_out = tmp_path / "out-link"  # the directory given may itself be a link: the user's choice
+    link_out.symlink_to(run, target_is_directory=True)
+    atomic_write_text(link_out / "c.txt", "x", root=link_out)
+    assert (run / "c.txt").read_text() == "x"

@@ -98,3 +98,39 @@ def test_output_buffered_by_native_code_is_flushed(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=120)
     assert done.returncode == 0 and "from C" in done.stdout
+
+
+TERM_SCRIPT = """
+import sys, time
+from osdn_diag import cli
+from osdn_diag.rundir import output_lock
+
+def hold(args):  # a command at work in its directory, holding its lock
+    with output_lock({out!r}):
+        print("working", flush=True)
+        time.sleep(60)
+    return 0
+
+cli._run_command = hold
+sys.argv = ["osdn-diag", "prove", "-q"]
+cli.console()
+"""
+
+
+def test_sigterm_stops_a_command_as_ctrl_c_does_with_one_line_and_status_143(tmp_path):
+    """Slurm preempts a job with SIGTERM: the command says so in one line, exits 128 + 15, and what
+    runs on Ctrl-C runs (here: its lock is released and removed) (issue 44)."""
+    import signal
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", TERM_SCRIPT.format(out=str(out))], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "working\n"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert err == "osdn-diag: terminated (SIGTERM)\n"
+    assert not out.exists()  # the lock file went, and the directory the lock made

@@ -31,8 +31,8 @@ from safetensors.torch import save_file
 from .._atomic import atomic_path, atomic_write_text, remove_stale_temporaries
 from .._json import dumps as strict_json
 from ..rundir import (  # noqa: F401 - IncompleteRunError, read_manifest, require_stage: re-exported
-    MANIFEST, IncompleteRunError, RunDirectoryError, finish_stage, new_run_id, read_manifest, require_stage,
-    sha256_file,
+    MANIFEST, IncompleteRunError, RunDirectoryError, check_file_name, finish_stage, new_run_id, read_manifest,
+    require_stage, sha256_file,
 )
 from .record import TENSOR_FIELDS, KernelCall
 
@@ -81,20 +81,21 @@ class CaptureWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Temporaries of a writer killed in an earlier run into this directory (no one else writes
         # here now: begin runs before any shard of this run is written).
-        for directory in (self.run_dir, *sorted((self.run_dir / "capture").glob("batch_*"))):
+        capture = self.run_dir / "capture"
+        batches = sorted(capture.glob("batch_*")) if capture.is_dir() and not capture.is_symlink() else []
+        for directory in (self.run_dir, *batches):
             remove_stale_temporaries(directory)
         self.manifest = {"run_id": self.run_id, **manifest, "stages": dict.fromkeys(stages, False),
                          "complete": False}
-        atomic_write_text(self.run_dir / MANIFEST, strict_json(self.manifest, indent=2))
+        atomic_write_text(self.run_dir / MANIFEST, strict_json(self.manifest, indent=2), root=self.run_dir)
 
     def write(self, batch: int, prompts: list[int], call: KernelCall) -> Path:
         n = self._count.get((batch, call.layer), 0)
         self._count[(batch, call.layer)] = n + 1
         name = f"layer_{call.layer:03d}" + (f"_call{n}" if n else "") + ".safetensors"
         path = self.run_dir / "capture" / f"batch_{batch:05d}" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"call": json.dumps(call.metadata()), "prompts": json.dumps(list(prompts)), "run_id": self.run_id}
-        with atomic_path(path) as tmp:
+        with atomic_path(path, root=self.run_dir) as tmp:  # capture/ and its batch directory: no links
             save_file(call.tensors(), tmp, metadata=meta)
             # Hashed before the rename, while the file just written is in the page cache: the
             # manifest records exactly the bytes that take the shard's name.
@@ -165,6 +166,8 @@ class CaptureReader:
                 f"replayed again; {untouched}. Capture the model again without --stream"
             )
         self.expected: dict[str, dict] = manifest.get("shards", {})
+        for name in self.expected:  # only the capture's own layout: nothing outside it is read
+            check_file_name(name, self.run_dir / MANIFEST, shard=True)
         if batches is not None:
             self.expected = {n: e for n, e in self.expected.items() if batches(_batch_of(n))}
         root = self.run_dir / "capture"

@@ -7,12 +7,13 @@ import math
 import os
 from pathlib import Path
 
-from .._atomic import atomic_write_text
+from .._atomic import atomic_write_text, real_directory
 from ..replay.families import MICRO_STEP_FAMILIES, NOT_APPLICABLE
 from ..replay.runs import load_run
 from ..rundir import (
     MANIFEST,
     RunDirectoryError,
+    check_links,
     enclosing_runs,
     existing_run_files,
     finish_stage,
@@ -24,7 +25,10 @@ from ..rundir import (
 )
 from .render import Figure, draw
 
-__all__ = ["d_trajectory_of", "eps_q_series", "load_run", "write_report"]
+__all__ = ["REPORT_FILES", "d_trajectory_of", "eps_q_series", "load_run", "write_report"]
+
+#: what a report writes into its directory (a run's, or a comparison report's)
+REPORT_FILES = (MANIFEST, "report.md", "plots")
 
 
 def _prompt_shape(manifest: dict) -> list[tuple[str, int, int]]:
@@ -554,6 +558,7 @@ def write_report(
     out = Path(out_dir) if out_dir is not None else paths[0]
     owner = next((i for i, p in enumerate(paths) if p.resolve() == out.resolve()), None)
     _check_out(paths, out, owner, into_input)
+    check_links(out, REPORT_FILES)  # before anything is written: a link there is the user's
     with output_lock(out):
         return _write_report(paths, out, owner, labels, d_head)
 
@@ -590,13 +595,13 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
         start_stage(paths[owner], loaded[owner][0], "report")
     else:
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / MANIFEST, json.dumps({
+        atomic_write_text(out / MANIFEST, root=out, text=json.dumps({
             "kind": "report",
             "report_of": [{"path": str(p.resolve()), "run_id": m.get("run_id"), "label": n}
                           for p, n, (m, _) in zip(paths, names, loaded)],
         }, indent=2))
     remove_report_files(out)  # plots of an earlier report that this one may not draw
-    plots = out / "plots"
+    plots = real_directory(out, out / "plots")  # the figures are drawn into it: a real directory
     micro = any(_micro_steps(m, s) is not None for _, m, s in runs)
     pairs = [(_unit_label(n, m, s), s) for n, m, s in runs]  # the plots' q_geo are per write
     figures = [Figure("plot_contraction", (pairs,), plots / "contraction.png"),
@@ -774,7 +779,7 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
         ]
     text = "\n".join(parts)
     report = out / "report.md"
-    atomic_write_text(report, text)
+    atomic_write_text(report, text, root=out)
     if owner is not None:
         finish_stage(paths[owner], loaded[owner][0], "report")
     return report

@@ -47,7 +47,7 @@ def _manifest(run_dir):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """``osdn-diag demo --num-prompts 2 -q`` once: (out dir, exit code, stdout)."""
-    out = tmp_path_factory.mktemp("demo")
+    out = tmp_path_factory.mktemp("demo") / "osdn-demo"  # made by the demo, as its default is
     buf = io.StringIO()  # capsys is function-scoped; the run is shared by the module
     with contextlib.redirect_stdout(buf):
         rc = main(["demo", "--out", str(out), "--num-prompts", str(NUM_PROMPTS), "-q"])
@@ -273,3 +273,25 @@ def test_models_of_different_task_shapes_are_refused_before_any_capture(tmp_path
     with pytest.raises(ValueError, match="num_queries = num_pairs"):
         run_demo(tmp_path / "out", num_prompts=1, root=root, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("given", ["new", "existing", "dangling link"])
+def test_the_git_marker_goes_only_into_a_directory_the_demo_made(tmp_path, monkeypatch, given):
+    """``demo --out .`` in a checkout must not write ``.gitignore`` = ``*`` into the user's own directory,
+    and a ``.gitignore`` that is a link is never written through (issue 44)."""
+    from osdn_diag import demo as demo_module
+
+    monkeypatch.setattr(demo_module, "_run", lambda out_dir, *a, **k: (out_dir / "report" / "report.md", []))
+    out = tmp_path / "out"
+    if given != "new":
+        out.mkdir()
+    if given == "dangling link":
+        (out / ".gitignore").symlink_to(tmp_path / "created")
+    run_demo(out, models=["mqar-deltanet"], progress=False)
+    marker = out / ".gitignore"
+    if given == "new":
+        assert marker.read_text().splitlines()[-1] == "*"
+    elif given == "existing":
+        assert not marker.exists()
+    else:
+        assert marker.is_symlink() and not (tmp_path / "created").exists()

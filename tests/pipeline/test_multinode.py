@@ -186,9 +186,15 @@ def test_a_nodes_own_out_holding_parts(tmp_path):
     for resume in (False, True):
         with pytest.raises(RunDirectoryError, match=f"{out}: already holds files of another run.*--overwrite"):
             _prepare_node_output(out, "b" * 32, overwrite=False, resume=resume)
+    # A file of the user's in capture/ (a new capture would not replay beside it): refused before
+    # anything is removed; once it is moved out, the other run's files go.
+    with pytest.raises(RunDirectoryError, match="notes.txt: not a file osdn-diag writes.*move it out of"):
+        _prepare_node_output(out, "b" * 32, overwrite=True, resume=False)
+    assert shard.exists() and (out / "ranks" / "rank-00001.json").exists()
+    (out / "capture" / "batch_00001" / "notes.txt").rename(out / "notes.txt")
     _prepare_node_output(out, "b" * 32, overwrite=True, resume=False)
-    assert not shard.exists() and not (out / "ranks").exists()
-    assert (out / "capture" / "batch_00001" / "notes.txt").read_text() == "mine"
+    assert not shard.exists() and not (out / "ranks").exists() and not (out / "capture").exists()
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_replay_and_what_if_of_rank_0s_part_say_merge(tmp_path, capsys):

@@ -305,10 +305,19 @@ def test_a_directory_that_is_not_a_run_is_refused_naming_what_collides(tmp_path,
         ["plots", "capture", "notes.txt", "report.md", "summary.json"])  # no lock file left either
 
 
-def test_overwrite_removes_only_the_runs_own_files(runs, tmp_path):
+def test_overwrite_removes_only_the_runs_own_files(runs, tmp_path, capsys):
     run = _copy(runs, "two", tmp_path)
     assert main(["report", str(run)]) == 0
     mine = _user_files(run)
+    # A file of the user's in capture/, where a new capture would not replay beside it: refused before
+    # anything is removed, naming it (issue 44).
+    before = _files(run)
+    err = _one_line_error(_args(run, 2, "--overwrite", command="capture"), capsys)
+    assert str(run / "capture" / "experiment1.csv") in err and "move it out of" in err, err
+    assert _files(run) == before
+    (run / "experiment1.csv").write_bytes((run / "capture" / "experiment1.csv").read_bytes())
+    (run / "capture" / "experiment1.csv").unlink()
+    mine = {("experiment1.csv" if name == "capture/experiment1.csv" else name): data for name, data in mine.items()}
     (run / "what-if_mine").mkdir()
     (run / "what-if_mine" / "keep.txt").write_text("mine")
     old_id = _manifest(run)["run_id"]
@@ -468,6 +477,62 @@ def test_a_changed_shard_leaves_a_complete_run_complete(runs, tmp_path, capsys):
     assert {k: v for k, v in _files(run).items() if k != "manifest.json"} == \
         {k: v for k, v in before.items() if k != "manifest.json"}
     load_run(run)
+
+
+# 17. A link is never written through (issue 44).
+
+@pytest.mark.parametrize("where", ["lock", "dangling lock", "plots", "replay's summary"])
+def test_a_command_never_writes_through_a_link(runs, tmp_path, capsys, where):
+    import os
+    import stat
+
+    from osdn_diag.rundir import LOCK_FILE
+
+    run = _copy(runs, "two", tmp_path)
+    secret = tmp_path / "important.txt"
+    secret.write_text("secret data")
+    secret.chmod(0o600)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "contraction.png").write_bytes(b"mine")
+    argv = ["report", str(run)]
+    if where == "lock":
+        (run / LOCK_FILE).symlink_to(secret)
+    elif where == "dangling lock":
+        (run / LOCK_FILE).symlink_to(tmp_path / "created.txt")
+    elif where == "plots":
+        (run / "plots").symlink_to(elsewhere, target_is_directory=True)
+    else:
+        (run / "summary.json").unlink()
+        (run / "summary.json").symlink_to(secret)
+        argv = ["replay", str(run), "-q"]
+    before = {p.relative_to(run).as_posix(): os.readlink(p) if p.is_symlink() else p.read_bytes()
+              for p in run.rglob("*") if p.is_symlink() or p.is_file()}
+    err = _one_line_error(argv, capsys)
+    assert ("not a lock file osdn-diag made" if "lock" in where else "a symbolic link, where osdn-diag writes") in err
+    assert secret.read_text() == "secret data" and stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert not (tmp_path / "created.txt").exists()
+    assert [p.name for p in elsewhere.iterdir()] == ["contraction.png"]
+    assert (elsewhere / "contraction.png").read_bytes() == b"mine"
+    assert before == {p.relative_to(run).as_posix(): os.readlink(p) if p.is_symlink() else p.read_bytes()
+                      for p in run.rglob("*") if p.is_symlink() or p.is_file()}
+
+
+# 18. --overwrite after an interrupted capture: its unlisted shards go, and the new run replays.
+
+def test_overwrite_after_an_interrupted_capture_replays(runs, tmp_path):
+    run = _copy(runs, "two", tmp_path)
+    # What a capture killed mid-way leaves: shards on disk, a manifest that lists none of them yet.
+    leftover = run / "capture" / "batch_00007" / "layer_000.safetensors"
+    leftover.parent.mkdir()
+    shutil.copyfile(run / "capture" / "batch_00000" / "layer_000.safetensors", leftover)
+    manifest = _manifest(run)
+    (run / "manifest.json").write_text(json.dumps({**manifest, "shards": {}, "complete": False,
+                                                   "stages": {"capture": False}}))
+    assert main(_args(run, 2, "--seed", "1", "--overwrite", command="capture")) == 0
+    assert not leftover.parent.exists()
+    assert main(["replay", str(run), "-q"]) == 0
+    assert _summary(run)["q_geo"] == _summary(runs / "two")["q_geo"]
 
 
 def test_table_cells_escape_pipes_and_line_breaks():

@@ -1,0 +1,141 @@
+"""``osdn-diag merge`` (:mod:`osdn_diag.merge`) on nodes' directories built here (the files' bytes
+stand in for shards and table parts: merging checks and copies them, it does not read them): it takes
+OUT's lock, refuses everything it would refuse before removing an old run, copies no file outside OUT
+whatever the manifest names, and touches nothing beside OUT (issue 44). The merge of a real two-node
+run is in tests/pipeline/test_multinode.py."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from osdn_diag.cli import entry
+from osdn_diag.merge import merge_runs
+from osdn_diag.rundir import LOCK_FILE
+
+RUN_ID = "a" * 32
+
+
+def _entry(data: bytes) -> dict:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def _nodes(root: Path, shards: dict | None = None) -> list[Path]:
+    """Two nodes' --out of a finished run of two processes: rank 0's holds the manifest."""
+    nodes = [root / "node0", root / "node1"]
+    listed, parts = {}, {}
+    for rank, node in enumerate(nodes):
+        shard, part = f"capture/batch_0000{rank}/layer_000.safetensors", f"residuals.parquet/part-0000{rank}.parquet"
+        for name, table in ((shard, listed), (part, parts)):
+            data = f"{name} of rank {rank}".encode()
+            _write(node / name, data)
+            table[name] = _entry(data)
+        _write(node / "ranks" / f"rank-0000{rank}.json",
+               json.dumps({"run_id": RUN_ID, "rank": rank, "world_size": 2}).encode())
+    manifest = {"run_id": RUN_ID, "stages": {"capture": True, "replay": True, "report": False}, "complete": False,
+                "world_size": 2, "shared_out": False, "merge_needed": True,
+                "shards": listed if shards is None else shards, "parts": parts}
+    _write(nodes[0] / "manifest.json", json.dumps(manifest).encode())
+    _write(nodes[0] / "summary.json", json.dumps({"run_id": RUN_ID}).encode())
+    return nodes
+
+
+def _one_line(argv, capsys) -> str:
+    capsys.readouterr()
+    assert entry(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("osdn-diag: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_merge_assembles_the_run(tmp_path):
+    out = merge_runs(_nodes(tmp_path), tmp_path / "m", report=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stages"] == {"capture": True, "replay": True, "report": False} and not manifest["complete"]
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
+        "capture/batch_00000/layer_000.safetensors", "capture/batch_00001/layer_000.safetensors", "manifest.json",
+        "ranks/rank-00000.json", "ranks/rank-00001.json", "residuals.parquet/part-00000.parquet",
+        "residuals.parquet/part-00001.parquet", "summary.json"]
+
+
+def test_a_merge_into_a_directory_in_use_is_refused(tmp_path, capsys):
+    """Two merges into one OUT at once: the second is refused at once (the lock), not interleaved."""
+    nodes = _nodes(tmp_path)
+    out = tmp_path / "m"
+    out.mkdir()
+    with open(out / LOCK_FILE, "w") as held:  # another command holds OUT's lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242\n")
+        held.flush()
+        err = _one_line(["merge", *map(str, nodes), "--out", str(out)], capsys)
+        assert f"{out} is in use by another osdn-diag command (pid 4242)" in err, err
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+
+
+def test_overwrite_refuses_before_it_removes_the_old_run(tmp_path, capsys):
+    nodes = _nodes(tmp_path)
+    out = merge_runs(nodes, tmp_path / "m", report=False)
+    (out / "capture" / "notes.csv").write_text("mine")
+    before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    err = _one_line(["merge", *map(str, nodes), "--out", str(out), "--overwrite"], capsys)
+    assert str(out / "capture" / "notes.csv") in err and "move it out of" in err, err
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before  # the old run is whole
+
+
+def test_overwrite_replaces_a_run_beside_a_lock_a_killed_command_left(tmp_path):
+    nodes = _nodes(tmp_path)
+    out = merge_runs(nodes, tmp_path / "m", report=False)
+    (out / LOCK_FILE).write_text("12345\n")  # its holder was killed: the file stays, the flock does not
+    (out / "notes.txt").write_text("mine")  # a file a run never writes stays, as for run
+    merge_runs(nodes, out, overwrite=True, report=False)
+    assert json.loads((out / "manifest.json").read_text())["stages"]["replay"] is True
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "other"])
+def test_a_manifest_name_outside_the_layout_is_refused_and_nothing_written(tmp_path, capsys, kind):
+    name = {"dotdot": "capture/../../n0/x", "absolute": str(tmp_path / "abs" / "x"),
+            "other": "capture/batch_00000/x.py"}[kind]
+    data = b"payload"
+    nodes = _nodes(tmp_path / "nodes", shards={name: _entry(data)})
+    for node in nodes:  # wherever the name resolves from a node's directory, the bytes are there
+        _write(Path(os.path.normpath(node / name)), data)
+    out = tmp_path / "deep" / "er" / "m"
+    err = _one_line(["merge", *map(str, nodes), "--out", str(out)], capsys)
+    assert "not the name of a file osdn-diag writes" in err and repr(name) in err, err
+    assert not out.exists()
+    assert not (tmp_path / "deep" / "n0").exists()  # out/capture/../../n0/x
+
+
+def test_an_out_with_glob_characters_touches_nothing_beside_it(tmp_path):
+    nodes = _nodes(tmp_path)
+    beside = tmp_path / ".x1.merging-keep"  # what the glob of `.x[1].merging-*` matched
+    beside.mkdir()
+    (beside / "data").write_text("mine")
+    merge_runs(nodes, tmp_path / "x[1]", report=False)
+    assert (beside / "data").read_text() == "mine"
+    assert (tmp_path / "x[1]" / "manifest.json").is_file()
+
+
+def test_merge_refuses_a_link_in_out(tmp_path):
+    nodes = _nodes(tmp_path)
+    out = merge_runs(nodes, tmp_path / "m", report=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    import shutil
+
+    shutil.rmtree(out / "ranks")
+    (out / "ranks").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ValueError, match="ranks: a symbolic link"):
+        merge_runs(nodes, out, overwrite=True, report=False)
+    assert list(elsewhere.iterdir()) == [] and (out / "manifest.json").is_file()

@@ -1,0 +1,187 @@
+"""What a command may do to a directory (:mod:`osdn_diag.rundir`), on directories built here: the lock
+never follows a link, a link where a run writes is refused (never followed nor replaced), names read
+from a manifest or a rank record stay inside the run, and ``--overwrite`` removes the package's own
+shards, including those an interrupted capture never listed, after refusing what it cannot remove
+(issue 44)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from osdn_diag.rundir import LOCK_FILE, RunDirectoryError, output_lock, prepare_output, verify_files
+
+SHARD = "capture/batch_00000/layer_000.safetensors"
+
+
+def _run(root: Path, shards: dict | None = None) -> Path:
+    """A directory holding a run (a manifest with a run id and stages) whose capture is one shard,
+    listed unless ``shards`` says otherwise (a capture interrupted before it listed its shards)."""
+    root.mkdir(parents=True, exist_ok=True)
+    shard = root / SHARD
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"shard")
+    entry = {"sha256": hashlib.sha256(b"shard").hexdigest(), "size": 5}
+    listed = {SHARD: entry} if shards is None else shards
+    (root / "manifest.json").write_text(json.dumps({"run_id": "a" * 32, "stages": {"capture": True},
+                                                    "shards": listed}))
+    return root
+
+
+def _secret(tmp_path: Path) -> Path:
+    secret = tmp_path / "important.txt"
+    secret.write_text("secret data")
+    secret.chmod(0o600)
+    return secret
+
+
+# The lock file.
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["to-a-file", "dangling"])
+def test_a_lock_path_that_is_a_link_is_refused_and_what_it_points_to_untouched(tmp_path, dangling):
+    run = tmp_path / "run"
+    run.mkdir()
+    target = tmp_path / "created.txt" if dangling else _secret(tmp_path)
+    (run / LOCK_FILE).symlink_to(target)
+    with pytest.raises(RunDirectoryError, match=f"{run / LOCK_FILE}: not a lock file osdn-diag made.*remove it"):
+        with output_lock(run):
+            pass
+    if dangling:
+        assert not target.exists()  # a dangling link does not create its target
+    else:
+        assert target.read_text() == "secret data" and stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert (run / LOCK_FILE).is_symlink()  # left as it was
+
+
+@pytest.mark.parametrize("kind", ["hard link", "directory"])
+def test_a_lock_path_that_is_not_a_file_of_its_own_is_refused(tmp_path, kind):
+    run = tmp_path / "run"
+    run.mkdir()
+    if kind == "hard link":
+        os.link(_secret(tmp_path), run / LOCK_FILE)
+    else:
+        (run / LOCK_FILE).mkdir()
+    with pytest.raises(RunDirectoryError, match="not a lock file osdn-diag made"):
+        with output_lock(run):
+            pass
+    if kind == "hard link":
+        assert (tmp_path / "important.txt").read_text() == "secret data"
+
+
+def test_a_lock_file_a_killed_command_left_is_taken_over(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).write_text("12345\n")
+    with output_lock(run):
+        assert (run / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    assert not (run / LOCK_FILE).exists()
+
+
+# Links where a run writes.
+
+@pytest.mark.parametrize("name", ["capture", "capture/batch_00000", "plots", "ranks", "summary.json",
+                                  "report.md", "plots/contraction.png"])
+def test_overwrite_refuses_a_link_where_a_run_writes_and_removes_nothing(tmp_path, name):
+    run = _run(tmp_path / "run")
+    (run / "plots").mkdir()
+    (run / "report.md").write_text("# old report")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "batch_00000").mkdir(parents=True)
+    (elsewhere / "batch_00000" / "layer_000.safetensors").write_text("not the run's")  # a shard's name
+    (elsewhere / "layer_000.safetensors").write_text("not the run's")
+    link = run / name
+    if link.is_dir():
+        import shutil
+
+        shutil.rmtree(link)
+    elif link.exists():
+        link.unlink()
+    link.symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ValueError, match=f"{link}: a symbolic link, where osdn-diag writes.*remove the link"):
+        prepare_output(run, overwrite=True)
+    assert (run / "manifest.json").is_file() and link.is_symlink()  # nothing removed
+    assert (elsewhere / "batch_00000" / "layer_000.safetensors").read_text() == "not the run's"
+    assert (elsewhere / "layer_000.safetensors").read_text() == "not the run's"
+
+
+def test_a_shard_is_never_written_below_a_link(tmp_path):
+    import torch
+
+    from osdn_diag.capture import CaptureWriter, KernelCall
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "capture").symlink_to(elsewhere, target_is_directory=True)
+    writer = CaptureWriter(run)
+    writer.begin({"versions": {}})
+    x = torch.zeros(1, 2, 1, 4)
+    call = KernelCall(layer=0, layer_name="l0", family="delta_rule", kernel="x", q=x, k=x, v=x,
+                      beta=torch.zeros(1, 2, 1), o=x, scale=1.0)
+    with pytest.raises(ValueError, match="capture: a symbolic link"):
+        writer.write(0, [0], call)
+    assert list(elsewhere.iterdir()) == []
+
+
+# Names read from a manifest or a record.
+
+@pytest.mark.parametrize("name", ["capture/../../outside/x", "/etc/passwd", "capture/batch_00000/../../../x",
+                                  "capture/batch_0/layer_0.safetensors/..", "summary.json", 3])
+def test_a_name_not_of_the_runs_layout_is_refused(name):
+    from osdn_diag.rundir import check_file_name
+
+    with pytest.raises(RunDirectoryError, match="not the name of a file osdn-diag writes"):
+        check_file_name(name, "manifest.json")
+
+
+def test_verify_files_does_not_look_outside_the_run(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x").write_bytes(b"data")
+    entry = {"sha256": hashlib.sha256(b"data").hexdigest(), "size": 4}
+    run = tmp_path / "run"
+    (run / "capture").mkdir(parents=True)
+    problem = verify_files(run, {"capture/../../outside/x": entry})
+    assert problem is not None and "not the name of a file osdn-diag writes" in problem
+
+
+def test_the_capture_reader_refuses_a_shard_name_outside_the_capture(tmp_path):
+    from osdn_diag.capture.store import CaptureReader
+
+    run = _run(tmp_path / "run")
+    (tmp_path / "n0").mkdir()
+    (tmp_path / "n0" / "x").write_bytes(b"shard")
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["shards"] = {"capture/../../n0/x": manifest["shards"][SHARD]}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RunDirectoryError, match="lists 'capture/../../n0/x', not the name of a file"):
+        CaptureReader(run)
+
+
+# What --overwrite removes.
+
+def test_overwrite_removes_the_shards_an_interrupted_capture_never_listed(tmp_path):
+    run = _run(tmp_path / "run", shards={})  # killed before finish(): its shards are not listed
+    (run / "capture" / "batch_00000" / "layer_001_call1.safetensors").write_bytes(b"x")
+    (run / "capture" / "batch_00003").mkdir()
+    (run / "capture" / "batch_00003" / ".layer_000.safetensors.abcd1234.tmp").write_bytes(b"half")
+    prepare_output(run, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == []
+
+
+@pytest.mark.parametrize("foreign", ["capture/experiment1.csv", "capture/batch_00000/notes.txt",
+                                     "capture/mine/layer_000.safetensors"])
+def test_overwrite_refuses_a_foreign_file_in_capture_before_removing_anything(tmp_path, foreign):
+    run = _run(tmp_path / "run")
+    (run / foreign).parent.mkdir(parents=True, exist_ok=True)
+    (run / foreign).write_text("mine")
+    first = foreign if foreign.count("/") == 1 or "batch_" in foreign else "capture/mine"
+    with pytest.raises(RunDirectoryError, match=f"{run / first}: not a file osdn-diag writes.*move it out of"):
+        prepare_output(run, overwrite=True)
+    assert (run / "manifest.json").is_file() and (run / SHARD).is_file() and (run / foreign).read_text() == "mine"

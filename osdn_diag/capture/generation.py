@@ -186,6 +186,11 @@ def _stitch_one(parts: list[KernelCall]) -> KernelCall:
     joined = {}
     for name in _TOKEN_FIELDS:
         values = [getattr(p, name) for p in parts]
+        if name == "write_key" and any(v is not None for v in values):
+            # A record without a write key writes with the fp32 product d ⊙ k (or k): the prefill's
+            # chunk path stores the key it read in the input dtype, a decoding step's fused kernel
+            # forms it in registers. Each part keeps the key its own kernel wrote with.
+            values = [v if v is not None else (p.k if p.d is None else p.d * p.k) for v, p in zip(values, parts)]
         if all(v is None for v in values):
             joined[name] = None
         elif any(v is None for v in values):

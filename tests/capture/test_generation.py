@@ -56,7 +56,9 @@ def _greedy_without_cache(model, prompt: torch.Tensor, n: int) -> list[int]:
 @pytest.mark.parametrize("spec", MODELS)
 def test_prompt_and_generated_tokens_replay_as_one_prefill(models, spec):
     model = models[spec]
-    prompt = _prompt(model.config.vocab_size)
+    # The OSDN model's prompt is longer than 64 tokens: its prefill takes the chunk path, which
+    # records the write key it read, its decoding steps the fused kernel, which records none.
+    prompt = _prompt(model.config.vocab_size, 70 if "osdn" in spec else 19)
     with osdn_diag.capture(model) as cap:
         tokens = cap.generate(prompt, N)
     assert tokens.shape == (1, N)
@@ -72,7 +74,11 @@ def test_prompt_and_generated_tokens_replay_as_one_prefill(models, spec):
     for name in ("layer", "head", "pos"):
         np.testing.assert_array_equal(got[name], want[name])
     assert np.isfinite(got["residual_ratio"]).all()
-    np.testing.assert_allclose(got["residual_ratio"], want["residual_ratio"], rtol=1e-5, atol=1e-7)
+    # The OSDN model's two paths compute its preconditioner d differently (the prefill's phase 1 by a
+    # blocked solve over the prompt, decoding by the sequential sweep), which agree to fp32 rounding;
+    # one ratio in 300 then differs by 1.3e-5. Every other model runs the same arithmetic both ways.
+    rtol = 3e-5 if "osdn" in spec else 1e-5
+    np.testing.assert_allclose(got["residual_ratio"], want["residual_ratio"], rtol=rtol, atol=1e-7)
     assert set(got["decode_start"]) == {prompt.shape[1]} and set(want["decode_start"]) == {-1}
 
 

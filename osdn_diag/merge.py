@@ -85,7 +85,7 @@ def merge_runs(dirs: list[str | os.PathLike], out: str | os.PathLike, *, overwri
                 f"rank {rank}: no {RANKS_DIR}/rank-{rank:05d}.json of run {run_id} in {', '.join(map(str, dirs))}; "
                 "give the --out directory of the node it ran on"
             )
-    files = {**manifest.get("shards", {}), **manifest.get("parts", {})}
+    files = {**manifest.get("shards", {}), **manifest.get("parts", {}), **_tokens_file(manifest)}
     where: dict[str, Path] = {}
     for name, entry in sorted(files.items()):
         found = [d for d in dirs if (d / name).is_file()]
@@ -131,6 +131,15 @@ def merge_runs(dirs: list[str | os.PathLike], out: str | os.PathLike, *, overwri
 
         write_report([out])
     return out
+
+
+def _tokens_file(manifest: dict) -> dict:
+    """``{"tokens.parquet": {"sha256", "size"}}`` where the run has one (rank 0 wrote it beside the
+    manifest; checked and copied like the files the ranks wrote), else ``{}``."""
+    entry = manifest.get("tokens")
+    if not isinstance(entry, dict) or "sha256" not in entry:
+        return {}
+    return {"tokens.parquet": {"sha256": entry["sha256"], "size": entry["size"]}}
 
 
 def _copy(src: Path, dst: Path) -> None:

@@ -93,6 +93,7 @@ def merge_runs(dirs: list[str | os.PathLike], out: str | os.PathLike, *, overwri
     files = {**manifest.get("shards", {}), **manifest.get("parts", {})}
     for name in files:  # before any path is made of it
         check_file_name(name, path)
+    files.update(_tokens_file(manifest))  # a fixed name, written by rank 0 beside the manifest
     where: dict[str, Path] = {}
     for name, entry in sorted(files.items()):
         found = [d for d in dirs if (d / name).is_file()]
@@ -129,6 +130,15 @@ def merge_runs(dirs: list[str | os.PathLike], out: str | os.PathLike, *, overwri
 
             write_report([out])
     return out
+
+
+def _tokens_file(manifest: dict) -> dict:
+    """``{"tokens.parquet": {"sha256", "size"}}`` where the run has one (rank 0 wrote it beside the
+    manifest; checked and copied like the files the ranks wrote), else ``{}``."""
+    entry = manifest.get("tokens")
+    if not isinstance(entry, dict) or "sha256" not in entry:
+        return {}
+    return {"tokens.parquet": {"sha256": entry["sha256"], "size": entry["size"]}}
 
 
 def _copy(src: Path, out: Path, name: str) -> None:

@@ -298,8 +298,10 @@ class _CaptureSession:
         # every call is moved (a model spread over several GPUs has calls on each of them).
         self.replay_device = self.device
         self.device = self.loaded.model.get_input_embeddings().weight.device
+        # The tokenizer, if the model has one: it tokenises text prompts and gives tokens.parquet its text.
+        self.tokenizer = _load_tokenizer(self.loaded.directory)
         self.prompts = load_prompts(
-            prompts_spec, vocab_size=self.loaded.config["vocab_size"], tokenize=_tokenizer(self.loaded.directory),
+            prompts_spec, vocab_size=self.loaded.config["vocab_size"], tokenize=_tokenize(self.tokenizer),
             twice=twice, num_prompts=num_prompts, length=length, seed=seed,
         )
         # prompt id -> (answers right, queries, queries excluded, summed nll), recall prompts
@@ -456,12 +458,27 @@ class _CaptureSession:
             entries.append(entry)
         return entries
 
+    def token_ids(self) -> dict[int, list[int]]:
+        """Every prompt's token ids as the model read them, by prompt id (``tokens.parquet``'s rows)."""
+        return {p.id: list(p.input_ids) for p in self.prompts}
+
+    def write_tokens(self) -> dict:
+        """Write ``tokens.parquet`` (ids, and their text where the model has a tokenizer) and return
+        the manifest's ``tokens`` entry."""
+        from .prompts.text import TokenText
+        from .replay.tokens import token_table, tokens_entry, write_tokens
+
+        text = None if self.tokenizer is None else TokenText(self.tokenizer, self.loaded.directory)
+        table = token_table(self.token_ids(), text)
+        return tokens_entry(write_tokens(self.out_dir, table, self.run_id), None if text is None else text.info)
+
     def finish(self, done: tuple[str, ...] = ("capture",)) -> None:
         """Mark the stages ``done`` in the manifest once every rank's files are on disk."""
         kernels_used = sorted({layer["flags"].get("kernels", self.kernels) for layer in self.writer.layers.values()})
         self.ranks.barrier()  # every rank's shards are on disk before the manifest says complete
         if self.ranks.is_main:
             cfg = self.loaded.config
+            tokens = self.write_tokens()
             self.writer.finish(
                 {
                     "model": {
@@ -477,6 +494,8 @@ class _CaptureSession:
                         "kept_dtypes": self.loaded.kept_dtypes or {},
                     },
                     "prompts": self.manifest_prompts(),
+                    # tokens.parquet: its sha256, and whether (and from which tokenizer) it has text
+                    "tokens": tokens,
                     # decoder layers not captured (a hybrid model's full attention), by index
                     "layers_skipped": self.skipped,
                     "twice": self.twice,
@@ -661,7 +680,7 @@ def _exp(x: float) -> float:
         return math.inf
 
 
-def _tokenizer(directory: Path | None):
+def _load_tokenizer(directory: Path | None):
     """The model directory's own tokenizer, from local files only and never with the directory's own
     code (:func:`~osdn_diag.models.load_model` has refused an ``auto_map`` already); ``None`` when it
     has none."""
@@ -669,8 +688,20 @@ def _tokenizer(directory: Path | None):
         return None
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+
+
+def _tokenize(tok):
+    """``text -> ids`` with tokenizer ``tok`` (no special tokens added); ``None`` without one."""
+    if tok is None:
+        return None
     return lambda text: tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _tokenizer(directory: Path | None):
+    """``text -> ids`` with the model directory's own tokenizer (:func:`_load_tokenizer`); ``None`` when
+    it has none."""
+    return _tokenize(_load_tokenizer(directory))
 
 
 def replay_run(

@@ -25,7 +25,7 @@ What is a run, and what ``--overwrite`` removes:
   loaded. It then removes that run's own files and nothing else: the manifest first (a failure
   leaves the old run or nothing that looks like one), the shards the manifest lists (then empty
   ``capture/batch_*`` and ``capture/``), ``residuals.parquet`` (a file, or a directory of
-  ``part-RRRRR.parquet``), ``comparator.parquet``, ``summary.json``, ``report.md`` and, in ``plots/``,
+  ``part-RRRRR.parquet``), ``comparator.parquet``, ``summary.json``, ``tokens.parquet``, ``report.md`` and, in ``plots/``,
   the files of :data:`PLOT_FILES` (then ``plots/`` if empty). Other files stay where they are.
 * Under ``torchrun`` every rank records its parts in ``ranks/rank-RRRRR.json`` (:func:`write_rank_record`:
   run id, rank, world size, its shards and its table part with their sha256). An unfinished run of
@@ -100,7 +100,7 @@ MANIFEST = "manifest.json"
 STAGES = ("capture", "replay", "report")
 #: the names a run writes into its directory (what ``--overwrite`` removes, manifest first)
 RUN_FILES = (MANIFEST, "capture", "residuals.parquet", "comparator.parquet", "summary.json", "report.md",
-             "plots", "ranks")
+             "plots", "ranks", "tokens.parquet")
 #: the directory of the per-rank records of a run made by several processes
 RANKS_DIR = "ranks"
 #: the files a report writes into ``plots/`` (each figure as PNG and PDF); nothing else there is ours
@@ -309,7 +309,7 @@ def remove_run_files(out_dir: str | os.PathLike) -> None:
                 part.unlink()
         remove_stale_temporaries(residuals)
         _rmdir_if_empty(residuals)
-    for name in ("residuals.parquet", "comparator.parquet", "summary.json"):
+    for name in ("residuals.parquet", "comparator.parquet", "summary.json", "tokens.parquet"):
         _unlink_file(out_dir / name)
     remove_rank_records(out_dir)
     remove_report_files(out_dir)

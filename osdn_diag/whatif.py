@@ -10,6 +10,7 @@ numbers answer "how would these writes contract under OSDN", not "what would an 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -131,8 +132,20 @@ def _what_if(run_dir: Path, reader: CaptureReader, settings: WhatIf, out: Path, 
     start_stage(out, manifest, "replay")
     replay_run(run_dir, out_dir=out, run_id=manifest["run_id"], transform=settings, tolerance=float("inf"),
                recall=False, extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
+    _copy_tokens(run_dir, out)
     finish_stage(out, manifest, "replay")
     return out
+
+
+def _copy_tokens(run_dir: Path, out: Path) -> None:
+    """The source run's ``tokens.parquet`` (the same tokens, replayed with another d), where it has one;
+    its manifest entry came with the source's manifest."""
+    from ._atomic import atomic_path
+
+    source = run_dir / "tokens.parquet"
+    if source.is_file():
+        with atomic_path(out / "tokens.parquet") as tmp:
+            shutil.copyfile(source, tmp)
 
 
 def what_if_out(run_dir: str | os.PathLike, settings: WhatIf, out_dir: str | os.PathLike | None = None) -> Path:

@@ -5,6 +5,7 @@ back from a finished run directory (:meth:`Results.load`, :func:`load_run`).
         model(input_ids)
     res = osdn_diag.replay(cap)
     res.summary["q_geo"]; res.to_pandas()      # one row per (prompt, layer, head, pos)
+    res.per_token()                            # one row per (prompt, pos), with the token and its text
 
 Every sequence of every forward pass is one "prompt", numbered in order (give ``prompts`` to attach
 tasks and repeat positions).
@@ -34,19 +35,37 @@ class Results:
 
     From memory (:func:`replay`) or from a finished run directory (:meth:`load`); plot either with
     :mod:`osdn_diag.plot`.
+
+    ``tokens``: the run's tokens, one row per (prompt, pos) with ``token_id`` and ``text`` (the
+    columns of ``tokens.parquet``; ``text`` null where the model has no tokenizer), or ``None`` (a run
+    written before runs stored their tokens, or an in-memory replay given no prompts).
     """
 
     table: pa.Table
     summary: dict
+    tokens: pa.Table | None = None
 
     @classmethod
     def load(cls, run_dir) -> Results:
-        """A finished run directory's ``residuals.parquet`` and ``summary.json`` (errors name what is
-        missing, or a file another run wrote)."""
+        """A finished run directory's ``residuals.parquet``, ``summary.json`` and ``tokens.parquet``
+        (errors name what is missing, or a file another run wrote)."""
         import pyarrow.parquet as pq
 
-        _, summary = load_run(run_dir)
-        return cls(pq.read_table(Path(run_dir) / "residuals.parquet"), summary)
+        from .tokens import read_tokens
+
+        manifest, summary = load_run(run_dir)
+        return cls(pq.read_table(Path(run_dir) / "residuals.parquet"), summary, read_tokens(run_dir, manifest))
+
+    def per_token(self, *, by_layer: bool = False) -> pa.Table:
+        """One row per (prompt, pos) — per (prompt, layer, pos) with ``by_layer`` — with ``token_id``
+        and ``text`` (null without :attr:`tokens`, or without a tokenizer), ``q_geo`` and ``q_arith``
+        of the token's finite ratios over heads (and layers), and ``n``, their count (0: none, and the
+        two means null). q_geo as the summary's: ``exp(mean log max(q, 1e-30))``, a micro-step
+        family's ``token_ratio`` on its ``step = 0`` rows. A pyarrow table; ``.to_pandas()`` for a
+        DataFrame."""
+        from .tokens import per_token
+
+        return per_token(self.table, self.tokens, by_layer=by_layer)
 
     def __repr__(self) -> str:
         s = self.summary
@@ -78,10 +97,13 @@ def replay(
     capture: Iterable[KernelCall],
     *,
     prompts: Sequence[Prompt] | None = None,
+    tokenizer=None,
     **replay_kw,
 ) -> Results:
     """Replay captured calls (a :class:`~osdn_diag.capture.context.Capture` or a list of
-    :class:`KernelCall`) in fp32; options as :class:`osdn_diag.replay.Replayer`."""
+    :class:`KernelCall`) in fp32; options as :class:`osdn_diag.replay.Replayer`. Given ``prompts``,
+    the result's :attr:`Results.tokens` holds their ids, with their text where ``tokenizer`` (a
+    transformers tokenizer) is given."""
     calls = list(getattr(capture, "calls", capture))
     if not calls:
         raise ValueError("argument 'capture': no calls were captured (did the model run inside it?)")
@@ -107,4 +129,11 @@ def replay(
         n = len(call.segments())
         ids = list(range(offsets[call.forward], offsets[call.forward] + n))
         tables.append(replayer.add(StoredCall(batch=call.forward, prompts=ids, call=call)))
-    return Results(table=pa.concat_tables(tables), summary=replayer.summary())
+    tokens = None
+    if prompts is not None:
+        from ..prompts.text import TokenText
+        from .tokens import token_table
+
+        tokens = token_table({pid: prompts[pid].input_ids for pid in infos if pid < len(prompts)},
+                             None if tokenizer is None else TokenText(tokenizer))
+    return Results(table=pa.concat_tables(tables), summary=replayer.summary(), tokens=tokens)

@@ -10,6 +10,7 @@ from pathlib import Path
 from .._atomic import atomic_write_text, real_directory
 from ..replay.families import MICRO_STEP_FAMILIES, NOT_APPLICABLE
 from ..replay.runs import load_run
+from ..replay.tokens import MIN_COUNT
 from ..rundir import (
     MANIFEST,
     RunDirectoryError,
@@ -410,6 +411,86 @@ def d_trajectory_of(paths, names, manifests, head: tuple[int, int] | None):
     return None
 
 
+#: How many tokens the report lists at each end of a run's tokens ordered by q_geo.
+TOKENS_SHOWN = 10
+
+
+def tokens_of(paths, loaded) -> list[tuple[dict | None, object]]:
+    """Per run, ``(manifest's tokens entry, tokens.parquet as a table)``, or ``(None, None)`` for a run
+    without ``tokens.parquet`` (written before runs stored their tokens); a file of another run is
+    refused. Reads only."""
+    from ..replay.tokens import read_tokens
+
+    out = []
+    for path, (manifest, _) in zip(paths, loaded):
+        tokens = read_tokens(path, manifest)
+        out.append((None, None) if tokens is None else (manifest.get("tokens") or {}, tokens))
+    return out
+
+
+def token_stats_of(paths, token_runs) -> list[tuple[dict | None, list[dict] | None]]:
+    """Per run, ``(tokens entry, token_stats)``: its ratios pooled by token id
+    (:func:`osdn_diag.replay.tokens.token_stats`, which reads residuals.parquet: about 1 s for the
+    18.9 M rows of the paper-scale run, so the report computes it while its figures are drawn)."""
+    from ..replay.tokens import token_stats
+
+    return [(entry, None if tokens is None else token_stats(path / "residuals.parquet", tokens))
+            for path, (entry, tokens) in zip(paths, token_runs)]
+
+
+def _token_cell(row: dict) -> str:
+    """A token as the tables show it: its text as a JSON string (spaces and line breaks visible) and
+    its id, or the id alone without text."""
+    if row is None:
+        return "–"
+    if row["text"] is None:
+        return f"id {row['token_id']}"
+    return f"{json.dumps(row['text'], ensure_ascii=False)} ({row['token_id']})"
+
+
+def _token_table(stats: list[dict], min_count: int, shown: int = TOKENS_SHOWN) -> tuple[str, int]:
+    """The ``shown`` tokens (of at least ``min_count`` occurrences) whose writes contract most (lowest
+    q_geo) and least (highest), side by side; and how many tokens qualified. Where fewer than
+    ``2 * shown`` qualify, each is listed once: the lower half as contracting most."""
+    kept = [r for r in stats if r["count"] >= min_count]
+    most = kept[:min(shown, (len(kept) + 1) // 2)]
+    least = kept[::-1][:min(shown, len(kept) // 2)]
+    header = ["", "contracts most", "q_geo ↓", "occurrences", "contracts least", "q_geo ↓", "occurrences"]
+    rows = []
+    for i in range(max(1, len(most))):
+        a = most[i] if i < len(most) else None
+        b = least[i] if i < len(least) else None
+        rows.append([str(i + 1), _token_cell(a), "–" if a is None else _q(a["q_geo"]),
+                     "–" if a is None else f"{a['count']:,}", _token_cell(b),
+                     "–" if b is None else _q(b["q_geo"]), "–" if b is None else f"{b['count']:,}"])
+    return _table(header, rows), len(kept)
+
+
+def _tokens_section(runs, token_runs, min_count: int) -> list[str]:
+    """The report's Tokens section: per run, the tokens whose writes contract most and least, or why
+    there is no table."""
+    parts = ["## Tokens: which writes contract most and least", "",
+             f"Per token id: q_geo over every finite write at its positions — every layer, head and "
+             f"occurrence in the run's prompts (the geometric mean of `residual_ratio`, as `q_geo` above; "
+             f"a GatedDeltaProduct layer's per-token ratio). Only tokens with at least {min_count} "
+             f"occurrences (positions) are listed, the {TOKENS_SHOWN} lowest q_geo (contract most) and "
+             f"the {TOKENS_SHOWN} highest (contract least). Text as a JSON string (the token decoded on "
+             "its own; a byte of a split character as `<0xNN>`), with the token id. Per position: "
+             "`Results.per_token()`; the tokens: `tokens.parquet`.", ""]
+    for (label, _, _), (entry, stats) in zip(runs, token_runs):
+        parts += [f"### {label}", ""]
+        if stats is None:
+            parts += [f"No token text: {label} has no tokens.parquet (a run written before runs stored their "
+                      "tokens; run it again to have them).", ""]
+            continue
+        if not entry.get("text"):
+            parts += [f"{label}: the model has no tokenizer, so tokens are shown by id only.", ""]
+        table, qualified = _token_table(stats, min_count)
+        parts += [f"{qualified:,} of {len(stats):,} distinct tokens occur at least {min_count} times.", "",
+                  table, ""]
+    return parts
+
+
 def _newton_cell(c: dict) -> str:
     """Shares of streams whose gated Newton system is solvable, unconstrained and in the box ("–" for a
     summary written before these columns existed)."""
@@ -588,6 +669,7 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
     names = labels or [_label(p, m) for p, (m, _) in zip(paths, loaded)]
     runs = [(name, m, s) for name, (m, s) in zip(names, loaded)]
     d_trajectory = d_trajectory_of(paths, names, [m for m, _ in loaded], d_head)
+    token_runs = tokens_of(paths, loaded)
 
     # Everything is checked: only now is anything written. Into a run, this is its report stage (not
     # done until report.md is written); elsewhere the directory is marked as a report of these runs.
@@ -621,7 +703,12 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
     if d_trajectory is not None:
         d_plot = plots / "d_trajectory.png"
         figures.append(Figure("plot_d_trajectory", tuple(d_trajectory), d_plot))
-    draw(figures)  # every figure at once on the command's worker processes, if it started them
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="token-stats") as pool:
+        pending = pool.submit(token_stats_of, paths, token_runs)  # beside the figures (numpy)
+        draw(figures)  # every figure at once on the command's worker processes, if it started them
+        token_runs = pending.result()
 
     parts = [
         "# osdn-diag report",
@@ -698,6 +785,7 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
                   + ", ".join(f"{b:.2f} ({t})" for t, b in sorted(boundaries.items())) + ".", ""]
     parts += ["## By layer and head", "", "![q_geo by layer](plots/by_layer.png)",
               "![q_geo by layer and head](plots/layer_head.png)", "", _layer_table(runs), ""]
+    parts += _tokens_section(runs, token_runs, MIN_COUNT)
     family_tables = _family_tables(runs)
     if family_tables:
         parts += ["## By family", "",

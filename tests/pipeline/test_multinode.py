@@ -78,6 +78,11 @@ def _same_as_one(one: Path, run: Path) -> dict:
     assert sorted(manifest["shards"]) == shards and len(shards) == 8
     assert sorted(manifest["parts"]) == [f"residuals.parquet/part-0000{r}.parquet" for r in (0, 1)]
     assert sorted(p.name for p in (run / "ranks").iterdir()) == ["rank-00000.json", "rank-00001.json"]
+    # Rank 0's tokens.parquet, listed with its hash (a merge copies it), holds the same tokens.
+    from osdn_diag.rundir import sha256_file
+
+    assert manifest["tokens"]["sha256"] == sha256_file(run / "tokens.parquet")
+    assert pq.read_table(run / "tokens.parquet").equals(pq.read_table(one / "tokens.parquet"))
     return manifest
 
 

@@ -144,6 +144,10 @@ def test_stream_gives_the_stored_runs_files_without_a_capture(run_dir, tmp_path)
     assert (a.pop("capture_stored"), b.pop("capture_stored")) == (True, False)
     assert len(a.pop("shards")) == 3 * 2 and b.pop("shards") == {}  # prompts × layers; none stored
     assert a.pop("run_id") != b.pop("run_id")
+    # The same tokens (the file's hash differs with the run id in its metadata).
+    tokens = [{k: v for k, v in m.pop("tokens").items() if k not in ("sha256", "size")} for m in (a, b)]
+    assert tokens[0] == tokens[1] and tokens[0]["rows"] == 3 * 20
+    assert pq.read_table(tmp_path / "tokens.parquet").equals(pq.read_table(run_dir / "tokens.parquet"))
     assert a == b
     for argv in (["replay", str(tmp_path), "-q"], ["what-if", str(tmp_path), "-q"]):
         with pytest.raises(ValueError, match="stored no capture.*--stream"):

@@ -459,8 +459,9 @@ class _CaptureSession:
         return entries
 
     def token_ids(self) -> dict[int, list[int]]:
-        """Every prompt's token ids as the model read them, by prompt id (``tokens.parquet``'s rows)."""
-        return {p.id: list(p.input_ids) for p in self.prompts}
+        """Every prompt's token ids as the model read them, by prompt id (``tokens.parquet``'s rows):
+        with ``generate``, the prompt's and then the tokens generated after it."""
+        return {p.id: list(p.input_ids) + self.generated.get(p.id, []) for p in self.prompts}
 
     def write_tokens(self) -> dict:
         """Write ``tokens.parquet`` (ids, and their text where the model has a tokenizer) and return

@@ -302,7 +302,9 @@ class _CaptureSession:
         refusal, decision = None, None
         if self.ranks.is_main:
             try:
-                resumed = None if overwrite else _resumable(self.out_dir, self.settings, self.ranks.world)
+                self.identity = self._identity()
+                resumed = None if overwrite else _resumable(self.out_dir, self.settings, self.ranks.world,
+                                                            self.identity)
                 run_id = resumed["run_id"] if resumed else new_run_id()
                 if resumed is None:
                     prepare_output(self.out_dir, overwrite=overwrite)
@@ -311,10 +313,11 @@ class _CaptureSession:
                 # a rank seeing a manifest with it sees this command's manifest, not an older copy.
                 attempt = new_run_id()
                 several = {"settings": self.settings, "world_size": self.ranks.world, "attempt": attempt}
-                self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
+                self.writer.begin({"versions": self.identity["versions"], "model": {"spec": model_spec},
                                    "prompts_source": prompts_spec, "capture_stored": stored,
+                                   "identity": self.identity,
                                    **(several if self.ranks.world > 1 else {})}, stages)
-                decision = (run_id, resumed is not None, attempt)
+                decision = (run_id, resumed is not None, attempt, self.identity)
             except (ValueError, OSError) as err:
                 refusal = err
         if self.ranks.world > 1:
@@ -323,7 +326,7 @@ class _CaptureSession:
                 raise ValueError(message)
         if refusal is not None:
             raise refusal
-        self.run_id, self.resumed, self.attempt = decision
+        self.run_id, self.resumed, self.attempt, self.identity = decision
         if not self.ranks.is_main:
             self.writer = CaptureWriter(self.out_dir, self.run_id)
         #: whether every rank's --out is rank 0's (a shared file system): it sees rank 0's manifest
@@ -332,10 +335,30 @@ class _CaptureSession:
         if self.ranks.world > 1:
             self._join_nodes(overwrite)
 
+    def _identity(self) -> dict:
+        """What this run reads, as content (:mod:`osdn_diag.identity`): the weights are hashed where
+        a run can be resumed, under several processes (one process: only small weights)."""
+        from .identity import run_identity
+
+        return run_identity(self.loaded, self.prompts, seed=self.seed, device_type=self.device.type,
+                            versions=_versions(), hash_weights=True if self.ranks.world > 1 else None)
+
+    def _check_same_prompts(self) -> None:
+        """Under several processes every rank loads the prompts itself (from its own machine's file,
+        without a shared file system): refuse a rank whose prompts are not rank 0's, on every rank."""
+        from .identity import prompts_digest
+
+        digests = self.ranks.gather(prompts_digest(self.prompts))
+        for rank, digest in enumerate(digests):
+            if digest != self.identity["prompts"]["sha256"]:
+                raise RunDirectoryError(f"rank {rank}: its prompts ({self.settings['prompts']} on its machine) "
+                                        "differ from rank 0's; give every node the same prompts")
+
     def _join_nodes(self, overwrite: bool) -> None:
         """Under several processes: find out whether ``--out`` is shared, make a node's own ``--out``
         ready where it is not (rank 0 did that where it is), and, resuming, verify this rank's record
         of the earlier attempt. Every rank raises the first refusal of any."""
+        self._check_same_prompts()
         seen = (run_manifest(self.out_dir) or {}).get("attempt") == self.attempt
         self.shared = all(self.ranks.gather(seen))
         refusal = None
@@ -348,7 +371,7 @@ class _CaptureSession:
         if refusals:
             raise RunDirectoryError(refusals[0])
         if self.resumed and self.stored:
-            self.reused, why = _verified_record(self.out_dir, self.ranks, self.run_id)
+            self.reused, why = _verified_record(self.out_dir, self.ranks, self.run_id, self.identity)
             if self.reused is None:
                 print(f"osdn-diag: rank {self.ranks.rank}: capturing its batches again ({why})", file=sys.stderr)
             else:
@@ -403,7 +426,7 @@ class _CaptureSession:
         of ``residuals.parquet``. Written after the files it lists."""
         shards, layers, hits = self.own
         record = {"run_id": self.run_id, "rank": self.ranks.rank, "world_size": self.ranks.world,
-                  "settings": self.settings,
+                  "settings": self.settings, "identity": self.identity,
                   "shards": {n: shards[n] for n in sorted(shards)},
                   "layers": {str(k): v for k, v in sorted(layers.items())},
                   "hits": {str(k): list(v) for k, v in sorted(hits.items())},
@@ -465,14 +488,19 @@ class _CaptureSession:
         self.ranks.barrier()  # and no rank goes on before it does
 
 
-def _resumable(out_dir: Path, settings: dict, world: int) -> dict | None:
+def _resumable(out_dir: Path, settings: dict, world: int, identity: dict | None = None) -> dict | None:
     """The manifest of the unfinished run in ``out_dir`` that this command resumes, else ``None``.
 
     A run made by several processes is resumed by the same command (the same ``settings``) when it
     did not finish; it must be rerun with as many processes as it had (``--nnodes`` ×
     ``--nproc-per-node``), since which rank owns which batch depends on it: otherwise it is refused,
     saying so. A finished run, a run of other settings, or one of a single process is not resumed
-    (:func:`~osdn_diag.rundir.prepare_output` then refuses it without ``--overwrite``)."""
+    (:func:`~osdn_diag.rundir.prepare_output` then refuses it without ``--overwrite``).
+
+    Settings name the inputs; ``identity`` (:mod:`osdn_diag.identity`) is what those names held. A
+    run of the same settings whose inputs changed since (a prompt file edited, weights replaced,
+    another torch) is refused, saying what changed: resuming it would publish the old inputs'
+    captures, or a mix of old and new, as one complete run."""
     manifest = run_manifest(out_dir)
     if manifest is None and world > 1:
         manifest = _node_parts(out_dir)
@@ -489,7 +517,23 @@ def _resumable(out_dir: Path, settings: dict, world: int) -> dict | None:
             f"--nproc-per-node), and this one has {world}: resume it with {had} processes, or pass "
             "--overwrite to start again"
         )
+    if identity is not None:
+        _refuse_changed_inputs(out_dir, manifest.get("identity"), identity)
     return manifest
+
+
+def _refuse_changed_inputs(out_dir: Path, recorded, identity: dict) -> None:
+    """Refuse to resume the unfinished run in ``out_dir`` when what it read (``recorded``) is not what
+    this command reads (``identity``): one line saying what changed and what to do."""
+    from .identity import identity_change
+
+    change = identity_change(recorded, identity)
+    if change is not None:
+        raise RunDirectoryError(
+            f"{out_dir}: holds an unfinished run of this command, but {change} since it started: "
+            "resuming would mix captures of other inputs into this run; pass --overwrite to start "
+            "again, or choose another --out"
+        )
 
 
 def _node_parts(out_dir: Path) -> dict | None:
@@ -499,11 +543,12 @@ def _node_parts(out_dir: Path) -> dict | None:
     records = [read_rank_record(p) for p in sorted((out_dir / RANKS_DIR).glob("rank-*.json"))]
     if not records or any(r is None for r in records):
         return None
-    keys = {(r["run_id"], strict_json(r.get("settings")), r.get("world_size")) for r in records}
+    keys = {(r["run_id"], strict_json(r.get("settings")), r.get("world_size"), strict_json(r.get("identity")))
+            for r in records}
     if len(keys) != 1:
         return None
     return {"run_id": records[0]["run_id"], "settings": records[0].get("settings"),
-            "world_size": records[0].get("world_size")}
+            "world_size": records[0].get("world_size"), "identity": records[0].get("identity")}
 
 
 def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume: bool) -> None:
@@ -537,15 +582,18 @@ def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume:
         remove_run_files(out_dir, {n for r in records if r is not None for n in r.get("shards", {})})
 
 
-def _verified_record(out_dir: Path, ranks, run_id: str) -> tuple[dict | None, str]:
+def _verified_record(out_dir: Path, ranks, run_id: str, identity: dict | None = None) -> tuple[dict | None, str]:
     """This rank's record of an earlier attempt at run ``run_id`` if it is that rank's, of the same world
-    size, and every shard it lists is under ``out_dir`` with its size and sha256; else ``None`` and why."""
+    size and inputs (``identity``), and every shard it lists is under ``out_dir`` with its size and
+    sha256; else ``None`` and why."""
     path = rank_record_path(out_dir, ranks.rank)
     record = read_rank_record(path)
     if record is None:
         return None, f"no readable {path}"
     if record["run_id"] != run_id or record["rank"] != ranks.rank or record.get("world_size") != ranks.world:
         return None, f"{path} is of run {record['run_id']} rank {record['rank']} of {record.get('world_size')}"
+    if identity is not None and record.get("identity") != identity:
+        return None, f"{path} records other inputs than this command's"
     problem = verify_files(out_dir, record.get("shards", {}))
     if problem is not None:
         return None, problem

@@ -289,6 +289,7 @@ class _CaptureSession:
             prompts_spec, vocab_size=self.loaded.config["vocab_size"], tokenize=_tokenizer(self.loaded.directory),
             twice=twice, num_prompts=num_prompts, length=length, seed=seed,
         )
+        _check_batches_fit(self.loaded.config, self.prompts, batch_size)
         # prompt id -> (answers right, queries, queries excluded, summed nll), recall prompts
         self.hits: dict[int, tuple] = {}
         self.skipped: list[dict] = []  # decoder layers capture does not record (see Capture.skipped)
@@ -663,6 +664,25 @@ def _exp(x: float) -> float:
         return math.exp(x)
     except OverflowError:
         return math.inf
+
+
+#: Model types whose delta-rule layer takes no attention mask (fla raises NotImplementedError on one):
+#: a batch of prompts of different lengths, which needs a mask, cannot run through them.
+NO_MASK_MODEL_TYPES = {"momentum_deltanet": "MomentumDeltaNet"}
+
+
+def _check_batches_fit(config: dict, prompts, batch_size: int) -> None:
+    """Refuse, before the run directory is touched, forward batches the model cannot run: prompts of
+    different lengths in one batch of a model whose layer takes no attention mask."""
+    layer = NO_MASK_MODEL_TYPES.get(config.get("model_type"))
+    if layer is None or batch_size == 1:
+        return
+    for index, batch in _batches(prompts, batch_size):
+        lengths = sorted({len(p) for p in batch})
+        if len(lengths) > 1:
+            raise ValueError(f"argument --batch-size: {layer} takes no attention mask, so prompts of different "
+                             f"lengths cannot share a batch (batch {index}: prompts {batch[0].id}-{batch[-1].id}, "
+                             f"{lengths[0]} to {lengths[-1]} tokens); use --batch-size 1")
 
 
 def _tokenizer(directory: Path | None):

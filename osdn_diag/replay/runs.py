@@ -38,10 +38,16 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     path = run_dir / "summary.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
+    again = f"run `osdn-diag replay {run_dir}` again"
     try:
         summary = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); run `osdn-diag replay {run_dir}` again") from None
+        raise ValueError(f"{path}: not valid JSON ({err}); {again}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read; {again}") from None
+    from .._schema import check_summary
+
+    check_summary(summary, path, again if not manifest.get("counterfactual") else "run the what-if again")
     table = run_dir / "residuals.parquet"
     if not table.exists():
         raise FileNotFoundError(f"{table}: no per-token table — run `osdn-diag replay {run_dir}` first")

@@ -66,17 +66,34 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[str]:
     ``path`` when the block ends without an error and is removed otherwise. ``suffix`` for writers
     that read the format from the extension. The file must be closed when the block ends."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _create_temporary(path.parent, path.name, suffix)
-    mode = stat.S_IMODE(os.stat(tmp).st_mode)  # 0o666 & ~umask, without changing the process umask
+    with _naming_full_disk(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _create_temporary(path.parent, path.name, suffix)
+        mode = stat.S_IMODE(os.stat(tmp).st_mode)  # 0o666 & ~umask, without changing the process umask
+        try:
+            yield str(tmp)
+            os.chmod(tmp, mode)
+            _fsync(tmp)
+            os.replace(tmp, path)
+            _fsync(path.parent, directory=True)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def _naming_full_disk(path: Path) -> Iterator[None]:
+    """A full disk, quota or read-only file system while ``path`` is written, whatever the writer made
+    of it (an OSError without a file name, a RuntimeError or AttributeError around it), raised as a
+    :class:`~osdn_diag._storage.StorageError` naming ``path``."""
+    from ._storage import as_storage_error
+
     try:
-        yield str(tmp)
-        os.chmod(tmp, mode)
-        _fsync(tmp)
-        os.replace(tmp, path)
-        _fsync(path.parent, directory=True)
-    finally:
-        tmp.unlink(missing_ok=True)
+        yield
+    except Exception as err:
+        full = as_storage_error(err, path)
+        if full is None or full is err:
+            raise
+        raise full from err
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -180,11 +180,11 @@ def check_suite_size(num_prompts: int, length: int) -> None:
 
 
 def parse_d_head(text: str) -> tuple[int, int]:
-    """``--d-head LAYER.HEAD`` as ``(layer, head)``."""
-    try:
-        layer, head = (int(x) for x in text.split("."))
-    except ValueError:
-        raise UsageError(f"argument --d-head: expected LAYER.HEAD (e.g. 3.1), got {text!r}") from None
+    """``--d-head LAYER.HEAD`` as ``(layer, head)``: two whole numbers in ASCII digits (``int()`` alone
+    would also take " 3", "+3", "3_0" or other scripts' digits)."""
+    if not re.fullmatch(r"[0-9]+\.[0-9]+", text):
+        raise UsageError(f"argument --d-head: expected LAYER.HEAD (e.g. 3.1), got {text!r}")
+    layer, head = (int(x) for x in text.split("."))
     if layer < 0 or head < 0:
         raise UsageError(f"argument --d-head: expected LAYER.HEAD of numbers >= 0, got {text!r}")
     return layer, head

@@ -243,6 +243,8 @@ def _stream(model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_
                              run_id=session.run_id, parts=parts)
     if session.ranks.world > 1:
         session.writer.manifest["parts"] = dict(sorted(parts.items()))
+    if session.ranks.is_main:
+        record_result_files(session.out_dir, session.writer.manifest)
     session.finish(done=("capture", "replay"))
     return summary
 
@@ -784,8 +786,19 @@ def _replay(run_dir: Path, *, progress, out_dir, extra, run_id, recall, **replay
     if in_place and ranks.is_main:
         if ranks.world > 1:
             reader.manifest["parts"] = dict(sorted(parts.items()))
+        record_result_files(run_dir, reader.manifest)
         finish_stage(run_dir, reader.manifest, "replay")
     return summary
+
+
+def record_result_files(out_dir: Path, manifest: dict) -> None:
+    """Record in ``manifest`` (``files``) the sha256 and size of the replay's ``summary.json`` and
+    ``comparator.parquet``, as the shards' are: an edited summary would otherwise be reported and
+    merged as the run's. Called just before the replay stage is marked done; checked on read
+    (:func:`osdn_diag.replay.load_run`)."""
+    manifest["files"] = {name: {"sha256": sha256_file(Path(out_dir) / name),
+                                "size": (Path(out_dir) / name).stat().st_size}
+                         for name in (SUMMARY, COMPARATOR) if (Path(out_dir) / name).is_file()}
 
 
 def _rank_reader(run_dir: Path, ranks) -> CaptureReader:

@@ -17,6 +17,17 @@ VALUE_COLUMNS = ("beta", "key_sqnorm", "write_gain", "loss_before", "loss_after"
 CONTRACT_COLUMNS = ("prompt", "task", "layer", "head", "pos", "rel_pos", "repeat_start", *VALUE_COLUMNS)
 
 
+def _check_result_files(run_dir: Path, manifest: dict, again: str) -> None:
+    """``summary.json`` and ``comparator.parquet`` are the bytes the replay wrote: their sha256 and size
+    as ``manifest.json`` records them (``files``; runs written before it was recorded are not checked)."""
+    from ..rundir import RunDirectoryError, verify_files
+
+    problem = verify_files(run_dir, manifest.get("files") or {})
+    if problem is not None:
+        raise RunDirectoryError(f"{problem.replace('its record says', 'manifest.json records')}: the file "
+                                f"was changed after the run wrote it; {again}")
+
+
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     """``(manifest, summary)`` of a run whose replay finished; errors name the file that is missing or
     wrong, or that another run wrote (its run id differs from the manifest's)."""
@@ -47,7 +58,9 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
         raise ValueError(f"{path}: JSON nested too deeply to read; {again}") from None
     from .._schema import check_summary
 
-    check_summary(summary, path, again if not manifest.get("counterfactual") else "run the what-if again")
+    again = again if not manifest.get("counterfactual") else "run the what-if again"
+    _check_result_files(run_dir, manifest, again)
+    check_summary(summary, path, again)
     table = run_dir / "residuals.parquet"
     if not table.exists():
         raise FileNotFoundError(f"{table}: no per-token table — run `osdn-diag replay {run_dir}` first")

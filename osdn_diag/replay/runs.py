@@ -59,7 +59,6 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     from .._schema import check_summary
 
     again = again if not manifest.get("counterfactual") else "run the what-if again"
-    _check_result_files(run_dir, manifest, again)
     check_summary(summary, path, again)
     table = run_dir / "residuals.parquet"
     if not table.exists():
@@ -68,7 +67,8 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     missing = [c for c in CONTRACT_COLUMNS if c not in names]
     if missing:
         raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
-    check_table_run_ids(run_dir, manifest, summary)
+    check_table_run_ids(run_dir, manifest, summary)  # another run's file, said as such, first
+    _check_result_files(run_dir, manifest, again)
     if manifest.get("shards") and (run_dir / "capture").is_dir():
         # The capture the tables came from is still the one the manifest lists (names and sizes here;
         # the d plot hashes the shards it reads). A deleted capture/ is a run without one, not damage.

@@ -119,21 +119,38 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", *, root: str | os
     ``root``: the directory the command writes into; ``path`` and every directory between ``root`` and
     it must not be a link (:func:`real_directory`, :func:`refuse_link`)."""
     path = Path(path)
-    if root is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    else:
-        real_directory(root, path.parent)
-        refuse_link(path)
-    tmp = _create_temporary(path.parent, path.name, suffix)
-    mode = stat.S_IMODE(os.stat(tmp).st_mode)  # 0o666 & ~umask, without changing the process umask
+    with _naming_full_disk(path):
+        if root is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            real_directory(root, path.parent)
+            refuse_link(path)
+        tmp = _create_temporary(path.parent, path.name, suffix)
+        mode = stat.S_IMODE(os.stat(tmp).st_mode)  # 0o666 & ~umask, without changing the process umask
+        try:
+            yield str(tmp)
+            os.chmod(tmp, mode)
+            _fsync(tmp)
+            os.replace(tmp, path)
+            _fsync(path.parent, directory=True)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def _naming_full_disk(path: Path) -> Iterator[None]:
+    """A full disk, quota or read-only file system while ``path`` is written, whatever the writer made
+    of it (an OSError without a file name, a RuntimeError or AttributeError around it), raised as a
+    :class:`~osdn_diag._storage.StorageError` naming ``path``."""
+    from ._storage import as_storage_error
+
     try:
-        yield str(tmp)
-        os.chmod(tmp, mode)
-        _fsync(tmp)
-        os.replace(tmp, path)
-        _fsync(path.parent, directory=True)
-    finally:
-        tmp.unlink(missing_ok=True)
+        yield
+    except Exception as err:
+        full = as_storage_error(err, path)
+        if full is None or full is err:
+            raise
+        raise full from err
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, root: str | os.PathLike | None = None) -> None:

@@ -16,7 +16,8 @@ import re
 import struct
 from pathlib import Path
 
-__all__ = ["UsageError", "check_args", "parse_d_head", "check_safetensors", "check_writable_dir", "check_writable_file"]
+__all__ = ["UsageError", "check_args", "check_suite_size", "parse_d_head", "check_safetensors", "check_writable_dir",
+           "check_writable_file"]
 
 #: The built-in suites (osdn_diag.prompts.SUITES, named here without importing torch).
 BUILTIN_SUITES = ("random", "mqar", "mqar-pair", "lm-heldout", "lm-heldout-pair")
@@ -94,6 +95,8 @@ def _read_json(path: Path, what: str):
         return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UsageError(f"{what}: {path} is not valid JSON ({err}); repair or replace it") from None
+    except RecursionError:
+        raise UsageError(f"{what}: {path} is JSON nested too deeply to read; repair or replace it") from None
 
 
 def _check_model(spec: str) -> None:
@@ -119,8 +122,12 @@ def _check_model(spec: str) -> None:
                              "a Hub id ORG/NAME[@REVISION], builtin:NAME or random:PRESET")
     config = directory / "config.json"
     if config.is_file():
-        if not isinstance(_read_json(config, f"MODEL {spec!r}"), dict):
-            raise UsageError(f"MODEL {spec!r}: {config} is not a JSON object; repair or replace it")
+        from ._config_checks import check_config
+
+        try:
+            check_config(spec, _read_json(config, f"MODEL {spec!r}"), config)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     for weights in sorted(directory.glob("*.safetensors")):
         check_safetensors(weights, f"MODEL {spec!r}")
 
@@ -148,12 +155,36 @@ def _positive(name: str, value, minimum: int = 1) -> None:
         raise UsageError(f"argument {name}: expected an integer >= {minimum}, got {value}")
 
 
+#: Bounds on a built-in suite's size, far above any run that fits a machine: --length 10^12 tried to
+#: allocate 8 TB, --num-prompts 10^11 drew prompts silently for minutes before anything ran.
+MAX_LENGTH = 1 << 20          # tokens per prompt
+MAX_PROMPTS = 1 << 20
+MAX_SUITE_TOKENS = 1 << 28    # prompts × length: ~2.7e8 tokens (paper-scale runs: ~1e5)
+
+
+def check_suite_size(num_prompts: int, length: int) -> None:
+    """Refuse a built-in suite too large to run (:data:`MAX_LENGTH`, :data:`MAX_PROMPTS`,
+    :data:`MAX_SUITE_TOKENS`), up front, naming the argument: it would fail on memory after minutes,
+    or run for days."""
+    if length > MAX_LENGTH:
+        raise UsageError(f"argument --length: {length:,} tokens per prompt is more than the {MAX_LENGTH:,} "
+                         "a run supports; give a shorter length")
+    if num_prompts > MAX_PROMPTS:
+        raise UsageError(f"argument --num-prompts: {num_prompts:,} prompts is more than the {MAX_PROMPTS:,} "
+                         "a run supports; split the work over several runs")
+    if num_prompts * length > MAX_SUITE_TOKENS:
+        raise UsageError(f"arguments --num-prompts, --length: {num_prompts:,} × {length:,} = "
+                         f"{num_prompts * length:,} tokens is more than the {MAX_SUITE_TOKENS:,} a run "
+                         "supports (its capture alone would take ~2 KB per token, head and layer); use "
+                         "fewer or shorter prompts")
+
+
 def parse_d_head(text: str) -> tuple[int, int]:
-    """``--d-head LAYER.HEAD`` as ``(layer, head)``."""
-    try:
-        layer, head = (int(x) for x in text.split("."))
-    except ValueError:
-        raise UsageError(f"argument --d-head: expected LAYER.HEAD (e.g. 3.1), got {text!r}") from None
+    """``--d-head LAYER.HEAD`` as ``(layer, head)``: two whole numbers in ASCII digits (``int()`` alone
+    would also take " 3", "+3", "3_0" or other scripts' digits)."""
+    if not re.fullmatch(r"[0-9]+\.[0-9]+", text):
+        raise UsageError(f"argument --d-head: expected LAYER.HEAD (e.g. 3.1), got {text!r}")
+    layer, head = (int(x) for x in text.split("."))
     if layer < 0 or head < 0:
         raise UsageError(f"argument --d-head: expected LAYER.HEAD of numbers >= 0, got {text!r}")
     return layer, head
@@ -193,6 +224,7 @@ def check_args(args) -> None:
     if cmd == "warmup":
         _positive("--batch-size", args.batch_size)
         _positive("--length", args.length)
+        check_suite_size(args.batch_size, args.length)
         _check_model(args.model)
         if args.save_tuning is not None:
             from ._tuning import check_table_file
@@ -209,6 +241,7 @@ def check_args(args) -> None:
                              f"--batch-size {args.batch_size} (it must be 1)")
         minimum = MIN_LENGTH.get(args.prompts, 2 if args.twice else 1)
         _positive("--length", args.length, minimum)
+        check_suite_size(args.num_prompts, args.length)
         if args.prompts not in BUILTIN_SUITES:
             path = Path(args.prompts)
             if not path.is_file():
@@ -227,6 +260,7 @@ def check_args(args) -> None:
                 raise UsageError("argument --length: the MQAR demo asks its models at the shape they were "
                                  "trained on; --length applies to the language-model demo (--lm) only")
             _positive("--length", args.length, 2)
+            check_suite_size(args.num_prompts or 1, args.length)
         check_writable_dir(args.out, "argument --out")
     if cmd in ("replay", "what-if"):
         directory = Path(args.dir)

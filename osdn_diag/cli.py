@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 __all__ = ["main"]
@@ -671,11 +672,27 @@ def entry(argv: list[str] | None = None) -> int:
             raise
         print("osdn-diag: interrupted", file=sys.stderr)
         return 130
-    except _user_errors() as err:
-        if debug:
+    except Exception as err:
+        user_error = _as_user_error(err)
+        if user_error is None or debug:
             raise
-        print(f"osdn-diag: error: {' '.join(str(err).split())} (--debug shows the traceback)", file=sys.stderr)
+        print(f"osdn-diag: error: {' '.join(str(user_error).split())} (--debug shows the traceback)",
+              file=sys.stderr)
         return 2
+
+
+def _as_user_error(err: Exception) -> Exception | None:
+    """``err`` if it describes the user's input (:func:`_user_errors`); a full disk, quota or read-only
+    file system anywhere in its chain (a writer's RuntimeError around it, say) as a
+    :class:`~osdn_diag._storage.StorageError`; else ``None``: a fault of this package, shown as a
+    traceback."""
+    from ._storage import StorageError, storage_error
+
+    cause = storage_error(err)
+    if cause is not None and not isinstance(err, StorageError):
+        return StorageError(cause.errno, cause.strerror or os.strerror(cause.errno),
+                            cause.filename or "the output directory")
+    return err if isinstance(err, _user_errors()) else None
 
 
 def console() -> None:

@@ -253,6 +253,8 @@ def _stream(model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_
                              run_id=session.run_id, parts=parts)
     if session.ranks.world > 1:
         session.writer.manifest["parts"] = dict(sorted(parts.items()))
+    if session.ranks.is_main:
+        record_result_files(session.out_dir, session.writer.manifest)
     session.finish(done=("capture", "replay"))
     return summary
 
@@ -304,6 +306,7 @@ class _CaptureSession:
             prompts_spec, vocab_size=self.loaded.config["vocab_size"], tokenize=_tokenize(self.tokenizer),
             twice=twice, num_prompts=num_prompts, length=length, seed=seed,
         )
+        _check_batches_fit(self.loaded.config, self.prompts, batch_size)
         # prompt id -> (answers right, queries, queries excluded, summed nll), recall prompts
         self.hits: dict[int, tuple] = {}
         self.skipped: list[dict] = []  # decoder layers capture does not record (see Capture.skipped)
@@ -318,7 +321,9 @@ class _CaptureSession:
         if self.ranks.is_main:
             try:
                 check_links(self.out_dir)  # also where a run is resumed, which prepare_output does not see
-                resumed = None if overwrite else _resumable(self.out_dir, self.settings, self.ranks.world)
+                self.identity = self._identity()
+                resumed = None if overwrite else _resumable(self.out_dir, self.settings, self.ranks.world,
+                                                            self.identity)
                 run_id = resumed["run_id"] if resumed else new_run_id()
                 if resumed is None:
                     prepare_output(self.out_dir, overwrite=overwrite)
@@ -327,10 +332,11 @@ class _CaptureSession:
                 # a rank seeing a manifest with it sees this command's manifest, not an older copy.
                 attempt = new_run_id()
                 several = {"settings": self.settings, "world_size": self.ranks.world, "attempt": attempt}
-                self.writer.begin({"versions": _versions(), "model": {"spec": model_spec},
+                self.writer.begin({"versions": self.identity["versions"], "model": {"spec": model_spec},
                                    "prompts_source": prompts_spec, "capture_stored": stored,
+                                   "identity": self.identity,
                                    **(several if self.ranks.world > 1 else {})}, stages)
-                decision = (run_id, resumed is not None, attempt)
+                decision = (run_id, resumed is not None, attempt, self.identity)
             except (ValueError, OSError) as err:
                 refusal = err
         if self.ranks.world > 1:
@@ -339,7 +345,7 @@ class _CaptureSession:
                 raise ValueError(message)
         if refusal is not None:
             raise refusal
-        self.run_id, self.resumed, self.attempt = decision
+        self.run_id, self.resumed, self.attempt, self.identity = decision
         if not self.ranks.is_main:
             self.writer = CaptureWriter(self.out_dir, self.run_id)
         #: whether every rank's --out is rank 0's (a shared file system): it sees rank 0's manifest
@@ -348,10 +354,30 @@ class _CaptureSession:
         if self.ranks.world > 1:
             self._join_nodes(overwrite)
 
+    def _identity(self) -> dict:
+        """What this run reads, as content (:mod:`osdn_diag.identity`): the weights are hashed where
+        a run can be resumed, under several processes (one process: only small weights)."""
+        from .identity import run_identity
+
+        return run_identity(self.loaded, self.prompts, seed=self.seed, device_type=self.device.type,
+                            versions=_versions(), hash_weights=True if self.ranks.world > 1 else None)
+
+    def _check_same_prompts(self) -> None:
+        """Under several processes every rank loads the prompts itself (from its own machine's file,
+        without a shared file system): refuse a rank whose prompts are not rank 0's, on every rank."""
+        from .identity import prompts_digest
+
+        digests = self.ranks.gather(prompts_digest(self.prompts))
+        for rank, digest in enumerate(digests):
+            if digest != self.identity["prompts"]["sha256"]:
+                raise RunDirectoryError(f"rank {rank}: its prompts ({self.settings['prompts']} on its machine) "
+                                        "differ from rank 0's; give every node the same prompts")
+
     def _join_nodes(self, overwrite: bool) -> None:
         """Under several processes: find out whether ``--out`` is shared, make a node's own ``--out``
         ready where it is not (rank 0 did that where it is), and, resuming, verify this rank's record
         of the earlier attempt. Every rank raises the first refusal of any."""
+        self._check_same_prompts()
         seen = (run_manifest(self.out_dir) or {}).get("attempt") == self.attempt
         self.shared = all(self.ranks.gather(seen))
         refusal = None
@@ -364,7 +390,7 @@ class _CaptureSession:
         if refusals:
             raise RunDirectoryError(refusals[0])
         if self.resumed and self.stored:
-            self.reused, why = _verified_record(self.out_dir, self.ranks, self.run_id)
+            self.reused, why = _verified_record(self.out_dir, self.ranks, self.run_id, self.identity)
             if self.reused is None:
                 print(f"osdn-diag: rank {self.ranks.rank}: capturing its batches again ({why})", file=sys.stderr)
             else:
@@ -429,7 +455,7 @@ class _CaptureSession:
         of ``residuals.parquet``. Written after the files it lists."""
         shards, layers, hits, generated = self.own
         record = {"run_id": self.run_id, "rank": self.ranks.rank, "world_size": self.ranks.world,
-                  "settings": self.settings,
+                  "settings": self.settings, "identity": self.identity,
                   "shards": {n: shards[n] for n in sorted(shards)},
                   "layers": {str(k): v for k, v in sorted(layers.items())},
                   "hits": {str(k): list(v) for k, v in sorted(hits.items())},
@@ -527,14 +553,19 @@ def _check_generate(generate, batch_size: int) -> None:
                          f"--batch-size 1 (got {batch_size})")
 
 
-def _resumable(out_dir: Path, settings: dict, world: int) -> dict | None:
+def _resumable(out_dir: Path, settings: dict, world: int, identity: dict | None = None) -> dict | None:
     """The manifest of the unfinished run in ``out_dir`` that this command resumes, else ``None``.
 
     A run made by several processes is resumed by the same command (the same ``settings``) when it
     did not finish; it must be rerun with as many processes as it had (``--nnodes`` ×
     ``--nproc-per-node``), since which rank owns which batch depends on it: otherwise it is refused,
     saying so. A finished run, a run of other settings, or one of a single process is not resumed
-    (:func:`~osdn_diag.rundir.prepare_output` then refuses it without ``--overwrite``)."""
+    (:func:`~osdn_diag.rundir.prepare_output` then refuses it without ``--overwrite``).
+
+    Settings name the inputs; ``identity`` (:mod:`osdn_diag.identity`) is what those names held. A
+    run of the same settings whose inputs changed since (a prompt file edited, weights replaced,
+    another torch) is refused, saying what changed: resuming it would publish the old inputs'
+    captures, or a mix of old and new, as one complete run."""
     manifest = run_manifest(out_dir)
     if manifest is None and world > 1:
         manifest = _node_parts(out_dir)
@@ -551,7 +582,23 @@ def _resumable(out_dir: Path, settings: dict, world: int) -> dict | None:
             f"--nproc-per-node), and this one has {world}: resume it with {had} processes, or pass "
             "--overwrite to start again"
         )
+    if identity is not None:
+        _refuse_changed_inputs(out_dir, manifest.get("identity"), identity)
     return manifest
+
+
+def _refuse_changed_inputs(out_dir: Path, recorded, identity: dict) -> None:
+    """Refuse to resume the unfinished run in ``out_dir`` when what it read (``recorded``) is not what
+    this command reads (``identity``): one line saying what changed and what to do."""
+    from .identity import identity_change
+
+    change = identity_change(recorded, identity)
+    if change is not None:
+        raise RunDirectoryError(
+            f"{out_dir}: holds an unfinished run of this command, but {change} since it started: "
+            "resuming would mix captures of other inputs into this run; pass --overwrite to start "
+            "again, or choose another --out"
+        )
 
 
 def _node_parts(out_dir: Path) -> dict | None:
@@ -561,11 +608,12 @@ def _node_parts(out_dir: Path) -> dict | None:
     records = [read_rank_record(p) for p in sorted((out_dir / RANKS_DIR).glob("rank-*.json"))]
     if not records or any(r is None for r in records):
         return None
-    keys = {(r["run_id"], strict_json(r.get("settings")), r.get("world_size")) for r in records}
+    keys = {(r["run_id"], strict_json(r.get("settings")), r.get("world_size"), strict_json(r.get("identity")))
+            for r in records}
     if len(keys) != 1:
         return None
     return {"run_id": records[0]["run_id"], "settings": records[0].get("settings"),
-            "world_size": records[0].get("world_size")}
+            "world_size": records[0].get("world_size"), "identity": records[0].get("identity")}
 
 
 def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume: bool) -> None:
@@ -601,15 +649,18 @@ def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume:
         remove_run_files(out_dir)
 
 
-def _verified_record(out_dir: Path, ranks, run_id: str) -> tuple[dict | None, str]:
+def _verified_record(out_dir: Path, ranks, run_id: str, identity: dict | None = None) -> tuple[dict | None, str]:
     """This rank's record of an earlier attempt at run ``run_id`` if it is that rank's, of the same world
-    size, and every shard it lists is under ``out_dir`` with its size and sha256; else ``None`` and why."""
+    size and inputs (``identity``), and every shard it lists is under ``out_dir`` with its size and
+    sha256; else ``None`` and why."""
     path = rank_record_path(out_dir, ranks.rank)
     record = read_rank_record(path)
     if record is None:
         return None, f"no readable {path}"
     if record["run_id"] != run_id or record["rank"] != ranks.rank or record.get("world_size") != ranks.world:
         return None, f"{path} is of run {record['run_id']} rank {record['rank']} of {record.get('world_size')}"
+    if identity is not None and record.get("identity") != identity:
+        return None, f"{path} records other inputs than this command's"
     problem = verify_files(out_dir, record.get("shards", {}))
     if problem is not None:
         return None, problem
@@ -679,6 +730,25 @@ def _exp(x: float) -> float:
         return math.exp(x)
     except OverflowError:
         return math.inf
+
+
+#: Model types whose delta-rule layer takes no attention mask (fla raises NotImplementedError on one):
+#: a batch of prompts of different lengths, which needs a mask, cannot run through them.
+NO_MASK_MODEL_TYPES = {"momentum_deltanet": "MomentumDeltaNet"}
+
+
+def _check_batches_fit(config: dict, prompts, batch_size: int) -> None:
+    """Refuse, before the run directory is touched, forward batches the model cannot run: prompts of
+    different lengths in one batch of a model whose layer takes no attention mask."""
+    layer = NO_MASK_MODEL_TYPES.get(config.get("model_type"))
+    if layer is None or batch_size == 1:
+        return
+    for index, batch in _batches(prompts, batch_size):
+        lengths = sorted({len(p) for p in batch})
+        if len(lengths) > 1:
+            raise ValueError(f"argument --batch-size: {layer} takes no attention mask, so prompts of different "
+                             f"lengths cannot share a batch (batch {index}: prompts {batch[0].id}-{batch[-1].id}, "
+                             f"{lengths[0]} to {lengths[-1]} tokens); use --batch-size 1")
 
 
 def _load_tokenizer(directory: Path | None):
@@ -792,8 +862,19 @@ def _replay(run_dir: Path, *, progress, out_dir, extra, run_id, recall, **replay
     if in_place and ranks.is_main:
         if ranks.world > 1:
             reader.manifest["parts"] = dict(sorted(parts.items()))
+        record_result_files(run_dir, reader.manifest)
         finish_stage(run_dir, reader.manifest, "replay")
     return summary
+
+
+def record_result_files(out_dir: Path, manifest: dict) -> None:
+    """Record in ``manifest`` (``files``) the sha256 and size of the replay's ``summary.json`` and
+    ``comparator.parquet``, as the shards' are: an edited summary would otherwise be reported and
+    merged as the run's. Called just before the replay stage is marked done; checked on read
+    (:func:`osdn_diag.replay.load_run`)."""
+    manifest["files"] = {name: {"sha256": sha256_file(Path(out_dir) / name),
+                                "size": (Path(out_dir) / name).stat().st_size}
+                         for name in (SUMMARY, COMPARATOR) if (Path(out_dir) / name).is_file()}
 
 
 #: what a replay writes into the run it replays (a link at any of these names is refused)

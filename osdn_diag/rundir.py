@@ -617,13 +617,25 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
         manifest = json.loads(path.read_text())
     except ValueError as err:
         raise ValueError(f"{path}: not valid JSON ({err}); the run directory is damaged, run it again") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read; the run directory is damaged, run it "
+                         "again") from None
     if isinstance(manifest, dict) and manifest.get("kind") == "report" and "run_id" not in manifest:
         raise RunDirectoryError(f"{path}: a report of other runs (`osdn-diag report ... --out`), not a run; "
                                 "give a run directory")
     if not isinstance(manifest, dict) or "run_id" not in manifest or "stages" not in manifest:
         raise RunDirectoryError(f"{path}: no run id (written by an earlier osdn-diag, or not by "
                                 "osdn-diag): its files cannot be checked to belong together; run it again")
+    _check_manifest_schema(manifest, path)
     return manifest
+
+
+def _check_manifest_schema(manifest: dict, path: Path) -> None:
+    """Every key a command reads of the manifest has the type osdn-diag writes (:mod:`osdn_diag._schema`):
+    a damaged file is refused here, naming the key, instead of failing deep in a reader."""
+    from ._schema import check_manifest
+
+    check_manifest(manifest, path)
 
 
 def require_stage(run_dir: str | os.PathLike, manifest: dict, stage: str) -> None:

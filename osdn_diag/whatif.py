@@ -133,6 +133,9 @@ def _what_if(run_dir: Path, reader: CaptureReader, settings: WhatIf, out: Path, 
     replay_run(run_dir, out_dir=out, run_id=manifest["run_id"], transform=settings, tolerance=float("inf"),
                recall=False, extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
     _copy_tokens(run_dir, out)
+    from .pipeline import record_result_files
+
+    record_result_files(out, manifest)  # this output's, not the source's
     finish_stage(out, manifest, "replay")
     return out
 

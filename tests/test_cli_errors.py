@@ -60,6 +60,36 @@ CASES = [
     ("report-d-head-foo", ["report", "{badsummary}", "--d-head", "foo"], 2,
      "argument --d-head: expected LAYER.HEAD (e.g. 3.1), got 'foo'"),
     ("run-out-in-a-capture", [*RUN, "--out", "{badsummary}/capture/o"], 2, "inside the files of the run"),
+    # Inputs that ended in tracebacks, some after the run directory existed (issue 44, item 8).
+    ("text-empty", ["run", "{tokmodel}", "--prompts", "{emptytext}", "--out", "{tmp}/o", "-q"], 2,
+     "emptytext.jsonl:2: field 'text' has no tokens"),
+    ("text-beyond-vocab", ["run", "{tokmodel}", "--prompts", "{text}", "--out", "{tmp}/o", "-q"], 2,
+     "text.jsonl:1: field 'text' tokenizes to ids outside the model's vocabulary [0, 256)"),
+    ("prompts-nested-deeply", ["run", TINY, "--prompts", "{deep}", "--out", "{tmp}/o", "-q"], 2,
+     "deep.jsonl:1: JSON nested too deeply"),
+    ("task-too-long", ["run", TINY, "--prompts", "{longtask}", "--out", "{tmp}/o", "-q"], 2,
+     "longtask.jsonl:1: field 'task' is 1,000 characters long"),
+    ("config-heads-0", ["run", "{heads0}", *RUN[2:], "--out", "{tmp}/o"], 2,
+     "config.json: num_heads must be a positive integer of at most 4,096, got 0"),
+    ("config-hidden-negative", ["run", "{hiddenneg}", *RUN[2:], "--out", "{tmp}/o"], 2,
+     "hidden_size must be a positive integer of at most 131,072, got -5"),
+    ("config-hidden-str", ["run", "{hiddenstr}", *RUN[2:], "--out", "{tmp}/o"], 2,
+     "hidden_size must be a positive integer, got 'abc'"),
+    ("config-hidden-float", ["run", "{hiddenfloat}", *RUN[2:], "--out", "{tmp}/o"], 2,
+     "hidden_size must be a positive integer, got 1000000000.0"),
+    ("config-layers-million", ["run", "{layers}", *RUN[2:], "--out", "{tmp}/o"], 2,
+     "num_hidden_layers must be a positive integer of at most 4,096, got 1,000,000"),
+    ("config-nested-deeply", ["run", "{deepconfig}", *RUN[2:], "--out", "{tmp}/o"], 2,
+     "config.json is JSON nested too deeply"),
+    ("momentum-ragged-batch", ["run", "random:momentum-deltanet-tiny", "--prompts", "{ragged}", "--batch-size", "3",
+                               "--out", "{tmp}/o", "-q"], 2,
+     "argument --batch-size: MomentumDeltaNet takes no attention mask"),
+    ("length-huge", [*RUN[:-3], "--length", "1000000000000", "--out", "{tmp}/o"], 2,
+     "argument --length: 1,000,000,000,000 tokens per prompt is more than the 1,048,576"),
+    ("num-prompts-huge", [*RUN, "--num-prompts", "100000000000", "--out", "{tmp}/o"], 2,
+     "argument --num-prompts: 100,000,000,000 prompts is more than"),
+    ("suite-tokens-huge", [*RUN, "--num-prompts", "1000000", "--length", "1000", "--out", "{tmp}/o"], 2,
+     "arguments --num-prompts, --length: 1,000,000 × 1,000 = 1,000,000,000 tokens"),
 ]
 if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", [*RUN, "--device", "cuda", "--out", "{tmp}/o"], 2, "sees no CUDA GPU"))
@@ -95,6 +125,25 @@ def files(tmp_path_factory):
         "garbage": model_dir("garbage", json.dumps(config), b"\xff" * 64),
         "mismatch": model_dir("mismatch", json.dumps({**config, "intermediate_size": 128}), weights),
     }
+    for name, change in (("heads0", {"num_heads": 0}), ("hiddenneg", {"hidden_size": -5}),
+                         ("hiddenstr", {"hidden_size": "abc"}), ("hiddenfloat", {"hidden_size": 1e9}),
+                         ("layers", {"num_hidden_layers": 10**6})):
+        paths[name] = model_dir(name, json.dumps({**config, **change}), weights)
+    paths["deepconfig"] = model_dir("deepconfig", "[" * 200_000 + "]" * 200_000, weights)
+    # The tiny model with the built-in language models' tokenizer (4096 tokens, the model has 256).
+    from osdn_diag.catalog import builtin_path
+
+    tokmodel = model_dir("tokmodel", json.dumps(config), weights)
+    for f in builtin_path("lm-deltanet").glob("tokenizer*"):
+        (tokmodel / f.name).write_bytes(f.read_bytes())
+    paths["tokmodel"] = tokmodel
+    for name, text in (("emptytext", '{"input_ids": [1, 2]}\n{"text": ""}\n'),
+                       ("text", '{"text": "the quick brown fox jumps over the lazy dog"}\n'),
+                       ("deep", "[" * 200_000 + "]" * 200_000 + "\n"),
+                       ("longtask", json.dumps({"input_ids": [1, 2], "task": "x" * 1000}) + "\n"),
+                       ("ragged", "".join(json.dumps({"input_ids": list(range(1, n))}) + "\n" for n in (5, 9, 7)))):
+        (tmp / f"{name}.jsonl").write_text(text)
+        paths[name] = tmp / f"{name}.jsonl"
     latin1 = tmp / "latin1.jsonl"
     latin1.write_bytes(b'{"input_ids": [1, 2, 3]}\n{"text": "caf\xe9"}\n')
     paths["latin1"] = latin1

@@ -47,6 +47,28 @@ def is_hub_id(spec: str) -> bool:
     return _HUB_ID.match(spec) is not None and not Path(spec).exists()
 
 
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _check_revision(spec: str, revision: str | None) -> None:
+    """A revision is a ref name or a commit: no ``..`` or empty path segment, no leading or trailing
+    slash. ``@../../x`` was joined to the cache's paths and resolved to any directory on the disk."""
+    if revision is None:
+        return
+    parts = revision.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"MODEL {spec!r}: revision {revision!r} is not a branch, tag or commit name "
+                         "(no '.', '..' or empty path segments); give ORG/NAME@BRANCH, @TAG or @COMMIT")
+
+
+def _check_snapshot(spec: str, snapshot: Path) -> None:
+    """What the Hub client resolved is a snapshot of the cache: ``.../snapshots/<40-hex commit>``, as
+    recorded in the manifest (a commit, not a path that happens to exist)."""
+    if not (_COMMIT.fullmatch(snapshot.name) and snapshot.parent.name == "snapshots"):
+        raise ValueError(f"MODEL {spec!r}: resolved to {snapshot}, which is not a snapshot of the Hub cache "
+                         "(snapshots/<commit>); give a branch, tag or commit of the repository")
+
+
 def resolve(spec: str) -> tuple[Path, HubSource]:
     """The local snapshot directory of Hub id ``spec`` and where it came from.
 
@@ -65,6 +87,7 @@ def resolve(spec: str) -> tuple[Path, HubSource]:
     if match is None:
         raise ValueError(f"MODEL {spec!r}: not a Hub id (expected ORG/NAME or ORG/NAME@REVISION)")
     repo, revision = match["repo"], match["revision"]
+    _check_revision(spec, revision)
     try:
         snapshot = Path(snapshot_download(repo, revision=revision, allow_patterns=ALLOW_PATTERNS))
     except GatedRepoError as err:
@@ -80,5 +103,6 @@ def resolve(spec: str) -> tuple[Path, HubSource]:
             f"MODEL {spec!r}: no such directory, and the Hub model is not in the local cache while the Hub "
             "cannot be reached (HF_HUB_OFFLINE=1, or no network); download it once online, or give a "
             "local directory") from err
+    _check_snapshot(spec, snapshot)
     # A snapshot folder is named by the commit it holds.
     return snapshot, HubSource(repo_id=repo, revision=revision, commit=snapshot.name, snapshot=str(snapshot))

@@ -255,6 +255,9 @@ def _refuse_remote_code(spec: str, directory: Path) -> dict:
     what = ("; osdn-diag never runs code from a model directory: use a checkpoint of an architecture "
             "that transformers, fla or osdn-diag provides")
     config = _read_json(spec, directory / "config.json")
+    from .._config_checks import check_config
+
+    check_config(spec, config, directory / "config.json")  # sizes a model can be built with
     for name, data in (("config.json", config),
                        ("tokenizer_config.json", _read_json(spec, directory / "tokenizer_config.json"))):
         if isinstance(data, dict) and data.get("auto_map"):

@@ -63,23 +63,45 @@ def read_jsonl(
                                  f"{err.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+            row = _parse_row(line, where)
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
             context = _tokens(row, "input_ids", "text", where, tokenize, vocab_size, required=True)
             query = _tokens(row, "query_ids", "query", where, tokenize, vocab_size, required=False)
             ids, repeat = _twice(context, query, twice)
-            task = row.get("task", path.stem)
-            if not isinstance(task, str):
-                raise ValueError(f"{where}: field 'task' must be a string, got {type(task).__name__}")
+            task = _task(row, path.stem, where)
             meta = _answers(row, where, len(context) + len(query), len(context) if twice else 0, vocab_size)
             prompts.append(Prompt(id=len(prompts), task=task, input_ids=ids, repeat_start=repeat, meta=meta))
     if not prompts:
         raise ValueError(f"{path}: no prompts (expected one JSON object per line)")
     return prompts
+
+
+#: The longest task name (characters). A task name is repeated on every row of residuals.parquet and
+#: in every summary key: a 1 MB name doubled the command's memory, and no task needs more than a few words.
+MAX_TASK_CHARS = 256
+
+
+def _parse_row(line: str, where: str):
+    """One JSONL row; a row nested too deeply for Python's parser (RecursionError) is refused like
+    any other malformed row, naming its line."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: JSON nested too deeply to read; a prompt row is one flat object") from None
+
+
+def _task(row: dict, default: str, where: str) -> str:
+    """The row's task name (``default``: the file's stem), a string of at most :data:`MAX_TASK_CHARS`."""
+    task = row.get("task", default)
+    if not isinstance(task, str):
+        raise ValueError(f"{where}: field 'task' must be a string, got {type(task).__name__}")
+    if len(task) > MAX_TASK_CHARS:
+        raise ValueError(f"{where}: field 'task' is {len(task):,} characters long; give a name of at most "
+                         f"{MAX_TASK_CHARS} (it is repeated on every row of the results)")
+    return task
 
 
 def _answers(row, where, length, shift, vocab_size) -> dict:
@@ -126,7 +148,15 @@ def _tokens(row, ids_key, text_key, where, tokenize, vocab_size, *, required):
                 f"{where}: field {text_key!r} needs a tokenizer, and the model has none "
                 f"(give {ids_key!r} instead, or a model directory with tokenizer files)"
             )
-        return tokenize(text)
+        ids = list(tokenize(text))
+        if required and not ids:
+            raise ValueError(f"{where}: field {text_key!r} has no tokens (an empty text); give a non-empty one")
+        if vocab_size is not None and any(i < 0 or i >= vocab_size for i in ids):
+            bad = max(ids)
+            raise ValueError(f"{where}: field {text_key!r} tokenizes to ids outside the model's vocabulary "
+                             f"[0, {vocab_size}) (up to {bad}): the tokenizer is not this model's; give "
+                             f"{ids_key!r} or a model whose tokenizer matches")
+        return ids
     if required:
         raise ValueError(f"{where}: expected a field {ids_key!r} (list of token ids) or {text_key!r} (string)")
     return []
@@ -172,6 +202,9 @@ def load_prompts(
     if spec in SUITES:
         if num_prompts < 1:  # checked here, before a run directory is touched
             raise ValueError(f"argument --num-prompts: expected at least 1 prompt of suite {spec!r}, got {num_prompts}")
+        from .._cli_checks import check_suite_size
+
+        check_suite_size(num_prompts, length)
         return SUITES[spec](num_prompts=num_prompts, length=length, vocab_size=vocab_size, seed=seed, twice=twice)
     path = Path(spec)
     if not path.is_file():

@@ -17,6 +17,17 @@ VALUE_COLUMNS = ("beta", "key_sqnorm", "write_gain", "loss_before", "loss_after"
 CONTRACT_COLUMNS = ("prompt", "task", "layer", "head", "pos", "rel_pos", "repeat_start", *VALUE_COLUMNS)
 
 
+def _check_result_files(run_dir: Path, manifest: dict, again: str) -> None:
+    """``summary.json`` and ``comparator.parquet`` are the bytes the replay wrote: their sha256 and size
+    as ``manifest.json`` records them (``files``; runs written before it was recorded are not checked)."""
+    from ..rundir import RunDirectoryError, verify_files
+
+    problem = verify_files(run_dir, manifest.get("files") or {})
+    if problem is not None:
+        raise RunDirectoryError(f"{problem.replace('its record says', 'manifest.json records')}: the file "
+                                f"was changed after the run wrote it; {again}")
+
+
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     """``(manifest, summary)`` of a run whose replay finished; errors name the file that is missing or
     wrong, or that another run wrote (its run id differs from the manifest's)."""
@@ -38,10 +49,17 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     path = run_dir / "summary.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")
+    again = f"run `osdn-diag replay {run_dir}` again"
     try:
         summary = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err}); run `osdn-diag replay {run_dir}` again") from None
+        raise ValueError(f"{path}: not valid JSON ({err}); {again}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read; {again}") from None
+    from .._schema import check_summary
+
+    again = again if not manifest.get("counterfactual") else "run the what-if again"
+    check_summary(summary, path, again)
     table = run_dir / "residuals.parquet"
     if not table.exists():
         raise FileNotFoundError(f"{table}: no per-token table — run `osdn-diag replay {run_dir}` first")
@@ -49,7 +67,8 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
     missing = [c for c in CONTRACT_COLUMNS if c not in names]
     if missing:
         raise ValueError(f"{table}: missing column(s) {', '.join(missing)} of the per-token table")
-    check_table_run_ids(run_dir, manifest, summary)
+    check_table_run_ids(run_dir, manifest, summary)  # another run's file, said as such, first
+    _check_result_files(run_dir, manifest, again)
     if manifest.get("shards") and (run_dir / "capture").is_dir():
         # The capture the tables came from is still the one the manifest lists (names and sizes here;
         # the d plot hashes the shards it reads). A deleted capture/ is a run without one, not damage.

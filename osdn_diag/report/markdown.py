@@ -408,6 +408,10 @@ def d_trajectory_of(paths, names, manifests, head: tuple[int, int] | None):
             row, start, end = call.segments()[0]
             d = call.d[row, start:end, h].float().numpy()
             return d, f"{name}: layer {call.layer}, head {h}, prompt {stored.prompts[0]}"
+    if head is not None:  # asked for, and no run has it: say so rather than leave the plot out
+        raise ValueError(f"argument 'd_head' (--d-head {head[0]}.{head[1]}): no run has a write-key "
+                         f"preconditioner d in layer {head[0]} (its stored capture); give a layer whose d "
+                         "was captured (manifest.json: layers[].has_d), or leave --d-head out")
     return None
 
 

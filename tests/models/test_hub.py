@@ -108,3 +108,22 @@ def test_a_local_path_wins(hub_cache, tmp_path):
     assert not is_hub_id("acme/tiny-deltanet")
     assert load_model("acme/tiny-deltanet").source == "directory"
     assert not is_hub_id("/abs/path") and not is_hub_id("random:deltanet-tiny") and not is_hub_id("a/b/c")
+
+
+def test_a_revision_that_walks_out_of_the_cache_is_refused(hub_cache):
+    """``@../../x`` was joined to the cache's paths: it loaded any directory holding a model and recorded
+    the directory's name as the Hub commit."""
+    from osdn_diag.catalog import hub
+
+    cache, saved = hub_cache
+    elsewhere = cache / "models--acme--tiny-deltanet" / "x"  # snapshots/../../x from the revision's view
+    elsewhere.mkdir()
+    for f in saved.iterdir():
+        (elsewhere / f.name).write_bytes(f.read_bytes())
+    for spec in ("acme/tiny-deltanet@../x", "acme/tiny-deltanet@../../models--acme--tiny-deltanet/x",
+                 "acme/tiny-deltanet@a//b"):
+        with pytest.raises(ValueError, match="is not a branch, tag or commit name"):
+            load_model(spec)
+    with pytest.raises(ValueError, match="which is not a snapshot of the Hub cache"):
+        hub._check_snapshot("acme/tiny-deltanet", elsewhere)
+    hub._check_snapshot("acme/tiny-deltanet", cache / "models--acme--tiny-deltanet" / "snapshots" / COMMIT)

@@ -1,0 +1,64 @@
+"""The sizes a model's ``config.json`` gives, checked before a model is built from them.
+
+transformers and fla take a config's numbers as they come: ``num_heads: 0`` ended in a
+ZeroDivisionError, ``hidden_size: -5`` in "negative dimension", ``"abc"`` or ``1e9`` (a float) in a
+TypeError deep in torch, and a huge value would allocate for minutes before failing. Every size field
+this package or the model classes it loads read is checked here: absent or ``null`` (the class's
+default) or a positive integer within a bound far above any published model. Pure Python (no torch),
+so that the command line can run it before fla is imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["SIZE_FIELDS", "check_config"]
+
+_WIDTH = 1 << 17   # hidden and MLP widths: published models stay under 32k
+_HEADS = 1 << 12
+_HEAD_DIM = 1 << 14
+
+#: field -> the largest value accepted (every one must be a positive integer when given).
+SIZE_FIELDS = {
+    "hidden_size": _WIDTH,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1 << 12,
+    "num_heads": _HEADS,
+    "num_attention_heads": _HEADS,
+    "num_key_value_heads": _HEADS,
+    "num_v_heads": _HEADS,
+    "linear_num_key_heads": _HEADS,
+    "linear_num_value_heads": _HEADS,
+    "head_dim": _HEAD_DIM,
+    "linear_key_head_dim": _HEAD_DIM,
+    "linear_value_head_dim": _HEAD_DIM,
+    "vocab_size": 1 << 22,
+    "conv_size": 1 << 10,
+}
+
+
+def _field_error(key: str, value, limit: int) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"{key} must be a positive integer, got {value!r}"
+    if not 1 <= value <= limit:
+        return f"{key} must be a positive integer of at most {limit:,}, got {value:,}"
+    return None
+
+
+def check_config(spec: str, config, path: str | Path) -> None:
+    """Refuse ``config`` (the parsed ``config.json`` at ``path`` of MODEL ``spec``) whose size fields
+    are not positive integers within :data:`SIZE_FIELDS`' bounds, naming the field; a multimodal
+    config's ``text_config`` (what is loaded) is checked too. Raises ``ValueError``."""
+    if not isinstance(config, dict):
+        raise ValueError(f"MODEL {spec!r}: {path} is not a JSON object; repair or replace it")
+    sections = [("", config)]
+    if isinstance(config.get("text_config"), dict):
+        sections.append(("text_config.", config["text_config"]))
+    for prefix, section in sections:
+        for key, limit in SIZE_FIELDS.items():
+            error = _field_error(prefix + key, section.get(key), limit)
+            if error:
+                raise ValueError(f"MODEL {spec!r}: {path}: {error}; repair config.json (use the one saved "
+                                 "with the weights)")

@@ -1,0 +1,67 @@
+"""Damaged run files (wrong types, missing keys) are refused on read in one line naming the file and
+the key, with exit status 2 — not an AttributeError, TypeError or KeyError deep in report or replay.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from osdn_diag._schema import SchemaError, check_manifest, check_summary
+from osdn_diag.cli import entry
+
+DAMAGES = [
+    ("stages-list", "manifest.json", lambda m: m.update(stages=[]), "key 'stages' should be an object"),
+    ("stage-not-bool", "manifest.json", lambda m: m["stages"].update(replay="yes"), "key 'stages.replay' should be true or false"),
+    ("shards-null", "manifest.json", lambda m: m.update(shards=None), "key 'shards' should be an object"),
+    ("shard-size-str", "manifest.json",
+     lambda m: next(iter(m["shards"].values())).update(size="1"), "{sha256: string, size: integer}"),
+    ("prompts-str", "manifest.json", lambda m: m.update(prompts="x"), "key 'prompts' should be a list"),
+    ("prompt-id-str", "manifest.json", lambda m: m["prompts"][0].update(id="0"), "key 'prompts[0].id'"),
+    ("layers-int", "manifest.json", lambda m: m.update(layers=3), "key 'layers' should be a list"),
+    ("summary-no-fidelity", "summary.json", lambda s: s.pop("fidelity"), "key 'fidelity' is missing"),
+    ("summary-q-geo-str", "summary.json", lambda s: s.update(q_geo="x"), "key 'q_geo' should be a number"),
+    ("summary-by-layer-list", "summary.json", lambda s: s.update(by_layer=[1]), "key 'by_layer' should be an object"),
+    ("summary-by-layer-cell", "summary.json", lambda s: s["by_layer"].update({"000": {"q_geo": 1}}),
+     "key 'by_layer.000' should be {q_geo: number"),
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("damaged") / "run"
+    assert entry(["run", "random:deltanet-tiny", "--prompts", "random", "--num-prompts", "2", "--length", "8",
+                  "--device", "cpu", "-q", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("name, file, damage, message", DAMAGES, ids=[d[0] for d in DAMAGES])
+def test_a_damaged_file_is_one_line(run, tmp_path, capsys, name, file, damage, message):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    data = json.loads((copy / file).read_text())
+    damage(data)
+    (copy / file).write_text(json.dumps(data))
+    if file == "summary.json":  # its sha256 would be refused first: the schema, as a run without hashes
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest.pop("files", None)
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+    commands = [["report", str(copy)]]
+    if file == "manifest.json":
+        commands.append(["replay", str(copy), "--device", "cpu", "-q"])
+    capsys.readouterr()
+    for argv in commands:
+        assert entry(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"{copy / file}: " in err and message in err, err
+        assert "re-run the command that wrote it" in err or "osdn-diag replay" in err, err
+
+
+def test_what_osdn_diag_writes_passes(run):
+    check_manifest(json.loads((run / "manifest.json").read_text()), "m")
+    check_summary(json.loads((run / "summary.json").read_text()), "s")
+    with pytest.raises(SchemaError, match="not a JSON object"):
+        check_summary([], "s")

@@ -261,15 +261,22 @@ def foreign_capture_files(out_dir: str | os.PathLike) -> list[Path]:
     return sorted(foreign)
 
 
+#: The run's own files at the top of its directory that a manifest lists with their sha256
+#: (``files``: the replay's results; ``tokens``: the prompts' tokens).
+HASHED_RESULT_FILES = frozenset({"summary.json", "comparator.parquet", "tokens.parquet"})
+
+
 def check_file_name(name, listed_in: str | os.PathLike, *, shard: bool = False) -> str:
     """``name`` if it is the name of a file a run lists as osdn-diag writes it — a capture shard
     (``capture/batch_BBBBB/layer_LLL[_callN].safetensors``) or, unless ``shard``, a part of the
-    per-token table (``residuals.parquet/part-RRRRR.parquet``) —, else :class:`RunDirectoryError`
+    per-token table (``residuals.parquet/part-RRRRR.parquet``) or one of :data:`HASHED_RESULT_FILES` —, else :class:`RunDirectoryError`
     naming ``listed_in``, the manifest or rank record that lists it: any other name (absolute, with
     ``..``) could point outside the run, for a command to read, copy or remove."""
-    if isinstance(name, str) and (_SHARD.fullmatch(name) or (not shard and _PART_NAME.fullmatch(name))):
+    if isinstance(name, str) and (_SHARD.fullmatch(name) or (not shard and (
+            _PART_NAME.fullmatch(name) or name in HASHED_RESULT_FILES))):
         return name
-    kinds = "capture/batch_BBBBB/layer_LLL.safetensors" + ("" if shard else ", residuals.parquet/part-RRRRR.parquet")
+    kinds = "capture/batch_BBBBB/layer_LLL.safetensors" + ("" if shard else ", residuals.parquet/part-RRRRR.parquet, "
+                                                           + ", ".join(sorted(HASHED_RESULT_FILES)))
     raise RunDirectoryError(f"{listed_in}: lists {name!r}, not the name of a file osdn-diag writes ({kinds}): "
                             "it is damaged, or not osdn-diag's; run the run again")
 

@@ -249,7 +249,11 @@ def _stream(model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_
     parts = dict(residuals.part)
     if session.ranks.world > 1:
         session.write_record(residuals=parts)
-    summary = _finish_replay(replayer, session.ranks, session.out_dir, session.manifest_prompts(),
+    entries = session.manifest_prompts()
+    # With --generate a prompt's stream is longer than the prompt the replayer was made with: the
+    # summary's repeat boundaries are relative to the stream, as a replay of the stored run's are.
+    replayer.prompts = {e["id"]: e for e in entries}
+    summary = _finish_replay(replayer, session.ranks, session.out_dir, entries,
                              run_id=session.run_id, parts=parts)
     if session.ranks.world > 1:
         session.writer.manifest["parts"] = dict(sorted(parts.items()))

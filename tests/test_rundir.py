@@ -132,7 +132,7 @@ def test_a_shard_is_never_written_below_a_link(tmp_path):
 # Names read from a manifest or a record.
 
 @pytest.mark.parametrize("name", ["capture/../../outside/x", "/etc/passwd", "capture/batch_00000/../../../x",
-                                  "capture/batch_0/layer_0.safetensors/..", "summary.json", 3])
+                                  "capture/batch_0/layer_0.safetensors/..", "report.md", 3])
 def test_a_name_not_of_the_runs_layout_is_refused(name):
     from osdn_diag.rundir import check_file_name
 

@@ -65,13 +65,18 @@ def causal_conv1d_reference(
         shifted = F.pad(xf, (0, 0, lag, 0))[:, :T] if lag else xf
         inside = (t - lag >= first)[None, :, None]  # zero before the sequence's first token (where, not
         y = y + torch.where(inside, shifted, 0.0) * wf[:, j]  # a product: NaN must not cross sequences)
+    return _finish(y, bias, activation, residual).to(x.dtype)
+
+
+def _finish(y: torch.Tensor, bias, activation, residual) -> torch.Tensor:
+    """The taps' fp32 sum ``y`` plus bias, through the activation, plus the residual (fla's order)."""
     if bias is not None:
         y = y + bias.float()
     if activation is not None:
         y = y * torch.sigmoid(y)
     if residual is not None:
-        y = y + residual.float()
-    return y.to(x.dtype)
+        y = y + residual.reshape(y.shape).float()
+    return y
 
 
 def causal_conv1d_final_state(x: torch.Tensor, width: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,10 +117,4 @@ def causal_conv1d_step_reference(
     y = torch.zeros(N, D, dtype=torch.float32, device=x.device)
     for j in range(W):
         y = y + cf[:, :, j] * wf[:, j]
-    if bias is not None:
-        y = y + bias.float()
-    if activation is not None:
-        y = y * torch.sigmoid(y)
-    if residual is not None:
-        y = y + residual.reshape(N, D).float()
-    return y.to(x.dtype).reshape(x.shape)
+    return _finish(y, bias, activation, residual).to(x.dtype).reshape(x.shape)

@@ -26,6 +26,7 @@ state dict, so it holds exactly the dtypes a saved copy of it would load with.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,6 +204,8 @@ def kept_dtypes(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, str]:
 
 #: safetensors dtype names that hold no floating-point number.
 _NOT_FLOAT = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
+#: the floating-point dtypes a model's parameters are loaded from (fp8 and fp4 are quantized formats).
+_FLOATS = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 def _checkpoint_dtypes(spec: str, directory: Path) -> dict[str, tuple[str, str]]:
@@ -219,6 +222,11 @@ def _checkpoint_dtypes(spec: str, directory: Path) -> dict[str, tuple[str, str]]
         except (SafetensorError, OSError) as err:
             raise ValueError(f"MODEL {spec!r}: {path} is not readable safetensors ({err}): truncated or "
                              "damaged; replace it with a complete copy") from err
+    other = sorted(f"{name} ({kind} in {file})" for name, (kind, file) in out.items()
+                   if kind not in _FLOATS and kind not in _NOT_FLOAT)
+    if other:  # checked before transformers sees the directory
+        raise ValueError(f"MODEL {spec!r}: {_count(other)} in the *.safetensors weights in {directory} of a "
+                         f"quantized format ({_few(other)}); use the floating-point (fp32, bf16 or fp16) weights")
     return out
 
 
@@ -278,8 +286,6 @@ def _refuse_remote_code(spec: str, directory: Path) -> dict:
 #: code from elsewhere: an ``org/name`` Hub kernel, or ``flash_attention_N`` where the flash-attn
 #: package is not installed, for which transformers fetches a Hub kernel instead.
 _BUILTIN_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "paged|eager"})
-_FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface",
-                   "flash_attention_4": "flash_attn.cute"}
 #: ``experts_implementation`` values computed by torch alone (``deepgemm`` and ``sonicmoe`` load Hub
 #: kernels).
 _BUILTIN_EXPERTS = frozenset({"eager", "batched_mm", "grouped_mm"})
@@ -288,14 +294,16 @@ _BUILTIN_EXPERTS = frozenset({"eager", "batched_mm", "grouped_mm"})
 def _builtin_attention(value: str) -> bool:
     if value in _BUILTIN_ATTENTION:
         return True
-    package = _FLASH_PACKAGES.get(value)
-    if package is None:
+    match = re.fullmatch(r"flash_attention_(\d)", value)
+    if match is None:
         return False
-    import importlib.util
-
+    # As transformers itself decides whether the flash-attn package serves this version; where it
+    # does not, transformers fetches a Hub kernel in its place.
     try:
-        return importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):  # a parent package missing
+        from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
+
+        return bool(FLASH_ATTENTION_COMPATIBILITY_MATRIX[int(match.group(1))]["general_availability_check"]())
+    except (ImportError, KeyError, TypeError):
         return False
 
 
@@ -309,13 +317,20 @@ def _check_implementations(spec: str, path: Path, config) -> None:
             node = stack.pop()
             items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
             for key, value in items:
-                if key in ("attn_implementation", "experts_implementation"):
+                if key == "quantization_config" and value is not None:
+                    yield key, value
+                elif key in ("attn_implementation", "experts_implementation"):
                     parts = value.values() if isinstance(value, dict) else [value]
                     yield from ((key, v) for v in parts if v is not None)
                 else:
                     stack.append(value)
 
     for key, value in values(config):
+        if key == "quantization_config":
+            raise ValueError(
+                f"MODEL {spec!r}: {path} has a quantization_config: transformers would quantize or dequantize it "
+                "with a method of its own (some load Hub kernels), so the model diagnosed would not be the "
+                "floating-point one; use the floating-point weights")
         builtin = isinstance(value, str) and (
             _builtin_attention(value) if key == "attn_implementation" else value in _BUILTIN_EXPERTS)
         if not builtin:

@@ -96,6 +96,20 @@ def test_two_generations_are_two_prompts(models):
     assert phases["prefill"]["n"] == (7 + 11) * 2 * 2 and phases["decode"]["n"] == (3 + 4) * 2 * 2
 
 
+def test_a_micro_step_family_marks_its_generated_tokens_in_tokens(fla_kernels):
+    """GatedDeltaProduct's record has two rows per token (its micro-steps), its table one position per
+    token: the boundary is the prompt's length in tokens."""
+    model = load_model("random:gated-deltaproduct-tiny", dtype=torch.float32).model
+    with osdn_diag.capture(model) as cap:
+        cap.generate(_prompt(256, 9), 3)
+    assert all(c.flags["decode_start"] == 9 and c.k.shape[1] == 2 * (9 + 3) for c in cap.calls)
+    res = osdn_diag.replay(cap)
+    pos = res.table.column("pos").to_numpy()
+    assert pos.max() == 9 + 3 - 1
+    phases = res.summary["by_phase"]
+    assert phases["decode"]["n"] == int((pos >= 9).sum()) > 0 and phases["prefill"]["n"] == int((pos < 9).sum())
+
+
 def test_a_state_that_is_not_carried_is_refused(models, monkeypatch):
     """Decoding steps handed the cache under a name the model does not read (what transformers 5's
     generate() does to fla 0.6.0's models) start from nothing: refused, naming the versions."""

@@ -24,10 +24,9 @@ import json
 import pytest
 import torch
 
-from osdn_diag.catalog.presets import PRESETS
+from _saved_presets import TINY, save_tiny_presets, tensors
 from osdn_diag.models import load_model
 
-TINY = sorted(name for name in PRESETS if name.endswith("-tiny"))
 #: parameters transformers keeps in fp32 when a bf16 model is asked for, per preset (those not listed keep none)
 KEPT_FP32 = {
     "gated-deltanet-tiny": {"model.layers.0.attn.A_log", "model.layers.1.attn.A_log"},
@@ -37,13 +36,7 @@ KEPT_FP32 = {
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, fla_kernels):
-    """``{preset: directory}``: each tiny preset built in fp32 and saved by ``save_pretrained``."""
-    out = {}
-    for name in TINY:
-        directory = tmp_path_factory.mktemp(name)
-        load_model(f"random:{name}", dtype=torch.float32).model.save_pretrained(directory)
-        out[name] = directory
-    return out
+    return save_tiny_presets(tmp_path_factory)
 
 
 def _reference(directory, dtype):
@@ -52,12 +45,8 @@ def _reference(directory, dtype):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
 
 
-def _tensors(model) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
 def _assert_same_tensors(got, want, what):
-    got, want = _tensors(got), _tensors(want)
+    got, want = tensors(got), tensors(want)
     assert set(got) == set(want), what
     dtypes = {n: (str(got[n].dtype), str(want[n].dtype)) for n in want if got[n].dtype != want[n].dtype}
     assert not dtypes, f"{what}: dtypes differ (ours, transformers'): {dtypes}"
@@ -71,7 +60,7 @@ def test_a_directory_loads_as_from_pretrained_loads_it(saved, name, dtype):
     loaded = load_model(str(saved[name]), dtype=dtype)
     _assert_same_tensors(loaded.model, _reference(saved[name], dtype), f"{name} in {dtype}")
     kept = set(loaded.kept_dtypes)
-    assert kept == {n for n, t in _tensors(loaded.model).items() if t.is_floating_point() and t.dtype != dtype}
+    assert kept == {n for n, t in tensors(loaded.model).items() if t.is_floating_point() and t.dtype != dtype}
     assert all(v == "float32" for v in loaded.kept_dtypes.values())
 
 

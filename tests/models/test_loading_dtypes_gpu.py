@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from osdn_diag.catalog.presets import PRESETS
+from _saved_presets import TINY, save_tiny_presets, tensors
 from osdn_diag.models import load_model
 
 pytestmark = [
@@ -21,21 +21,10 @@ pytestmark = [
                        reason="compiled kernels; TRITON_INTERPRET=1 runs them interpreted"),
 ]
 
-TINY = sorted(name for name in PRESETS if name.endswith("-tiny"))
-
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    out = {}
-    for name in TINY:
-        directory = tmp_path_factory.mktemp(name)
-        load_model(f"random:{name}", dtype=torch.float32).model.save_pretrained(directory)
-        out[name] = directory
-    return out
-
-
-def _tensors(model):
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return save_tiny_presets(tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -44,7 +33,7 @@ def test_bf16_on_the_gpu_is_from_pretrained_moved_to_the_gpu(saved, name):
 
     ours = load_model(str(saved[name]), device="cuda", dtype=torch.bfloat16).model
     ref = AutoModelForCausalLM.from_pretrained(saved[name], dtype=torch.bfloat16).to("cuda").eval()
-    got, want = _tensors(ours), _tensors(ref)
+    got, want = tensors(ours), tensors(ref)
     assert set(got) == set(want)
     assert {n: got[n].dtype for n in want} == {n: want[n].dtype for n in want}
     assert [n for n in want if not torch.equal(got[n], want[n])] == []
@@ -61,6 +50,6 @@ def test_a_random_preset_built_on_the_gpu_holds_its_saved_copys_dtypes(tmp_path,
     built.save_pretrained(tmp_path)
     ours = load_model(f"random:{name}", device="cuda", dtype=torch.bfloat16).model
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to("cuda")
-    got, want = _tensors(ours), _tensors(ref)
+    got, want = tensors(ours), tensors(ref)
     assert {n: got[n].dtype for n in want} == {n: want[n].dtype for n in want}
     assert [n for n in want if not torch.equal(got[n], want[n])] == []

@@ -271,3 +271,38 @@ def test_integer_or_boolean_weights_are_refused(saved, tmp_path, kind):
     spec = _variant(saved, tmp_path, edit)
     with pytest.raises(ValueError, match=rf"^MODEL .*1 tensor .*{Q_PROJ} \(\w+ in model\.safetensors\).*floating"):
         load_model(spec)
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_a_quantization_config_is_refused_before_transformers_sees_it(saved, tmp_path, monkeypatch, where):
+    """transformers quantizes or dequantizes by the config's method, some of them with Hub kernels."""
+    qc = {"quant_method": "mxfp4"}
+    spec, _ = _remote_code_dir(saved, tmp_path, **({"quantization_config": qc} if where == "top"
+                                                   else {"text_config": {"quantization_config": qc}}))
+    calls = _spy_from_pretrained(monkeypatch)
+    with pytest.raises(ValueError, match=r"^MODEL .*config\.json has a quantization_config"):
+        load_model(spec)
+    assert calls == []
+
+
+def test_weights_of_a_quantized_float_format_are_refused_before_loading(saved, tmp_path, monkeypatch):
+    def edit(tensors):
+        tensors[Q_PROJ] = tensors[Q_PROJ].to(torch.float8_e4m3fn)
+
+    spec = _variant(saved, tmp_path, edit)
+    calls = _spy_from_pretrained(monkeypatch)
+    with pytest.raises(ValueError, match=rf"^MODEL .*1 tensor .*of a quantized format \({Q_PROJ} \(F8_E4M3"):
+        load_model(spec)
+    assert calls == []
+
+
+def test_flash_attention_where_transformers_would_fetch_a_hub_kernel_is_refused(saved, tmp_path):
+    """Without a flash-attn package transformers serves (none on this CPU), ``flash_attention_2``
+    would load ``kernels-community/flash-attn2`` from the Hub."""
+    from transformers.modeling_flash_attention_utils import FLASH_ATTENTION_COMPATIBILITY_MATRIX
+
+    if FLASH_ATTENTION_COMPATIBILITY_MATRIX[2]["general_availability_check"]():
+        pytest.skip("flash-attn 2 is installed and usable here: transformers would run it, not a Hub kernel")
+    spec, _ = _remote_code_dir(saved, tmp_path, attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match="flash_attention_2"):
+        load_model(spec)

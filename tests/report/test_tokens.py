@@ -334,5 +334,5 @@ def test_overwrite_removes_the_tokens_of_the_run_it_replaces(tmp_path):
     assert "tokens.parquet" in RUN_FILES
     (tmp_path / "tokens.parquet").write_bytes(b"x")
     (tmp_path / "notes.txt").write_text("mine")
-    remove_run_files(tmp_path, {})
+    remove_run_files(tmp_path)
     assert not (tmp_path / "tokens.parquet").exists() and (tmp_path / "notes.txt").exists()

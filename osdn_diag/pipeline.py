@@ -305,9 +305,9 @@ class _CaptureSession:
         self.replay_device = self.device
         self.device = self.loaded.model.get_input_embeddings().weight.device
         # The tokenizer, if the model has one: it tokenises text prompts and gives tokens.parquet its text.
-        self.tokenizer = _load_tokenizer(self.loaded.directory)
+        self.tokenizer, tokenize = _session_tokenizer(self.loaded.directory)
         self.prompts = load_prompts(
-            prompts_spec, vocab_size=self.loaded.config["vocab_size"], tokenize=_tokenize(self.tokenizer),
+            prompts_spec, vocab_size=self.loaded.config["vocab_size"], tokenize=tokenize,
             twice=twice, num_prompts=num_prompts, length=length, seed=seed,
         )
         _check_batches_fit(self.loaded.config, self.prompts, batch_size)
@@ -763,7 +763,31 @@ def _load_tokenizer(directory: Path | None):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError, RecursionError) as err:  # a damaged file's many faces
+        files = ", ".join(sorted(p.name for p in directory.glob("tokenizer*")))
+        message = " ".join(str(err).split()) or type(err).__name__
+        raise ValueError(f"the tokenizer in {directory} ({files}) cannot be loaded ({message[:300]}); repair or "
+                         "replace those files, or remove them to run the model on token ids only") from err
+
+
+def _session_tokenizer(directory: Path | None, quiet: bool = False):
+    """``(tokenizer, tokenize)`` for a run: the directory's tokenizer and ``text -> ids`` with it. An
+    unreadable tokenizer fails only prompts that need it (``tokenize`` raises its error, naming the
+    files); prompts of token ids run without token text, and a line says so."""
+    try:
+        tok = _load_tokenizer(directory)
+    except ValueError as err:
+        message = str(err)
+
+        def unreadable(text):
+            raise ValueError(f"text prompts need the model's tokenizer, and {message}")
+
+        if not quiet:
+            print(f"osdn-diag: {message}; token text is not stored for this run", file=sys.stderr)
+        return None, unreadable
+    return tok, _tokenize(tok)
 
 
 def _tokenize(tok):

@@ -336,3 +336,28 @@ def test_overwrite_removes_the_tokens_of_the_run_it_replaces(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     remove_run_files(tmp_path)
     assert not (tmp_path / "tokens.parquet").exists() and (tmp_path / "notes.txt").exists()
+
+
+def test_an_unreadable_tokenizer_fails_only_the_prompts_that_need_it(tmp_path, capsys):
+    """A damaged tokenizer.json: prompts of token ids run (without token text, a line says why),
+    text prompts are refused in one line naming the file; neither is a traceback."""
+    import json as _json
+
+    from osdn_diag.cli import entry
+    from osdn_diag.models import load_model
+
+    model_dir = tmp_path / "model"
+    load_model("random:deltanet-tiny").model.save_pretrained(model_dir)
+    (model_dir / "tokenizer.json").write_text("{not json")
+    ok = tmp_path / "ids"
+    assert entry(["run", str(model_dir), "--prompts", "random", "--num-prompts", "1", "--length", "12",
+                  "--out", str(ok), "-q"]) == 0
+    err = capsys.readouterr().err
+    assert "tokenizer.json" in err and "cannot be loaded" in err and "Traceback" not in err
+    assert _json.loads((ok / "manifest.json").read_text())["tokens"]["text"] is False
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"text": "hello"}\n')
+    assert entry(["run", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "text"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "error: text prompts need the model's tokenizer" in err and "tokenizer.json" in err
+    assert "Traceback" not in err and not (tmp_path / "text").exists()

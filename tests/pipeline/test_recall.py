@@ -134,6 +134,7 @@ def test_manifest_entries_carry_the_nll_and_read_older_rank_records():
     session = _CaptureSession.__new__(_CaptureSession)
     session.prompts = mqar_pair_prompts(spec, num_prompts=1, seed=0)
     session.hits = {0: (1, 2, 0, 0.75), 1: (2, 2, 0)}
+    session.generated = {}
     first, second = session.manifest_prompts()
     assert (first["recall_correct"], first["recall_queries"], first["recall_nll"]) == (1, 2, 0.75)
     assert "recall_nll" not in second and second["recall_correct"] == 2

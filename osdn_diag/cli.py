@@ -301,8 +301,9 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_replay_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
-                   help="replay engine (auto: triton on CUDA, torch otherwise)")
+    p.add_argument("--backend", choices=("auto", "torch", "triton", "fused"), default="auto",
+                   help="replay engine (auto: triton on CUDA, torch otherwise; triton: the chunked replay "
+                        "where it applies, the fused one elsewhere; fused: the fused one only)")
     p.add_argument("--fp64", action="store_true", help="replay in fp64 instead of fp32")
     p.add_argument("--tolerance", type=float,
                    help="largest accepted replay-vs-kernel output error (default by dtype)")
@@ -424,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="β' = β (beta-aware, default) or β' = 1 (the paper's 1.3B form)")
     wi.add_argument("--out", metavar="OUT", help="where to write (default: DIR/what-if_...); not DIR itself")
     wi.add_argument("--overwrite", action="store_true", help="replace the what-if run OUT already holds")
-    wi.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto")
+    wi.add_argument("--backend", choices=("auto", "torch", "triton", "fused"), default="auto")
     wi.add_argument("--fp64", action="store_true", help="replay in fp64")
     _add_zero_residual(wi)
     _add_common(wi)

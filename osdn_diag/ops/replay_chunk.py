@@ -51,7 +51,16 @@ from .._interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
 from ._common import int_in_range, power_of_two, replay_result
 
-__all__ = ["PRECISIONS", "chunk_replay"]
+__all__ = ["MAX_KEY_DIM", "PRECISIONS", "GrowingStateError", "chunk_replay"]
+
+#: Widest key the chunked replay takes: a program holds ``Sᵀ`` as ``[K, BV]`` and a chunk's ``[C, K]``
+#: key tiles in registers.
+MAX_KEY_DIM = 256
+
+
+class GrowingStateError(ValueError):
+    """A log decay above 0 (or NaN): the state grows, and the chunk's products of decay ratios would
+    cancel; :func:`osdn_diag.ops.replay.fused_replay` replays it."""
 
 #: ``tl.dot``'s input precisions the replay may use, each an fp32 product (TF32 alone is not: its 10-bit
 #: mantissa misses the 1e-5 the replay is held to).
@@ -293,7 +302,7 @@ def chunk_replay(
 
     Args:
         q, k: ``[B, T, H, K]`` queries and read keys, as the kernel read them (no normalisation here),
-            ``K ≤ 128`` (wider keys: ``ValueError``; ``fused_replay`` replays them).
+            ``K ≤ 256`` (:data:`MAX_KEY_DIM`; wider keys: ``ValueError``, ``fused_replay`` replays them).
         v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
         write_key: ``[B, T, H, K]`` (OSDN's ``d ⊙ k``) or ``None`` (the read key writes).
         g: log decay per head ``[B, T, H]``, at most 0, or ``None``. A key-channel gate ``[B, T, H, K]``
@@ -305,7 +314,7 @@ def chunk_replay(
         cu_seqlens: ``[N + 1]`` packed sequence bounds with ``B = 1``, or ``None`` (``N = B``).
         chunk_size: tokens per chunk, a power of two from 16 to 64 (default 16).
         block_v: state rows per program of the walk (a power of two, 16 to 128; default 64, 32 with a
-            gate).
+            gate or K > 128).
         precision: ``tl.dot``'s input precision, one of :data:`PRECISIONS`.
         num_warps: warps per program of the walk (a power of two, 1 to 16; default 8, 4 with a gate).
         num_stages: chunks the walk loads ahead (``tl.range``'s pipeline stages, 1 to 4; default 2).
@@ -332,14 +341,14 @@ def chunk_replay(
                          "the key-channel gate is replayed by osdn_diag.ops.fused_replay")
     if precision not in PRECISIONS:
         raise ValueError(f"chunk_replay: precision must be one of {PRECISIONS}, got {precision!r}")
-    if K > 128:
-        raise ValueError(f"chunk_replay: keys of at most 128 channels, got K = {K}: a chunk's [C, K] key tiles "
-                         "would not fit in one program's registers and shared memory; osdn_diag.ops.fused_replay "
-                         "replays wider keys")
+    if K > MAX_KEY_DIM:
+        raise ValueError(f"chunk_replay: keys of at most {MAX_KEY_DIM} channels, got K = {K}: a chunk's [C, K] key "
+                         "tiles would not fit in one program's registers and shared memory; "
+                         "osdn_diag.ops.fused_replay replays wider keys")
     C = power_of_two("chunk_replay", "chunk_size", chunk_size, 16, 64)
     BK = max(triton.next_power_of_2(K), 16)
-    if block_v is None:
-        block_v = 64 if g is None else 32
+    if block_v is None:  # the state's [K, BV] tile shares a program's registers with the chunk's
+        block_v = 64 if g is None and K <= 128 else 32
     BV = power_of_two("chunk_replay", "block_v", block_v, 16, 128)
     BV = min(BV, max(triton.next_power_of_2(V), 16))
     if num_warps is None:
@@ -348,8 +357,8 @@ def chunk_replay(
     stages = 2 if num_stages is None else int_in_range("chunk_replay", "num_stages", num_stages, 1, 4)
     # (reads g: waits for the work queued before it). "Not ≤ 0" refuses NaN too.
     if g is not None and bool((~(g <= 0)).any()):
-        raise ValueError("chunk_replay: g must be a log decay, at most 0 everywhere and not NaN (a growing state "
-                         "makes the chunk's products cancel); osdn_diag.ops.fused_replay replays any g")
+        raise GrowingStateError("chunk_replay: g must be a log decay, at most 0 everywhere and not NaN (a growing "
+                                "state makes the chunk's products cancel); osdn_diag.ops.fused_replay replays any g")
     bounds = [n * T for n in range(B + 1)] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
     N = len(bounds) - 1
     if initial_state is not None:

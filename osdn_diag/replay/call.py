@@ -156,6 +156,8 @@ class CallReplay:
     pairs against the kernel's own final state (``None`` when the record has none), and
     ``state_rounding_units`` the same error in units of the unit roundoff of the kernel's working
     precision (:func:`working_precision`): a few units or less is what rounding explains.
+    ``kernel`` names what replayed the call: ``"chunk"`` or ``"fused"`` (the Triton replays),
+    ``"torch"`` (the reference recurrence) or ``"family"`` (a family's own replay).
     """
 
     columns: dict[str, torch.Tensor]
@@ -169,6 +171,7 @@ class CallReplay:
     state_tolerance: float = 0.0
     state_rounding_units: float | None = None
     nonfinite_streams: list[tuple[int, int]] = field(default_factory=list)
+    kernel: str = "torch"
 
 
 def _finite_mask(call: KernelCall) -> torch.Tensor:
@@ -212,6 +215,46 @@ def recurrence_inputs(call: KernelCall, dtype: torch.dtype, bad: torch.Tensor | 
     )
 
 
+#: Replay engines: the reference recurrence in torch (any device); the Triton replays, chunked where
+#: :func:`chunk_applies` and token by token elsewhere; the token-by-token Triton replay only.
+BACKENDS = ("torch", "triton", "fused")
+
+
+def chunk_applies(args: dict) -> bool:
+    """Whether the chunked replay (:func:`osdn_diag.ops.chunk_replay`) takes these recurrence inputs:
+    fp32, keys of at most :data:`~osdn_diag.ops.replay_chunk.MAX_KEY_DIM` channels, no gate or a
+    per-head one (``[B, T, H]``). A per-head log decay must also be ≤ 0 (checked by the op, which
+    refuses a growing state; :func:`triton_replay` then falls back)."""
+    from ..ops.replay_chunk import MAX_KEY_DIM
+
+    g = args.get("g")
+    return (args["dtype"] == torch.float32 and 0 < args["k"].shape[-1] <= MAX_KEY_DIM
+            and args["v"].shape[-1] > 0 and (g is None or g.dim() == 3))
+
+
+def triton_replay(args: dict, *, chunked: bool = True):
+    """One call's recurrence by a Triton replay: the chunked one where it applies (tensor cores, several
+    times faster at K ≤ 256: ``docs/performance.md``), the token-by-token one elsewhere (fp64, a
+    key-channel gate, a growing state). Both meet the same contract and the same fidelity check. The
+    result's ``kernel`` attribute names the one that ran."""
+    if chunked and chunk_applies(args):
+        from ..ops.replay_chunk import GrowingStateError, chunk_replay
+
+        kw = {name: value for name, value in args.items() if name != "dtype"}
+        try:
+            res = chunk_replay(**kw)
+        except GrowingStateError:  # a positive (or NaN) log decay: only the fused replay takes it
+            pass
+        else:
+            res.kernel = "chunk"
+            return res
+    from ..ops.replay import fused_replay
+
+    res = fused_replay(**args)
+    res.kernel = "fused"
+    return res
+
+
 def _table_index(segments, H: int, device) -> tuple[torch.Tensor, ...]:
     """The per-token table's row order — sequence by sequence, head by head, position by position —
     as index tensors ``[N]`` on ``device``: ``(sequence, head, pos, batch row, token)``."""
@@ -244,7 +287,9 @@ def replay_call(
 
     Args:
         call: the captured call (canonical form, see :mod:`osdn_diag.capture.record`).
-        backend: ``"torch"`` (the reference recurrence, any device) or ``"triton"`` (fused GPU kernel).
+        backend: one of :data:`BACKENDS`: ``"torch"`` (the reference recurrence, any device),
+            ``"triton"`` (the chunked Triton replay where :func:`chunk_applies`, the fused one elsewhere)
+            or ``"fused"`` (the token-by-token Triton replay only).
         dtype: replay precision, fp32 (default) or fp64.
         tolerance: largest accepted output error; default :func:`default_tolerance`.
             ``math.inf`` disables the check (and the state check, unless ``state_tolerance`` is given).
@@ -260,19 +305,21 @@ def replay_call(
         raise ValueError(f"argument 'dtype': expected torch.float32 or torch.float64, got {dtype}")
     finite = _finite_mask(call)
     bad = None if bool(finite.all()) else ~finite
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"argument 'backend': expected 'torch' or 'triton', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"argument 'backend': expected one of {BACKENDS}, got {backend!r}")
     if zero_residual not in ZERO_RESIDUAL:
         raise ValueError(f"argument 'zero_residual': expected one of {ZERO_RESIDUAL}, got {zero_residual!r}")
     family_replay = families.replays().get(call.family)
     if family_replay is not None:  # a recurrence other than the delta rule's (replay/families)
-        res = family_replay(call, dtype=dtype, bad=bad, backend=backend)
+        # a family's replay knows "torch" and "triton" (its own Triton replay, where it has one)
+        res = family_replay(call, dtype=dtype, bad=bad, backend="torch" if backend == "torch" else "triton")
+        kernel = "family"
     elif backend == "torch":
         res = delta_rule_recurrence(**recurrence_inputs(call, dtype, bad))
+        kernel = "torch"
     else:
-        from ..ops.replay import fused_replay
-
-        res = fused_replay(**recurrence_inputs(call, dtype, bad))
+        res = triton_replay(recurrence_inputs(call, dtype, bad), chunked=backend == "triton")
+        kernel = res.kernel
 
     segments = call.segments()
     H = call.num_heads
@@ -386,5 +433,6 @@ def replay_call(
         state_tolerance=state_tol,
         state_rounding_units=units,
         nonfinite_streams=streams_bad,
+        kernel=kernel,
     )
 

@@ -122,6 +122,7 @@ class Replayer:
         # package's own recurrence stood in for it, so agreement measures nothing about a kernel).
         self.against: dict[int, str] = {}
         self.families: dict[int, str] = {}  # layer -> the kernel family of its calls (summary's by_family)
+        self.kernels: dict[int, str] = {}  # layer -> what replayed its calls (CallReplay.kernel)
         self.tolerances: dict[int, float] = {}
         self.nonfinite: dict[int, int] = defaultdict(int)
         # (prompt, layer, head) streams left out for NaN/Inf inputs, and how many streams there were.
@@ -144,6 +145,7 @@ class Replayer:
         self.fidelity[call.layer] = max(self.fidelity[call.layer], res.fidelity)
         self._add_against(call.layer, call.flags.get("kernels", "fla"))
         self.families[call.layer] = call.family
+        self.kernels[call.layer] = res.kernel
         self.tolerances[call.layer] = res.tolerance
         self.nonfinite[call.layer] += res.nonfinite
         self.streams += len(res.sequence_lengths) * call.num_heads
@@ -315,6 +317,8 @@ class Replayer:
         summary["nonfinite"] = self.nonfinite_summary()
         summary["replay"] = {
             "backend": self.backend,
+            # layer -> what replayed it: "chunk"/"fused" (Triton), "torch" or "family" (CallReplay.kernel)
+            "kernels": {f"{k:03d}": v for k, v in sorted(self.kernels.items())},
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "zero_residual": self.zero_residual,

@@ -120,14 +120,20 @@ def _check_model(spec: str) -> None:
         if not directory.is_dir():
             raise UsageError(f"MODEL {spec!r}: no such directory; give a Hugging Face model directory, "
                              "a Hub id ORG/NAME[@REVISION], builtin:NAME or random:PRESET")
-    config = directory / "config.json"
-    if config.is_file():
-        from ._config_checks import check_config
+    # What the directory's files alone tell, before torch is imported (the loader checks it all again).
+    from ._config_checks import check_config, check_model_files, refuse_auto_map
 
-        try:
-            check_config(spec, _read_json(config, f"MODEL {spec!r}"), config)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
+    try:
+        check_model_files(spec, directory)
+        config = directory / "config.json"
+        data = _read_json(config, f"MODEL {spec!r}")
+        check_config(spec, data, config)
+        refuse_auto_map(spec, config, data)
+        tokenizer = directory / "tokenizer_config.json"
+        if tokenizer.is_file():
+            refuse_auto_map(spec, tokenizer, _read_json(tokenizer, f"MODEL {spec!r}"))
+    except (ValueError, FileNotFoundError) as err:
+        raise UsageError(str(err)) from None
     for weights in sorted(directory.glob("*.safetensors")):
         check_safetensors(weights, f"MODEL {spec!r}")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["SIZE_FIELDS", "check_config"]
+__all__ = ["SIZE_FIELDS", "check_config", "check_model_files", "refuse_auto_map"]
 
 _WIDTH = 1 << 17   # hidden and MLP widths: published models stay under 32k
 _HEADS = 1 << 12
@@ -62,3 +62,31 @@ def check_config(spec: str, config, path: str | Path) -> None:
             if error:
                 raise ValueError(f"MODEL {spec!r}: {path}: {error}; repair config.json (use the one saved "
                                  "with the weights)")
+
+
+#: Why a directory asking for its own code is refused.
+NO_REMOTE_CODE = ("; osdn-diag never runs code from a model directory: use a checkpoint of an architecture "
+                  "that transformers, fla or osdn-diag provides")
+
+
+def check_model_files(spec: str, directory: Path) -> None:
+    """The files a Hugging Face model directory must hold: ``config.json`` and ``*.safetensors``
+    weights (pickled ``*.bin``/``*.pt`` weights are named and refused). Raises ``FileNotFoundError``.
+    Pure Python: the command line checks this before importing torch."""
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"MODEL {spec!r}: expected a Hugging Face model directory with config.json "
+                                "(or random:PRESET)")
+    if not any(directory.glob("*.safetensors")):
+        pickles = sorted(p.name for pattern in ("*.bin", "*.pt") for p in directory.glob(pattern))
+        hint = f" (found {', '.join(pickles)}: pickled weights are not loaded)" if pickles else ""
+        raise FileNotFoundError(f"MODEL {spec!r}: no *.safetensors weights in {directory}{hint}")
+
+
+def refuse_auto_map(spec: str, path: Path, data) -> None:
+    """Refuse a parsed ``config.json`` / ``tokenizer_config.json`` (``data``, read from ``path``) that
+    asks for custom code by an ``auto_map``. Raises ``ValueError``."""
+    if isinstance(data, dict) and data.get("auto_map"):
+        classes = data["auto_map"]
+        listed = ", ".join(map(str, classes.values() if isinstance(classes, dict) else classes))
+        raise ValueError(f"MODEL {spec!r}: {path} asks for custom code (auto_map: {listed}){NO_REMOTE_CODE} "
+                         "(if its model_type is one, delete auto_map)")

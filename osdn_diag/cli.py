@@ -605,14 +605,17 @@ def _run_command(args: argparse.Namespace) -> int:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that describe the user's input (a file, a layer, an argument, the machine)
-    rather than a fault of this package: printed as one line."""
-    from safetensors import SafetensorError
-
-    from ._interpret import InterpreterUnavailable
-    from .capture.store import IncompleteRunError
-    from .replay import FidelityError
-
-    return (ValueError, OSError, IncompleteRunError, FidelityError, SafetensorError, InterpreterUnavailable)
+    rather than a fault of this package: printed as one line. Only classes of modules already
+    imported: an error cannot be an instance of a class never loaded, and importing their modules
+    (torch) would add seconds to an error found before the command imported anything heavy."""
+    classes = [ValueError, OSError]
+    for module, name in (("safetensors", "SafetensorError"), ("osdn_diag._interpret", "InterpreterUnavailable"),
+                         ("osdn_diag.rundir", "IncompleteRunError"),
+                         ("osdn_diag.replay.call", "FidelityError")):
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None:
+            classes.append(cls)
+    return tuple(classes)
 
 
 class Terminated(KeyboardInterrupt):

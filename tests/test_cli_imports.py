@@ -58,3 +58,51 @@ def test_help_and_prove_import_none_of_torch_fla_transformers(argv):
 def test_report_of_a_stream_run_imports_none_of_them(stream_run):
     assert _imported(["report", str(stream_run)]) == []
     assert (stream_run / "report.md").is_file()
+
+
+# A failing command: prints which of HEAVY it imported, and its exit status and message.
+FAILING = """
+import contextlib, io, json, sys
+from osdn_diag.cli import entry
+err = io.StringIO()
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+    rc = entry(json.loads(sys.argv[1]))
+print(json.dumps([rc, err.getvalue(), [m for m in %r if m in sys.modules]]))
+""" % (HEAVY,)
+
+
+def _model_dir(tmp_path, name, files: dict[str, str]):
+    d = tmp_path / name
+    d.mkdir()
+    for file, text in files.items():
+        (d / file).write_text(text)
+    return d
+
+
+CONFIG = '{"model_type": "gated_deltanet", "num_heads": 2, "hidden_size": 64}'
+
+
+@pytest.mark.parametrize("files,message", [
+    ({"config.json": '{"model_type": "gated_deltanet", "num_heads": 0}', "model.safetensors": ""},
+     "num_heads must be a positive integer"),
+    ({"config.json": CONFIG}, "no *.safetensors weights in"),
+    ({"config.json": CONFIG, "pytorch_model.bin": "x"}, "found pytorch_model.bin: pickled weights are not loaded"),
+    ({"weights.safetensors": ""}, "expected a Hugging Face model directory with config.json"),
+    ({"config.json": CONFIG.replace("}", ', "auto_map": {"AutoModel": "evil.Model"}}'), "model.safetensors": ""},
+     "asks for custom code (auto_map: evil.Model)"),
+    ({"config.json": CONFIG, "tokenizer_config.json": '{"auto_map": ["evil.Tok"]}', "model.safetensors": ""},
+     "tokenizer_config.json asks for custom code"),
+    ({"config.json": CONFIG, "model.safetensors": "garbage"}, "is not a readable safetensors file"),
+], ids=["config-size", "no-weights", "pickles", "no-config", "auto-map", "tokenizer-auto-map", "bad-weights"])
+def test_model_errors_found_from_files_import_none_of_them(tmp_path, files, message):
+    """A model directory refused for what its files say fails before torch, fla or transformers is
+    imported (seconds of a cold start): one line, exit 2, the loader's own message."""
+    model = _model_dir(tmp_path, "model", files)
+    argv = ["run", str(model), "--prompts", "mqar", "--num-prompts", "2", "--length", "64", "-q",
+            "--out", str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "-c", FAILING, json.dumps(argv)], capture_output=True, text=True,
+                          timeout=120)
+    rc, err, heavy = json.loads(done.stdout.strip().splitlines()[-1])
+    assert rc == 2 and message in err and "Traceback" not in err, err
+    assert heavy == []
+    assert not (tmp_path / "out").exists()

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from .._config_checks import NO_REMOTE_CODE, check_config, check_model_files, refuse_auto_map
 from .._fla_import import config_class, import_model_type
 from ..catalog.presets import PRESETS
 
@@ -130,15 +131,7 @@ def load_model(
             hub = source_info.as_dict()
         else:
             directory = Path(spec)
-        if not (directory / "config.json").is_file():
-            raise FileNotFoundError(
-                f"MODEL {spec!r}: expected a Hugging Face model directory with config.json "
-                "(or random:PRESET)"
-            )
-        if not list(directory.glob("*.safetensors")):
-            pickles = [p.name for p in directory.glob("*.bin")] + [p.name for p in directory.glob("*.pt")]
-            hint = f" (found {', '.join(pickles)}: pickled weights are not loaded)" if pickles else ""
-            raise FileNotFoundError(f"MODEL {spec!r}: no *.safetensors weights in {directory}{hint}")
+        check_model_files(spec, directory)
         config = _refuse_remote_code(spec, directory)
         file_dtypes = _checkpoint_dtypes(spec, directory)
         # ignore_mismatched_sizes: transformers then reports a wrong shape in the loading info (which
@@ -260,19 +253,12 @@ def _refuse_remote_code(spec: str, directory: Path) -> dict:
     or this package registers (fla and :func:`register` must have run). Reads JSON only."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    what = ("; osdn-diag never runs code from a model directory: use a checkpoint of an architecture "
-            "that transformers, fla or osdn-diag provides")
+    what = NO_REMOTE_CODE
     config = _read_json(spec, directory / "config.json")
-    from .._config_checks import check_config
-
     check_config(spec, config, directory / "config.json")  # sizes a model can be built with
     for name, data in (("config.json", config),
                        ("tokenizer_config.json", _read_json(spec, directory / "tokenizer_config.json"))):
-        if isinstance(data, dict) and data.get("auto_map"):
-            classes = data["auto_map"]
-            listed = ", ".join(map(str, classes.values() if isinstance(classes, dict) else classes))
-            raise ValueError(f"MODEL {spec!r}: {directory / name} asks for custom code (auto_map: "
-                             f"{listed}){what} (if its model_type is one, delete auto_map)")
+        refuse_auto_map(spec, directory / name, data)
     _check_implementations(spec, directory / "config.json", config)
     model_type = config.get("model_type") if isinstance(config, dict) else None
     import_model_type(model_type if isinstance(model_type, str) else None)  # fla's model of that type

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
 from dataclasses import replace
 from collections.abc import Callable
@@ -109,6 +110,31 @@ def _bind(fn: Callable, args: tuple, kwargs: dict, *, defaults: bool = True) -> 
     return kw
 
 
+def _check_runnable_here(model: torch.nn.Module) -> None:
+    """An fla model on the CPU runs its Triton kernels (norms, convolution, gates) under Triton's
+    interpreter, which must be on before triton or fla was imported (:func:`osdn_diag.runtime.prepare`).
+    Switch it on where it still can be; where fla was imported first, kernels built for a GPU would
+    end the forward deep in Triton ("0 active drivers"): say so here, in one line, with what to do."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+        return
+    if not any(type(m).__module__.startswith("fla.") for m in model.modules()):
+        return  # a transformers model's torch code: no Triton kernel runs
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type != "cpu":
+        return
+    from .. import runtime
+    from .._interpret import InterpreterUnavailable
+
+    try:
+        runtime.prepare("cpu")
+    except InterpreterUnavailable:
+        raise InterpreterUnavailable(
+            "this machine has no GPU, and fla was imported before Triton's interpreter was switched on, so "
+            "its kernels were built for a GPU and cannot run; in a new Python process, `import "
+            "osdn_diag.models` before importing fla (or set TRITON_INTERPRET=1 in the environment)"
+        ) from None
+
+
 class Capture:
     """The live capture session; see :func:`capture`.
 
@@ -152,6 +178,7 @@ class Capture:
             hf.skipped_layers(model, [i for i, _, m in self.layers])
             if any(hf.is_transformers_layer(m) for _, _, m in self.layers) else []
         )
+        _check_runnable_here(model)
         self.model = model
         self.kernels = kernels
         self.offload = offload

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import osdn_diag
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _fresh_python import run_json  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fla_interpreter")
 
@@ -109,3 +114,38 @@ def test_in_memory_positions_and_position_bins_follow_the_prompt_lengths():
     assert boundary.keys() == {"a", "b"}
     assert math.isclose(boundary["a"], (9 / 19 + 8 / 17) / 2, rel_tol=1e-12)
     assert math.isclose(boundary["b"], 6 / 13, rel_tol=1e-12)
+
+
+# An fla model built on a CPU, fla imported before or after osdn_diag.models, Triton's interpreter not
+# set in the environment: the README's snippet as a user writes it.
+_ORDER = """
+import json, sys
+first = sys.argv[1]
+if first == "osdn":
+    import osdn_diag.models
+import torch
+from fla.models import DeltaNetConfig, DeltaNetForCausalLM
+import osdn_diag
+model = DeltaNetForCausalLM(DeltaNetConfig(hidden_size=32, num_hidden_layers=1, num_heads=2,
+                                           vocab_size=50)).eval()
+try:
+    with torch.no_grad(), osdn_diag.capture(model) as cap:
+        model(torch.randint(0, 50, (1, 8)))
+    out = {"q_geo": osdn_diag.replay(cap).summary["q_geo"]}
+except Exception as err:
+    out = {"error": type(err).__name__, "message": str(err)}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("first", ["fla", "osdn"])
+def test_cpu_capture_whichever_was_imported_first(first):
+    """With osdn_diag.models imported first the interpreter is on and capture works; with fla first its
+    kernels were built for a GPU: capture refuses in one line saying what to do, instead of a Triton
+    traceback from inside the forward."""
+    out = run_json(_ORDER.replace("sys.argv[1]", repr(first)), unset=("TRITON_INTERPRET",), timeout=300)
+    if first == "osdn":
+        assert 0 < out["q_geo"] < 1
+    else:
+        assert out["error"] == "InterpreterUnavailable"
+        assert "import osdn_diag.models` before importing fla" in out["message"]

@@ -51,6 +51,15 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> None:
     if not os.access(base, os.W_OK | os.X_OK):
         raise UsageError(f"{what} {str(path)!r}: {str(base)!r} is not writable; give a directory you can "
                          "write to")
+    # os.access answers yes to root everywhere, /proc and /sys included, and nothing about a read-only
+    # mount: make (and at once remove) a directory where the command will make its own.
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".osdn-diag-probe-", dir=base))
+    except OSError as err:
+        raise UsageError(f"{what} {str(path)!r}: no directory can be made in {str(base)!r} "
+                         f"({err.strerror or err}); give a directory you can write to") from None
 
 
 def check_writable_file(path: str | os.PathLike, what: str) -> None:

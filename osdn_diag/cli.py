@@ -645,6 +645,56 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+class _ReaderMayLeave:
+    """Standard output whose reader may go away (``osdn-diag run … | head``): the first write to a
+    closed pipe sends the rest of the output to /dev/null, and the command goes on to its end (its
+    files complete, its exit status its own), where a plain stream would raise BrokenPipeError in
+    whatever line was printing, ending a finished run in an error."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _gone(self) -> None:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no file descriptor (a StringIO): drop the output
+            import io
+
+            self._stream = io.StringIO()
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _reader_may_leave():
+    """:class:`_ReaderMayLeave` as ``sys.stdout`` while the block runs."""
+    previous = sys.stdout
+    sys.stdout = _ReaderMayLeave(previous)
+    try:
+        yield
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            sys.stdout = previous
+
+
 def entry(argv: list[str] | None = None) -> int:
     """The console script: like :func:`main`, but an error about the user's input (a file, a layer,
     an argument) is printed as one line and exits with status 2, Ctrl-C exits with status 130 and
@@ -658,7 +708,7 @@ def entry(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("OSDN_DIAG_DEBUG") == "1"
     try:
-        with _sigterm_as_interrupt():
+        with _sigterm_as_interrupt(), _reader_may_leave():
             return main(argv, report_workers=True)
     except SystemExit as done:  # argparse: --help, or a usage error it has printed on one line
         if isinstance(done.code, int) or done.code is None:

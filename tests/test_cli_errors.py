@@ -95,6 +95,9 @@ if not torch.cuda.is_available():
     CASES.append(("device-cuda-without-gpu", [*RUN, "--device", "cuda", "--out", "{tmp}/o"], 2, "sees no CUDA GPU"))
 if os.geteuid() != 0:  # root writes anywhere
     CASES.append(("out-read-only", [*RUN, "--out", "{readonly}/o"], 2, "is not writable"))
+if os.path.isdir("/proc/self"):  # a file system where even root makes no directory
+    CASES.append(("out-in-proc", [*RUN, "--out", "/proc/osdn-diag-x/o"], 2,
+                  "argument --out '/proc/osdn-diag-x/o': no directory can be made in '/proc'"))
 
 
 @pytest.fixture(scope="module")

@@ -134,3 +134,26 @@ def test_sigterm_stops_a_command_as_ctrl_c_does_with_one_line_and_status_143(tmp
     assert proc.returncode == 143, err
     assert err == "osdn-diag: terminated (SIGTERM)\n"
     assert not out.exists()  # the lock file went, and the directory the lock made
+
+
+# `prove` on six of the ledger's quick claims, printing a line per claim, then its table.
+_PROVE = """
+import sys
+from osdn_diag.proofs import ledger
+ledger.CLAIMS = ledger.CLAIMS[2:8]
+sys.argv = ["osdn-diag", "prove"]
+from osdn_diag.cli import console
+console()
+"""
+
+
+def test_a_reader_that_leaves_ends_nothing(tmp_path):
+    """`osdn-diag … | head -1`: the reader closes the pipe after one line; the command still runs to
+    its end and exits with its own status, with no "Broken pipe" error."""
+    proc = subprocess.Popen([sys.executable, "-c", _PROVE], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as head does after its lines
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err
+    assert first.strip() and "Broken pipe" not in err and "Traceback" not in err, err

@@ -130,10 +130,8 @@ def main(argv=None) -> dict:
     if a.chunk_sweep and chunk:
         # chunk sizes x state rows x warps x pipeline stages of the walk; plain fp32 products
         # ("ieee") are FMA loops Triton unrolls: minutes to compile, one point
-        # (wider keys: fewer state rows per program, whose [K, BV] tile lives in registers)
-        rows_swept = (32, 64) if K <= 128 else (16, 32)
-        points = [*itertools.product((16, 32), rows_swept, (4, 8), (1, 2), ("tf32x3",)),
-                  (64, rows_swept[-1], 4, 1, "tf32x3"), (16, rows_swept[-1], 8, 2, "ieee")]
+        points = [*itertools.product((16, 32), (32, 64), (4, 8), (1, 2), ("tf32x3",)), (64, 64, 4, 1, "tf32x3"),
+                  (16, 64, 8, 2, "ieee")]
         for C, bv, warps, stages, prec in points:
             if bv > max(V, 16):
                 continue

@@ -54,8 +54,9 @@ from ._common import int_in_range, power_of_two, replay_result
 __all__ = ["MAX_KEY_DIM", "PRECISIONS", "GrowingStateError", "chunk_replay"]
 
 #: Widest key the chunked replay takes: a program holds ``Sᵀ`` as ``[K, BV]`` and a chunk's ``[C, K]``
-#: key tiles in registers.
-MAX_KEY_DIM = 256
+#: key tiles in registers. (At K = 256, with fewer state rows per program, it computes the same to
+#: 7.5e-7 but runs at a third of the fused replay's speed on an H200: ``benchmarks/RESULTS.md``.)
+MAX_KEY_DIM = 128
 
 
 class GrowingStateError(ValueError):
@@ -302,7 +303,7 @@ def chunk_replay(
 
     Args:
         q, k: ``[B, T, H, K]`` queries and read keys, as the kernel read them (no normalisation here),
-            ``K ≤ 256`` (:data:`MAX_KEY_DIM`; wider keys: ``ValueError``, ``fused_replay`` replays them).
+            ``K ≤ 128`` (:data:`MAX_KEY_DIM`; wider keys: ``ValueError``, ``fused_replay`` replays them).
         v: ``[B, T, H, V]``; beta: ``[B, T, H]``.
         write_key: ``[B, T, H, K]`` (OSDN's ``d ⊙ k``) or ``None`` (the read key writes).
         g: log decay per head ``[B, T, H]``, at most 0, or ``None``. A key-channel gate ``[B, T, H, K]``
@@ -314,7 +315,7 @@ def chunk_replay(
         cu_seqlens: ``[N + 1]`` packed sequence bounds with ``B = 1``, or ``None`` (``N = B``).
         chunk_size: tokens per chunk, a power of two from 16 to 64 (default 16).
         block_v: state rows per program of the walk (a power of two, 16 to 128; default 64, 32 with a
-            gate or K > 128).
+            gate).
         precision: ``tl.dot``'s input precision, one of :data:`PRECISIONS`.
         num_warps: warps per program of the walk (a power of two, 1 to 16; default 8, 4 with a gate).
         num_stages: chunks the walk loads ahead (``tl.range``'s pipeline stages, 1 to 4; default 2).
@@ -347,8 +348,8 @@ def chunk_replay(
                          "osdn_diag.ops.fused_replay replays wider keys")
     C = power_of_two("chunk_replay", "chunk_size", chunk_size, 16, 64)
     BK = max(triton.next_power_of_2(K), 16)
-    if block_v is None:  # the state's [K, BV] tile shares a program's registers with the chunk's
-        block_v = 64 if g is None and K <= 128 else 32
+    if block_v is None:
+        block_v = 64 if g is None else 32
     BV = power_of_two("chunk_replay", "block_v", block_v, 16, 128)
     BV = min(BV, max(triton.next_power_of_2(V), 16))
     if num_warps is None:

@@ -233,9 +233,10 @@ def chunk_applies(args: dict) -> bool:
 
 
 def triton_replay(args: dict, *, chunked: bool = True):
-    """One call's recurrence by a Triton replay: the chunked one where it applies (tensor cores, several
-    times faster at K ≤ 256: ``docs/performance.md``), the token-by-token one elsewhere (fp64, a
-    key-channel gate, a growing state). Both meet the same contract and the same fidelity check. The
+    """One call's recurrence by a Triton replay: the chunked one where it applies (tensor cores: on an
+    H200, 1.5–1.7× the fused replay's speed at K = 64 and 128, ungated or with a head gate,
+    ``benchmarks/RESULTS.md``), the token-by-token one elsewhere (fp64, wider keys, a key-channel gate,
+    a growing state). Both meet the same contract and the same fidelity check. The
     result's ``kernel`` attribute names the one that ran."""
     if chunked and chunk_applies(args):
         from ..ops.replay_chunk import GrowingStateError, chunk_replay

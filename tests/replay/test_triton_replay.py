@@ -36,7 +36,8 @@ def _reference(args):
 @pytest.mark.parametrize("K,gate,dtype,expected", [
     (16, None, torch.float32, "chunk"),
     (16, "head", torch.float32, "chunk"),
-    (256, None, torch.float32, "chunk"),          # the widest key it takes
+    (128, None, torch.float32, "chunk"),          # the widest key it takes
+    (256, None, torch.float32, "fused"),          # wider: the fused replay, faster there
     (16, "channel", torch.float32, "fused"),      # a key-channel gate: per-channel ratios in a chunk
     (16, None, torch.float64, "fused"),           # the chunked replay is fp32 only
 ])
@@ -59,7 +60,7 @@ def test_growing_state_falls_back_to_fused():
 
 
 def test_wider_keys_and_fused_backend_take_the_fused_replay():
-    args = _args(K=264, T=5)
+    args = _args(K=129, T=5)
     assert not chunk_applies(args)
     assert triton_replay(args).kernel == "fused"
     assert triton_replay(_args(), chunked=False).kernel == "fused"

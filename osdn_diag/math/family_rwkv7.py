@@ -13,6 +13,14 @@ Inputs ``[B, T, H, ·]``: ``r`` (queries), ``removal_key`` (κ̂ = −a), ``b``,
 ``w`` (log decay, ``[B, T, H, K]``). Two token-local losses ``½‖S x − v_t‖²``: on the removal key
 (``x = κ̂_t``, the main loss: ``loss_before``, ``loss_before_decayed``, ``loss_after``) and on the write
 key (``x = k_t``: ``columns["loss_before_alt"]``, ``columns["loss_after_alt"]``).
+
+**The update's own target.** Along κ̂ the update gives
+``S_tκ̂ = S_{t−1}D_tκ̂ − c_b S_{t−1}κ̂ + c_k v_t`` with ``c_b = ⟨b_t, κ̂_t⟩``, ``c_k = ⟨k_t, κ̂_t⟩``;
+without decay ``S_tκ̂ − y = (1 − c_b)(S_{t−1}κ̂ − y)`` exactly when ``c_b y = c_k v_t``, so the update
+drives the prediction toward ``y_t = (c_k / c_b) v_t``, not toward ``v_t`` (the two agree only when
+``c_k = c_b``). ``columns["target_scale"]`` is ``c_k / c_b``; ``loss_before_own``,
+``loss_before_own_decayed``, ``loss_after_own`` are ``½‖S κ̂_t − y_t‖²`` at ``S_{t−1}``, ``S_{t−1}D_t``
+and ``S_t`` (NaN where ``c_b = 0``).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch
 from .._checks import check_cu_seqlens, check_finite, check_shape, check_tensor
 from .recurrence import RecurrenceResult
 
-__all__ = ["rwkv7_recurrence"]
+__all__ = ["rwkv7_recurrence", "target_scale"]
 
 
 def _apply(S: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -34,20 +42,34 @@ def _loss(S, x, v):
     return 0.5 * (_apply(S, x) - v).square().sum(-1)
 
 
-def _scan(r, kh, b, k, v, decay, S):
+def target_scale(removal_key: torch.Tensor, b: torch.Tensor, write_key: torch.Tensor) -> torch.Tensor:
+    """``c_k / c_b`` (``[..., K]`` inputs → ``[...]``), with ``c_k = ⟨k, κ̂⟩`` and ``c_b = ⟨b, κ̂⟩``: the
+    own target of the update along κ̂ is ``(c_k / c_b) v`` (module docstring). NaN where ``c_b = 0``
+    (nothing is erased, so the update has no fixed point along κ̂)."""
+    c_k = (write_key * removal_key).sum(-1)
+    c_b = (b * removal_key).sum(-1)
+    return torch.where(c_b != 0, c_k / torch.where(c_b != 0, c_b, 1.0), torch.full_like(c_b, float("nan")))
+
+
+def _scan(r, kh, b, k, v, decay, S, scale_t):
     B, L, H, _ = k.shape
     o = r.new_empty(B, L, H, v.shape[-1])
-    out = {n: r.new_empty(B, L, H) for n in ("before", "before_dec", "after", "before_alt", "after_alt")}
+    names = ("before", "before_dec", "after", "before_alt", "after_alt", "before_own", "before_own_dec", "after_own")
+    out = {n: r.new_empty(B, L, H) for n in names}
     for t in range(L):
         kt, vt, xt = kh[:, t], v[:, t], k[:, t]
+        yt = scale_t[:, t, :, None] * vt  # the update's own target along κ̂
         out["before"][:, t] = _loss(S, kt, vt)
         out["before_alt"][:, t] = _loss(S, xt, vt)
+        out["before_own"][:, t] = _loss(S, kt, yt)
         S_dec = S * decay[:, t, :, None, :]
         out["before_dec"][:, t] = _loss(S_dec, kt, vt)
+        out["before_own_dec"][:, t] = _loss(S_dec, kt, yt)
         # The erase reads the state before the decay: S a bᵀ with a = −κ̂.
         S = S_dec - _apply(S, kt)[..., :, None] * b[:, t, :, None, :] + vt[..., :, None] * xt[..., None, :]
         out["after"][:, t] = _loss(S, kt, vt)
         out["after_alt"][:, t] = _loss(S, xt, vt)
+        out["after_own"][:, t] = _loss(S, kt, yt)
         o[:, t] = _apply(S, r[:, t])
     return o, S, out
 
@@ -80,7 +102,8 @@ def rwkv7_recurrence(
     Returns:
         :class:`RecurrenceResult` with ``final_state [N, H, V, K]``, the removal-key losses,
         ``write_gain = ⟨b_t, κ̂_t⟩`` (the erase's gain along κ̂), and ``columns`` ``loss_before_alt``,
-        ``loss_after_alt`` (the write-key losses).
+        ``loss_after_alt`` (the write-key losses), ``target_scale`` and the own-target losses
+        ``loss_before_own``, ``loss_before_own_decayed``, ``loss_after_own`` (module docstring).
     """
     named = (("r", r), ("removal_key", removal_key), ("b", b), ("write_key", write_key), ("v", v), ("w", w))
     for name, x in named:
@@ -110,7 +133,8 @@ def rwkv7_recurrence(
         segs = [(slice(None), S0.clone())]
     else:
         segs = [(slice(s, e), S0[n : n + 1].clone()) for n, (s, e) in enumerate(zip(offsets[:-1], offsets[1:]))]
-    parts = [_scan(r[:, sl], kh[:, sl], b[:, sl], k[:, sl], v[:, sl], decay[:, sl], S) for sl, S in segs]
+    scale_t = target_scale(kh, b, k)
+    parts = [_scan(r[:, sl], kh[:, sl], b[:, sl], k[:, sl], v[:, sl], decay[:, sl], S, scale_t[:, sl]) for sl, S in segs]
     cat = lambda name: torch.cat([p[2][name] for p in parts], dim=1)  # noqa: E731
     return RecurrenceResult(
         o=torch.cat([p[0] for p in parts], dim=1),
@@ -119,5 +143,7 @@ def rwkv7_recurrence(
         loss_after=cat("after"),
         write_gain=(b * kh).sum(-1),
         loss_before_decayed=cat("before_dec"),
-        columns={"loss_before_alt": cat("before_alt"), "loss_after_alt": cat("after_alt")},
+        columns={"loss_before_alt": cat("before_alt"), "loss_after_alt": cat("after_alt"),
+                 "loss_before_own": cat("before_own"), "loss_before_own_decayed": cat("before_own_dec"),
+                 "loss_after_own": cat("after_own"), "target_scale": scale_t},
     )

@@ -106,6 +106,10 @@ class Replayer:
         # self.ratios / self.post (see _per_token), so only micro-step calls are accumulated here.
         self.tokens = RatioAccumulator("token_ratio")
         self.tokens_post = RatioAccumulator("token_ratio_post")
+        # A family's own summary figures (families.figures()): name -> (column, post-decay column)'s
+        # accumulators, fed by the calls whose replay returns the column.
+        self.figures = {name: (RatioAccumulator(col), RatioAccumulator(post))
+                        for name, (col, post) in families.figures().items()}
         self.audit = AuditAccumulator()
         # Generated streams: their prompt's tokens (prefill) and the tokens decoded after it, apart.
         self.phases = {"prefill": RatioStats(), "decode": RatioStats()}
@@ -161,6 +165,13 @@ class Replayer:
             first = {k: v[res.device_columns["step"] == 0] for k, v in res.device_columns.items()}
             for acc in (self.tokens, self.tokens_post):
                 acc.add(call.layer, first, tasks, res.sequence_lengths, call.num_heads)
+        for accs in self.figures.values():
+            for acc in accs:
+                if acc.column in res.device_columns:
+                    # A figure's value may be undefined (NaN) on a finite token: left out, and counted.
+                    cols = dict(res.device_columns)
+                    cols["finite"] = cols["finite"].bool() & torch.isfinite(cols[acc.column])
+                    acc.add(call.layer, cols, tasks, res.sequence_lengths, call.num_heads)
         self.audit.add(call, res.grid["loss_before"], res.grid["finite"])
         decode_start = _decode_start(call)
         if decode_start >= 0:
@@ -228,6 +239,9 @@ class Replayer:
         self.post.merge(other.post)
         self.tokens.merge(other.tokens)
         self.tokens_post.merge(other.tokens_post)
+        for name, accs in getattr(other, "figures", {}).items():
+            for mine, theirs in zip(self.figures[name], accs):
+                mine.merge(theirs)
         self.audit.merge(other.audit)
         for phase, stats in other.phases.items():
             self.phases[phase] += stats
@@ -252,7 +266,7 @@ class Replayer:
         """What :meth:`merge` needs, picklable (sent between ranks)."""
         self.flush()
         return {name: getattr(self, name) for name in (
-            "ratios", "post", "tokens", "tokens_post", "audit", "phases", "retention", "fidelity", "against", "families", "tolerances", "nonfinite",
+            "ratios", "post", "tokens", "tokens_post", "figures", "audit", "phases", "retention", "fidelity", "against", "families", "tolerances", "nonfinite",
             "excluded_streams", "streams", "state_fidelity", "state_meta", "comparator_tables")}
 
     def _add_against(self, layer: int, kernels: str) -> None:
@@ -282,6 +296,10 @@ class Replayer:
         if self.post.cells:
             summary["post_decay"] = self.post.summary(boundary, self.families)
             _add_per_token(summary["post_decay"], _per_token(self.post, self.tokens_post, self.families))
+        for name, (acc, post) in self.figures.items():
+            _add_figure(summary, name, acc, self.families)
+            if "post_decay" in summary:
+                _add_figure(summary["post_decay"], name, post, self.families)
         # The headline error counts only layers checked against a live kernel: replaying the stand-in
         # reproduces it by construction, so its agreement is no evidence (null when no kernel ran).
         live = [v for k, v in self.fidelity.items() if self.against.get(k, "fla") != "reference"]
@@ -355,6 +373,18 @@ def _add_per_token(summary: dict, per_token: dict) -> None:
         entry["unit"] = "micro-step" if family in families.MICRO_STEP_FAMILIES else "token"
         entry["q_geo_per_token"] = stats["q_geo"]
         entry["n_tokens"] = stats["n"]
+
+
+def _add_figure(summary: dict, name: str, acc: RatioAccumulator, layer_families: dict[int, str]) -> None:
+    """A family's own figure (:func:`families.figures`) in the ``by_family`` entries of the families
+    whose layers fed it: ``q_geo_<name>`` and ``n_<name>``."""
+    if not acc.cells:
+        return
+    stats = acc.per_token(layer_families)["by_family"]
+    for family, entry in summary.get("by_family", {}).items():
+        if family in stats:
+            entry[f"q_geo_{name}"] = stats[family]["q_geo"]
+            entry[f"n_{name}"] = stats[family]["n"]
 
 
 class _Solve:

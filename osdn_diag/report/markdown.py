@@ -146,6 +146,26 @@ def _units_note(runs) -> list[str]:
             "q_geo^n for n micro-steps per token: it is the column that compares across families.", ""]
 
 
+def _own_target_note(runs) -> list[str]:
+    """Beside the contraction table, for runs with RWKV-7 layers: their q_geo toward the update's own
+    target (``by_family -> rwkv7 -> q_geo_own_target``), which the table's q_geo (toward v) is not."""
+    lines = []
+    for label, _, s in runs:
+        for family, e in sorted(s.get("by_family", {}).items()):
+            if "q_geo_own_target" not in e:
+                continue
+            post = s.get("post_decay", {}).get("by_family", {}).get(family, {}).get("q_geo_own_target")
+            lines.append(
+                f"- {label}, `{family}`: q_geo toward v_t {_q(e['q_geo'])} (the figure that compares with "
+                f"the delta rules); toward the update's own target (c_k/c_b)·v_t {_q(e['q_geo_own_target'])}"
+                + ("" if post is None else f", post-decay {_q(post)}")
+                + f" (`q_geo_own_target`, {e.get('n_own_target', 0):,} tokens)")
+    if not lines:
+        return []
+    return ["RWKV-7 writes drive the prediction along the removal key toward (c_k/c_b)·v_t, not v_t "
+            "(docs/families.md, RWKV-7):", "", *lines, ""]
+
+
 def _bins_table(runs) -> str:
     edges = runs[0][2]["position_bins"]["edges"]
     header = ["model", *[f"[{a:.1f}, {b:.1f})" for a, b in zip(edges[:-1], edges[1:])]]
@@ -728,6 +748,7 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
         _contraction_table(runs, micro),
         "",
         *_units_note(runs),
+        *_own_target_note(runs),
         *_nonfinite_note(runs),
     ]
     recall = _recall_table(runs)

@@ -224,3 +224,23 @@ def test_the_reference_stand_in_returns_the_kernels_outputs():
         o, ht = fn(**kw)
         o_ref, ht_ref = CombaAdapter(path).reference(kw)
         assert _rel(o_ref, o) <= RTOL and _rel(ht_ref, ht) <= RTOL
+
+
+def test_the_layers_p_is_a_shrunk_copy_of_k_after_the_normalisation():
+    """fla's layer passes p = k·sigmoid(decay); l2norm's ε (x / √(‖x‖² + 1e-6)) then gives
+    p̂ = c·k̂ with c = σ·√(‖k‖² + ε) / √(σ²‖k‖² + ε), well below 1 where σ²‖k‖² is not large against ε
+    (inner decay −4, keys of the tiny preset's size). The record keeps the two keys apart and the two
+    losses then give different ratios, each matching the fp64 loop."""
+    args = _inputs(11, Bn=1, Tn=24)
+    sig = torch.sigmoid(torch.tensor(-4.0))
+    args["k"] = 0.02 * args["k"] / args["k"].norm(dim=-1, keepdim=True)  # ‖k‖² = 4e-4 on every token
+    args["p"] = args["k"] * sig
+    out, call, res, ref = _run("fused_recurrent", args, l2norm=True)
+    _check(out, res, ref, 1, 24, None)
+    k2 = args["k"].double().square().sum(-1)
+    s = float(sig)
+    c = s * torch.sqrt(k2 + 1e-6) / torch.sqrt(s * s * k2 + 1e-6)
+    assert float(c.max()) < 0.4
+    assert torch.allclose(call.k.double(), c[..., None] * call.write_key.double(), atol=1e-6)
+    q, q_alt = res.columns["residual_ratio"], res.columns["residual_ratio_alt"]
+    assert float((q - q_alt).abs().max()) > 0.1

@@ -179,6 +179,23 @@ def test_fused_recurrent_fp32_rows_initial_state_and_momentum():
     assert res.state_fidelity <= 1e-5 and res.fidelity <= 1e-5
 
 
+def test_the_output_check_measures_the_kernel_against_an_independent_replay():
+    """fla's fused recurrent path is an fp32 torch loop of the recurrence's own operations: a replay
+    repeating them in fp32 would agree to the last bit. The replay runs in fp64, so the check reads the
+    kernel's real fp32 rounding (nonzero, far below the tolerance), and a record off by 1 % in one
+    token's β fails it."""
+    gen = torch.Generator().manual_seed(5)
+    kw = {**_inputs(gen, 2, 40, 2), "output_final_state": True}
+    _, call = _run("fused_recurrent_momentum_delta_rule", kw)
+    res = replay_call(call)
+    assert 1e-9 < res.fidelity <= 1e-5 and 1e-9 < res.state_fidelity <= 1e-5
+    rep = families.replays()["momentum_delta_rule"](call, dtype=torch.float32, bad=None, backend="torch")
+    assert rep.o.dtype == rep.loss_before.dtype == rep.final_momentum.dtype == torch.float32
+    call.beta[1, 3, 1] *= 1.01  # planted: the record is not what the kernel read
+    with pytest.raises(FidelityError):
+        replay_call(call)
+
+
 def test_fused_recurrent_edge_betas_zero_keys_and_flags_off():
     gen = torch.Generator().manual_seed(1)
     B, T, H = 1, 30, 3

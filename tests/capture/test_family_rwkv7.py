@@ -67,7 +67,9 @@ def _loop(x, h0=None, offsets=None, scale=1.0):
     B, T, H, _ = d["k"].shape
     segs = [(b, 0, T) for b in range(B)] if offsets is None else [(0, s, e) for s, e in zip(offsets[:-1], offsets[1:])]
     o = torch.zeros(B, T, H, V, dtype=torch.float64)
-    L = torch.zeros(4, B, T, H, dtype=torch.float64)  # before, after (κ̂); before, after (k)
+    # before, after (κ̂); before, after (k); toward the own target y = (c_k/c_b) v: before, decayed, after;
+    # c_k/c_b; c_b
+    L = torch.zeros(9, B, T, H, dtype=torch.float64)
     hf = torch.zeros(len(segs), H, K, V, dtype=torch.float64)
     for n, (b, s, e) in enumerate(segs):
         for hd in range(H):
@@ -77,8 +79,14 @@ def _loop(x, h0=None, offsets=None, scale=1.0):
                 f = lambda M, key: 0.5 * float(((M.T @ key - v) ** 2).sum())  # noqa: E731
                 L[0, b, t, hd], L[2, b, t, hd] = f(h, kk), f(h, k)
                 a, bb = -kk, kk * d["alpha"][b, t, hd]
+                c_k, c_b = float(k @ kk), float(bb @ kk)
+                c = c_k / c_b if c_b != 0 else math.nan
+                g = lambda M: 0.5 * float(((M.T @ kk - c * v) ** 2).sum())  # noqa: E731
+                L[4, b, t, hd], L[5, b, t, hd] = g(h), g(d["w"][b, t, hd].exp()[:, None] * h)
+                L[7, b, t, hd], L[8, b, t, hd] = c, c_b
                 h = d["w"][b, t, hd].exp()[:, None] * h + torch.outer(bb, a @ h) + torch.outer(k, v)
                 L[1, b, t, hd], L[3, b, t, hd] = f(h, kk), f(h, k)
+                L[6, b, t, hd] = g(h)
                 o[b, t, hd] = h.T @ (scale * d["r"][b, t, hd])
             hf[n, hd] = h
     return o, hf, L
@@ -107,15 +115,20 @@ def _run(kernel, kw, kernels="fla"):
 
 
 def _check(call, x, out, *, h0=None, offsets=None, tolerance=None, rel=1e-5):
-    o, hf, (before, after, before_k, after_k) = _loop(x, h0, offsets)
+    o, hf, (before, after, before_k, after_k, own_b, own_d, own_a, c, _) = _loop(x, h0, offsets)
     res = replay_call(call, tolerance=tolerance, state_tolerance=tolerance)
     cols = res.columns
     scale = before.abs().amax()
     for name, ref in (("loss_before", before), ("loss_after", after)):
         assert float((_grid(cols, call, name) - ref).abs().max() / scale) <= rel, name
-    for name, ref in (("residual_ratio", _ratio(after, before)), ("residual_ratio_alt", _ratio(after_k, before_k))):
+    for name, ref in (("residual_ratio", _ratio(after, before)), ("residual_ratio_alt", _ratio(after_k, before_k)),
+                      ("own_target_ratio", _ratio(own_a, own_b)), ("own_target_ratio_post", _ratio(own_a, own_d)),
+                      ("target_scale", c)):
         got = _grid(cols, call, name)
-        assert float(((got - ref).abs() / ref.abs().clamp_min(1e-2)).max()) <= 10 * rel, name
+        # NaN exactly where the own target is undefined (c_b = 0), and nowhere else.
+        assert torch.equal(got.isnan(), ref.isnan()), name
+        err = ((got - ref).abs() / ref.abs().clamp_min(1e-2)).nan_to_num(nan=0.0)
+        assert float(err.max()) <= 10 * rel, name
     rep = families.replays()["rwkv7"](call, dtype=torch.float32, bad=None, backend="torch")
     assert float((rep.o.double() - o).norm() / o.norm()) <= rel
     assert float((rep.final_state.double() - hf.transpose(-1, -2)).norm() / hf.norm()) <= rel
@@ -146,6 +159,22 @@ def test_fused_recurrent_rows_initial_state_edge_rates_and_zero_keys():
     res = _check(call, x, out, h0=h0)
     assert res.fidelity <= 1e-5 and res.state_fidelity <= 1e-5
     assert _grid(res.columns, call, "residual_ratio")[0, 18, 1] == 1.0
+    # A zero removal key erases nothing: no own target there (NaN), and the ratio toward v is 1.
+    assert _grid(res.columns, call, "own_target_ratio")[0, 18, 1].isnan()
+
+
+def test_without_decay_the_own_target_ratio_is_one_minus_the_erase_gain_squared():
+    """The derivation behind own_target_ratio: with D = I the update maps S κ̂ − y to
+    (1 − c_b)(S κ̂ − y) for y = (c_k/c_b) v, whatever c_k; toward v itself it does not contract so."""
+    gen = torch.Generator().manual_seed(7)
+    x = _inputs(gen, 1, 20, 2)
+    x["w"].zero_()
+    _, call = _run("fused_mul_recurrent_rwkv7", _kernel_kw(x, "fused_recurrent"))
+    res = replay_call(call)
+    c_b = (x["alpha"].double() * x["kk"].double() ** 2).sum(-1)
+    got = _grid(res.columns, call, "own_target_ratio")
+    assert float((got[:, 1:] - (1 - c_b[:, 1:]) ** 2).abs().max()) <= 1e-5  # token 0: empty state, loss ½‖y‖²
+    assert float((_grid(res.columns, call, "residual_ratio")[:, 1:] - (1 - c_b[:, 1:]) ** 2).abs().max()) > 1e-2
 
 
 def test_fused_recurrent_packed_sequences_with_initial_states():

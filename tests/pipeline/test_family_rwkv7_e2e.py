@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -58,16 +59,20 @@ def _fp64_rwkv7(x: dict, scale: float):
     T, H, K = x["k"].shape
     S = torch.zeros(H, x["v"].shape[-1], K, dtype=torch.float64)
     o = torch.zeros(T, H, x["v"].shape[-1], dtype=torch.float64)
-    L = {n: torch.zeros(T, H, dtype=torch.float64) for n in ("before", "decayed", "after", "before_k", "after_k")}
+    names = ("before", "decayed", "after", "before_k", "after_k", "own_before", "own_decayed", "own_after", "scale")
+    L = {n: torch.zeros(T, H, dtype=torch.float64) for n in names}
     apply = lambda A, y: torch.einsum("hvk,hk->hv", A, y)  # noqa: E731
     for t in range(T):
         kh, k, v = x["k"][t], x["write_key"][t], x["v"][t]
         loss = lambda A, key: 0.5 * (apply(A, key) - v).square().sum(-1)  # noqa: E731
-        L["before"][t], L["before_k"][t] = loss(S, kh), loss(S, k)
+        # The update's own target along κ̂: y = (c_k / c_b) v, c_k = ⟨k, κ̂⟩, c_b = ⟨κ̂ ⊙ α, κ̂⟩.
+        c = (k * kh).sum(-1) / (x["extra.b"][t] * kh).sum(-1)
+        own = lambda A: 0.5 * (apply(A, kh) - c[:, None] * v).square().sum(-1)  # noqa: E731
+        L["before"][t], L["before_k"][t], L["own_before"][t], L["scale"][t] = loss(S, kh), loss(S, k), own(S), c
         S_dec = S * x["g"][t].exp()[:, None, :]
-        L["decayed"][t] = loss(S_dec, kh)
+        L["decayed"][t], L["own_decayed"][t] = loss(S_dec, kh), own(S_dec)
         S = S_dec - apply(S, kh)[:, :, None] * x["extra.b"][t][:, None, :] + v[:, :, None] * k[:, None, :]
-        L["after"][t], L["after_k"][t] = loss(S, kh), loss(S, k)
+        L["after"][t], L["after_k"][t], L["own_after"][t] = loss(S, kh), loss(S, k), own(S)
         o[t] = apply(S, scale * x["q"][t])
     return o, S, L
 
@@ -115,12 +120,28 @@ def test_fla_run_matches_the_fp64_loop(tmp_path):
                         "loss_before_decayed": L["decayed"][:, h],
                         "residual_ratio": L["after"][:, h] / L["before"][:, h],
                         "residual_ratio_post": L["after"][:, h] / L["decayed"][:, h],
-                        "residual_ratio_alt": L["after_k"][:, h] / L["before_k"][:, h]}
+                        "residual_ratio_alt": L["after_k"][:, h] / L["before_k"][:, h],
+                        "own_target_ratio": L["own_after"][:, h] / L["own_before"][:, h],
+                        "own_target_ratio_post": L["own_after"][:, h] / L["own_decayed"][:, h],
+                        "target_scale": L["scale"][:, h]}
                 for c, w in want.items():
                     got = torch.tensor([table[c][i] for i in idx], dtype=torch.float64)
                     assert float(((got - w).abs() / w.abs()).max()) <= 1e-5, (c, prompt, meta["layer"], h)
                 checked += len(idx)
     assert checked == len(table["prompt"]) == sum(LENGTHS) * 2 * 2
+    # The summary's own-target figures are the table's geometric means (numpy, fp64), and report.md
+    # prints them beside the ratio toward v.
+    entry, post = summary["by_family"]["rwkv7"], summary["post_decay"]["by_family"]["rwkv7"]
+    for got, column in ((entry, "own_target_ratio"), (post, "own_target_ratio_post")):
+        q = np.asarray(table[column], dtype=np.float64)[np.asarray(table["finite"])]
+        q = q[np.isfinite(q)]
+        assert got["n_own_target"] == len(q) == checked
+        assert abs(got["q_geo_own_target"] / np.exp(np.log(np.maximum(q, 1e-30)).mean()) - 1) <= 1e-9
+    scale = np.asarray(table["target_scale"], dtype=np.float64)
+    assert 0 < np.median(scale) < 1 and entry["q_geo_own_target"] < entry["q_geo"]  # the write aims short of v
+    line = next(x for x in (run / "report.md").read_text().splitlines() if "q_geo_own_target" in x)
+    assert f"toward v_t {entry['q_geo']:.3f}" in line and f"(c_k/c_b)·v_t {entry['q_geo_own_target']:.3f}" in line
+    assert f"post-decay {post['q_geo_own_target']:.3f}" in line
 
 
 def test_tiny_preset_runs(tmp_path):

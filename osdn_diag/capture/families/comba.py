@@ -14,8 +14,9 @@ onto the canonical fields as follows (family ``"comba"``, replayed by
 
 With ``use_qk_l2norm_in_kernel`` both kernels normalise q, k *and* p: the chunk path stores them
 with ``l2norm_fwd`` in the input dtype, the fused recurrent kernel keeps them in fp32 registers.
-fla's layer passes ``p = k·sigmoid(decay)``, so after the normalisation ``p`` equals ``k`` up to the
-rounding of the product; a direct call may pass any ``p``.
+fla's layer passes ``p = k·sigmoid(decay)``; the normalisation's ε (``x / √(‖x‖² + 1e-6)``) then
+makes ``p`` a shorter copy of ``k``, ``p̂ = c·k̂`` with ``c < 1`` (far below 1 for small keys and a
+negative inner decay), so the two are recorded apart; a direct call may pass any ``p``.
 """
 
 from __future__ import annotations

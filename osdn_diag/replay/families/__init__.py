@@ -17,6 +17,11 @@
   An entry is a column name (stored in the replay's value type, float32 or float64) or a pair
   ``(name, arrow type name)`` such as ``("step", "int32")`` for a column of another type
   (:func:`column_types`); plain names keep working as before;
+* optionally ``FIGURES: dict[str, tuple[str, str]]`` — summary figures of the family's own:
+  ``name → (column, post-decay column)``; the summary's ``by_family`` entry of every family whose
+  layers fill ``column`` gets ``q_geo_<name>`` and ``n_<name>``, the geometric mean (with the
+  summary's floor) and count of the column's finite values, and its ``post_decay`` entry the same of
+  the post-decay column (:func:`figures`);
 * optionally ``HINTS: dict[str, Callable]`` — family name → ``hint(call) -> str | None``: what to add
   to a failed output check's message (a known limit of the family's kernel, and what to do).
 
@@ -29,7 +34,7 @@ import importlib
 from collections.abc import Callable
 from functools import cache
 
-__all__ = ["MICRO_STEP_FAMILIES", "MODULES", "NOT_APPLICABLE", "column_types", "columns", "hints", "replays"]
+__all__ = ["MICRO_STEP_FAMILIES", "MODULES", "NOT_APPLICABLE", "column_types", "columns", "figures", "hints", "replays"]
 
 #: Families whose write is not a delta-rule write along the loss's read key, so that swapping in
 #: ``d ⊙ k`` as the write key is not "the same writes under OSDN's preconditioner" (at η = 0 it would
@@ -95,4 +100,13 @@ def hints() -> dict[str, Callable]:
     out: dict[str, Callable] = {}
     for module in _modules():
         out.update(getattr(module, "HINTS", {}))
+    return out
+
+
+@cache
+def figures() -> dict[str, tuple[str, str]]:
+    """Every registered family's summary figures: name → (column, post-decay column)."""
+    out: dict[str, tuple[str, str]] = {}
+    for module in _modules():
+        out.update(getattr(module, "FIGURES", {}))
     return out

@@ -56,7 +56,13 @@ def _masked(call: KernelCall, bad: torch.Tensor | None, name: str):
 
 
 def replay(call: KernelCall, *, dtype: torch.dtype, bad: torch.Tensor | None, backend: str) -> MomentumResult:
-    """Recompute S and M for every token of ``call`` (both backends: the torch reference)."""
+    """Recompute S and M for every token of ``call`` (both backends: the torch reference), in fp64
+    whatever ``dtype``, the results returned in ``dtype``.
+
+    fla 0.6.0's fused recurrent entry point is itself a torch loop in fp32 whose operations are the
+    recurrence's, one for one: an fp32 replay would repeat its rounding exactly and its output check
+    would read 0 by construction, proving nothing. In fp64 the replay is the exact recurrence up to
+    ~1e-16, so the check measures the kernel's own fp32 (or chunk-form) error against the mathematics."""
     del backend  # one reference for both
     S0, M0 = call.initial_state, call.extra.get("initial_momentum")
     if bad is not None:
@@ -64,9 +70,19 @@ def replay(call: KernelCall, *, dtype: torch.dtype, bad: torch.Tensor | None, ba
     res = momentum_delta_rule_recurrence(
         *(_masked(call, bad, n) for n in ("q", "k", "v", "beta", "g", "log_mu")),
         write_key=_masked(call, bad, "write_key"), residual_key=_masked(call, bad, "residual_key"),
-        scale=call.scale, initial_state=S0, initial_momentum=M0, cu_seqlens=call.cu_seqlens, dtype=dtype,
+        scale=call.scale, initial_state=S0, initial_momentum=M0, cu_seqlens=call.cu_seqlens, dtype=torch.float64,
     )
+    res = _cast(res, dtype)
     _check_momentum(call, res, bad)
+    return res
+
+
+def _cast(res: MomentumResult, dtype: torch.dtype) -> MomentumResult:
+    """Every tensor of ``res`` in ``dtype`` (the replay's value type)."""
+    for name, value in vars(res).items():
+        if isinstance(value, torch.Tensor):
+            setattr(res, name, value.to(dtype))
+    res.columns = {k: v.to(dtype) for k, v in res.columns.items()}
     return res
 
 

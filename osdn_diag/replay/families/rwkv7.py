@@ -9,6 +9,12 @@ The loss read by ``loss_before`` / ``loss_after`` / ``residual_ratio`` is on the
 (the record's ``k``); :data:`COLUMNS`' ``residual_ratio_alt`` is the same ratio on the write key k_t
 (the record's ``write_key``), ``½‖S_t k_t − v_t‖² / ½‖S_{t−1} k_t − v_t‖²`` (1 where the loss before is
 0). docs/families.md says why.
+
+The update drives the prediction along κ̂_t toward its own target ``(c_k/c_b) v_t``
+(:mod:`osdn_diag.math.family_rwkv7`), not toward ``v_t``: ``own_target_ratio`` (and
+``own_target_ratio_post``, against the decayed state) is the ratio of the loss toward that target,
+``target_scale`` the factor ``c_k/c_b``. ``residual_ratio`` stays the ratio toward ``v_t``, the
+regression target every family shares, so it is the one that compares with the delta rules.
 """
 
 from __future__ import annotations
@@ -26,7 +32,11 @@ __all__ = ["COLUMNS", "REPLAYS", "replay"]
 FAMILY = "rwkv7"
 #: Shared with other families whose removal and write keys differ; per family docs/families.md says
 #: which key it reads.
-COLUMNS: tuple[str, ...] = ("residual_ratio_alt",)
+COLUMNS: tuple[str, ...] = ("residual_ratio_alt", "own_target_ratio", "own_target_ratio_post", "target_scale")
+
+#: Summary figures (:func:`osdn_diag.replay.families.figures`): ``q_geo_own_target`` is the geometric
+#: mean of ``own_target_ratio`` (``post_decay``: of ``own_target_ratio_post``) over a family's tokens.
+FIGURES = {"own_target": ("own_target_ratio", "own_target_ratio_post")}
 
 
 def replay(call: KernelCall, *, dtype: torch.dtype, bad: torch.Tensor | None, backend: str) -> RecurrenceResult:
@@ -40,6 +50,11 @@ def replay(call: KernelCall, *, dtype: torch.dtype, bad: torch.Tensor | None, ba
     res = rwkv7_recurrence(*xs, scale=call.scale, initial_state=S0, cu_seqlens=call.cu_seqlens, dtype=dtype)
     before_alt, after_alt = res.columns.pop("loss_before_alt"), res.columns.pop("loss_after_alt")
     res.columns["residual_ratio_alt"] = residual_ratio(after_alt, before_alt)
+    before_own, after_own = res.columns.pop("loss_before_own"), res.columns.pop("loss_after_own")
+    before_own_dec = res.columns.pop("loss_before_own_decayed")
+    # residual_ratio keeps NaN where the target is undefined (c_b = 0): NaN losses compare false.
+    res.columns["own_target_ratio"] = residual_ratio(after_own, before_own)
+    res.columns["own_target_ratio_post"] = residual_ratio(after_own, before_own_dec)
     return res
 
 

@@ -97,7 +97,8 @@ COVERED = {
         ("conditional", {}, None),
         ("under derivation", {"T": [1, 2, 3, 4]}, 4),
         ("under derivation", {}, 2),
-        ("without counterexample", {"K": [1]}, None),
+        ("without counterexample", {"K": [1], "V": [1]}, None),
+        ("witness", {"K": [1]}, None),
     ],
     "app-d4-alternating-counterexample": [
         ("derivation", {"K": [1], "V": [1]}, 7),
@@ -173,10 +174,7 @@ COUNTEREXAMPLES = {
         for reading in ("h_t ≡ 0 where u_t = 0", "h_t from Eq. (18)")
     ],
     "thm-5.2-super-geometric": [
-        (
-            "1 <= 0",
-            {"k_t": "1", "beta_t": "1/4", "d_min": "1/2", "d_max": "2", "q_min": "1/4", "rho": "1/4"},
-        ),
+        ("oo <= 0", {"k_t": "1", "v_t": "0", "S_0": "0", "beta_t": "1/2", "d_t": "2", "d*": "2", "rho": "1/2"}),
     ],
     "app-a5-apf-proximal-form": [
         (

@@ -17,6 +17,41 @@ __version__ = "0.1.0"
 __all__ = ["Results", "capture", "replay"]
 
 
+def _source_tree_proofs() -> None:
+    """Serve ``osdn_diag.proofs`` from the ``proofs/`` folder beside this package in a source checkout.
+
+    An installed distribution holds ``osdn_diag/proofs/``, found the ordinary way. In a checkout the
+    folder sits at the top of the repository (pyproject's ``package-dir``), and an editable install's
+    finder maps the name to the *installed* checkout's folder: a second checkout imported through
+    ``PYTHONPATH`` would otherwise run another tree's proofs. A finder placed first maps the name to
+    this package's own checkout; submodules then follow that package's ``__path__``.
+    """
+    import sys
+    from importlib.util import spec_from_file_location
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    folder = here.parent / "proofs"
+    if (here / "proofs").exists() or not (folder / "__init__.py").is_file() \
+            or not (here.parent / "pyproject.toml").is_file():
+        return
+
+    class _CheckoutProofs:  # a MetaPathFinder for one name
+        @staticmethod
+        def find_spec(fullname, path=None, target=None):
+            if fullname != f"{__name__}.proofs":
+                return None
+            return spec_from_file_location(fullname, folder / "__init__.py",
+                                           submodule_search_locations=[str(folder)])
+
+    if not any(getattr(f, "_osdn_folder", None) == folder for f in sys.meta_path):
+        _CheckoutProofs._osdn_folder = folder
+        sys.meta_path.insert(0, _CheckoutProofs)
+
+
+_source_tree_proofs()
+
+
 def __getattr__(name: str):
     # Loaded on first use, so that `import osdn_diag` (and `osdn-diag --help`, or an argument error)
     # does not pay for importing torch. `capture` and `replay` are callable modules

@@ -17,12 +17,16 @@ from dataclasses import dataclass, field
 
 from ._evidence import EVIDENCE_KINDS, Conditional, Counterexample
 
-__all__ = ["ESTABLISHED", "STATUSES", "Claim", "Outcome", "conclude", "status_of"]
+__all__ = ["ESTABLISHED", "SOURCES", "STATUSES", "Claim", "Outcome", "conclude", "status_of"]
 
 #: Every status an outcome can have; ``failed`` means the check could not establish anything.
 STATUSES = ("verified", "refuted", "conditional", "failed")
 #: The statuses a claim can be expected to have (``failed`` is never an expectation).
 ESTABLISHED = ("verified", "refuted", "conditional")
+#: Whose statement a claim checks: the paper's (its text, theorems, tables, listings), or one the package
+#: wrote itself (the paper's results asked of fla's further kernel families). Counts keep them apart, so
+#: that a refuted statement of the package's own is never read as an error of the paper.
+SOURCES = ("paper", "package")
 
 
 def status_of(evidence: Iterable) -> tuple[str, str | None]:
@@ -83,6 +87,7 @@ class Claim:
     ``expected`` is the status we have established; the ledger flags any run whose outcome differs.
     ``quote``: the paper's words at ``location``, verbatim from its text rendering (mathematical letters
     as that rendering spells them, e.g. ``k t`` for k_t); ``statement`` says what exactly is checked.
+    ``source``: whose statement it is (:data:`SOURCES`).
     """
 
     id: str
@@ -92,8 +97,11 @@ class Claim:
     expected: str
     check: Callable[[], Outcome]
     quote: str = ""
+    source: str = "paper"
 
     def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"Claim.source must be one of {SOURCES}, got {self.source!r}")
         if self.expected not in ESTABLISHED:
             raise ValueError(f"Claim.expected must be one of {ESTABLISHED}, got {self.expected!r}")
         if self.quote != self.quote.strip():

@@ -107,6 +107,7 @@ CLAIMS = [
         method=f"sympy, {format_sizes(GRID)}: ∇f by entrywise differentiation; the identities subtracted "
         "entrywise expand to 0.",
         expected="verified",
+        source="package",
         check=check_ungated,
     ),
     Claim(
@@ -119,6 +120,7 @@ CLAIMS = [
         "(1 − α)v term of a pre-gate residual, so no closed form in β⟨k, p⟩ alone.",
         method=f"sympy, {format_sizes(GRID)}: the identities subtracted entrywise expand to 0.",
         expected="verified",
+        source="package",
         check=check_gated,
     ),
 ]

@@ -113,6 +113,7 @@ CLAIMS = [
         method=f"sympy, {format_sizes(GRID)}: the residual identity and the loss identity per micro-step, "
         "and the token product, expand to 0; an exact K = V = 1 witness for the order.",
         expected="verified",
+        source="package",
         check=check_token_contraction,
     ),
 ]

@@ -83,6 +83,7 @@ CLAIMS = [
         method=f"sympy, {format_sizes(GRID)}: ∇f by entrywise differentiation at S̄; the identities "
         "subtracted entrywise expand to 0.",
         expected="verified",
+        source="package",
         check=check,
     ),
 ]

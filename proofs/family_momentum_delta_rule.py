@@ -109,6 +109,7 @@ CLAIMS = [
         method=f"sympy, {format_sizes(GRID)}: the write expanded entrywise against the closed form; its "
         "squared norm; the substitution M = 0.",
         expected="verified",
+        source="package",
         check=check_one_token,
     ),
     Claim(
@@ -119,6 +120,7 @@ CLAIMS = [
         "post-decay loss (q_post < 1), as every delta-rule write does.",
         method="an exact instance (K = V = 1, sympy rationals) with the buffer against the residual.",
         expected="refuted",
+        source="package",
         check=check_contraction,
     ),
 ]

@@ -102,6 +102,7 @@ CLAIMS = [
         method=f"sympy, {format_sizes(GRID)}: the write expanded entrywise against the closed form; the "
         "case c_k = c_b by writing k = b + z with z ⊥ κ̂.",
         expected="verified",
+        source="package",
         check=check_one_token,
     ),
     Claim(
@@ -112,6 +113,7 @@ CLAIMS = [
         "removal-key loss (q < 1).",
         method="an exact instance (K = V = 1, sympy rationals) with the write key against κ̂.",
         expected="refuted",
+        source="package",
         check=check_contraction,
     ),
 ]

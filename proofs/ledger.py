@@ -41,7 +41,7 @@ from . import (
     wy_chunk,
     zero_residual,
 )
-from ._claims import STATUSES, Claim, Outcome
+from ._claims import SOURCES, STATUSES, Claim, Outcome
 
 __all__ = [
     "CLAIMS",
@@ -139,9 +139,22 @@ def _cells(result: ClaimResult) -> list[list[str]]:
     return [textwrap.wrap(text, width) or [""] for text, (_, width) in zip(texts, _COLUMNS)]
 
 
+def _counts(results: Sequence[ClaimResult], source: str | None = None) -> Counter:
+    """Outcome statuses of ``results`` (of one :data:`~._claims.SOURCES` entry when given)."""
+    return Counter(r.outcome.status for r in results if source in (None, r.claim.source))
+
+
 def _summary(results: Sequence[ClaimResult]) -> str:
-    counts = Counter(r.outcome.status for r in results)
+    counts = _counts(results)
     line = ", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES)
+    parts = []
+    for source in SOURCES:
+        part = _counts(results, source)
+        if part:
+            shown = ", ".join(f"{part[s]} {s}" for s in STATUSES if part.get(s))
+            parts.append(f"the {source}'s statements: {shown}")
+    if parts:
+        line += f" ({'; '.join(parts)})"
     unexpected = [r.claim.id for r in results if not r.as_expected]
     total = sum(r.seconds for r in results)
     tail = "all as expected" if not unexpected else f"{len(unexpected)} unexpected: " + ", ".join(unexpected)
@@ -169,6 +182,7 @@ def format_table(results: Sequence[ClaimResult]) -> str:
 def to_records(results: Sequence[ClaimResult]) -> list[dict]:
     """One JSON-ready dict per claim (``quote``: the paper's words at ``location``).
 
+    ``source``: whose statement the claim is, ``paper`` or ``package`` (:data:`._claims.SOURCES`).
     ``evidence`` lists what the check computed, each piece with its ``kind`` (derivation,
     counterexample, witness, conditional), ``sizes`` (the dimensions covered, e.g. ``{"K": [1, 2, 3, 4]}``)
     and ``established``; a counterexample or witness adds its ``instance`` (exact numbers) and
@@ -178,6 +192,7 @@ def to_records(results: Sequence[ClaimResult]) -> list[dict]:
     return [
         {
             "id": r.claim.id,
+            "source": r.claim.source,
             "location": r.claim.location,
             "quote": r.claim.quote,
             "statement": r.claim.statement,
@@ -199,10 +214,11 @@ def write_json(results: Sequence[ClaimResult], path: str | os.PathLike) -> None:
     """Write ``{"summary": …, "claims": [...]}`` atomically (:func:`osdn_diag._atomic.atomic_path`: a
     temporary in the same folder, then a rename; the mode a plain ``open`` would give)."""
     path = os.fspath(path)
-    counts = Counter(r.outcome.status for r in results)
+    counts = _counts(results)
     payload = {
         "summary": {
             **{s: counts.get(s, 0) for s in STATUSES},
+            "by_source": {src: {s: _counts(results, src).get(s, 0) for s in STATUSES} for src in SOURCES},
             "unexpected": [r.claim.id for r in results if not r.as_expected],
             "seconds": round(sum(r.seconds for r in results), 3),
         },

@@ -16,12 +16,17 @@ from collections import Counter
 from collections.abc import Sequence
 
 from .._atomic import atomic_path
-from ._claims import STATUSES
+from ._claims import SOURCES, STATUSES
 from ._evidence import format_sizes
 
 __all__ = ["format_markdown", "main"]
 
 _COMMAND = "python -m osdn_diag.proofs.ledger_doc docs/ledger.md"
+#: how the document names each source of statements
+_SOURCE_WORDS = {
+    "paper": "the paper's statements",
+    "package": "the package's own statements (the paper's results asked of fla's further kernel families)",
+}
 
 
 def _cell(text: str) -> str:
@@ -49,6 +54,12 @@ def format_markdown(records: Sequence[dict]) -> str:
     """The document for ``records`` as :func:`.ledger.to_records` returns them."""
     counts = Counter(r["status"] for r in records)
     summary = ", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES if s != "failed" or counts.get(s))
+    by_source = []
+    for source in SOURCES:
+        part = Counter(r["status"] for r in records if r.get("source", "paper") == source)
+        if part:
+            shown = ", ".join(f"{part[s]} {s}" for s in STATUSES if part.get(s))
+            by_source.append(f"{_SOURCE_WORDS[source]} ({sum(part.values())}): {shown}")
     out = [
         "# The claims ledger",
         "",
@@ -62,13 +73,15 @@ def format_markdown(records: Sequence[dict]) -> str:
         "dimension-free algebra), the claim's text says so. Floating-point sweeps are supporting numbers, "
         "never evidence.",
         "",
-        f"**{len(records)} claims: {summary}.**",
+        f"**{len(records)} claims: {summary}.** By whose statement: {'; '.join(by_source)}. A refuted "
+        "statement of the package's own is not an error of the paper.",
         "",
-        "| id | paper location | status |",
-        "| --- | --- | --- |",
+        "| id | paper location | statement of | status |",
+        "| --- | --- | --- | --- |",
     ]
     for r in records:
-        out.append(f"| [`{r['id']}`](#{r['id'].replace('.', '')}) | {_cell(r['location'])} | {r['status']} |")
+        out.append(f"| [`{r['id']}`](#{r['id'].replace('.', '')}) | {_cell(r['location'])} | "
+                   f"{r.get('source', 'paper')} | {r['status']} |")
     for r in records:
         status = r["status"] + (f" — condition: {r['condition']}" if r["condition"] else "")
         out += [

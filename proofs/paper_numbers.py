@@ -268,26 +268,33 @@ def check_averages() -> Outcome:
 # --- the diagnostic's size --------------------------------------------------------------------------
 
 
-def check_measurements() -> Outcome:
+def check_measurements(measurements=F(785 * 10**4), context=2048) -> Outcome:
+    """What the printed count can be tested against: the paper gives no prompt lengths, so only the mean
+    it implies per (prompt, layer, head) triple — which must fit the 2K context of JRT-twice prompts.
+    ``measurements``: the count as printed (7.85 × 10⁶, rounded to three digits; a negative control
+    passes a count the context cannot hold and must get ``failed``)."""
     prompts, layers, heads = 48, 24, 8
-    per_prompt = F(785 * 10**4, prompts * layers * heads)
-    low, high = F(7845 * 10**3, prompts * layers * heads), F(7855 * 10**3, prompts * layers * heads)
+    triples = prompts * layers * heads
+    half_unit = F(5, 1000) * 10**6  # the rounding of 7.85 × 10⁶
+    low, high = (measurements - half_unit) / triples, (measurements + half_unit) / triples
     witness = Witness(
-        "mean prompt length implied by 7.85 × 10⁶ measurements fits the 2K context",
+        "the mean prompt length the count implies fits the 2K context",
         high,
         "<=",
-        2048,
-        instance={"measurements": "7.85e6 (rounded)", "prompts": prompts, "layers": layers, "heads": heads},
-        steps={"852 lies in the implied range": low <= 852 <= high},
+        context,
+        instance={"measurements": measurements, "prompts": prompts, "layers": layers, "heads": heads,
+                  "mean tokens per prompt, at most": high},
+        steps={"the implied mean is positive": low > 0},
     )
     return conclude(
-        f"7.85 × 10⁶ token-layer-head measurements over 48 prompts × 24 layers × 8 heads = "
-        f"{prompts * layers * heads:,} (prompt, layer, head) triples mean {float(per_prompt):.1f} tokens per "
-        f"prompt (between {float(low):.1f} and {float(high):.1f} given the rounding of 7.85), i.e. about 852 — "
-        "consistent with JRT-twice prompts at 2K context. The measurements are correlated (every layer and "
+        f"{float(measurements):.3g} token-layer-head measurements over {prompts} prompts × {layers} layers × "
+        f"{heads} heads = {triples:,} (prompt, layer, head) triples mean {float(measurements / triples):.1f} "
+        f"tokens per prompt (between {float(low):.1f} and {float(high):.1f} given the rounding), within the "
+        f"{context}-token context — the only test the paper allows: it gives no prompt lengths, so the count "
+        "itself is not checked, only that it is possible. The measurements are correlated (every layer and "
         "head of the same tokens), so they are not 7.85 M independent samples.",
         [witness],
-        numbers={"tokens_per_prompt": float(per_prompt)},
+        numbers={"tokens_per_prompt": float(measurements / triples)},
     )
 
 
@@ -374,9 +381,11 @@ CLAIMS = [
         id="diagnostic-measurement-count",
         location="Sec. 6.2; Fig. 2(b); App. F 'Mechanism diagnostic'",
         quote="7.85 × 10 6 token-layer-head measurements.",
-        statement="q_geo averages 16 prompts per repeated-recall task (48 total), 24 layers and 8 heads: "
-        "7.85 × 10⁶ token-layer-head measurements.",
-        method="exact division by 48 · 24 · 8, with the rounding range of 7.85 × 10⁶.",
+        statement="Consistency only: 7.85 × 10⁶ token-layer-head measurements over 48 prompts (16 per "
+        "repeated-recall task), 24 layers and 8 heads is a possible count for prompts within the 2K context. "
+        "The count itself cannot be checked from the paper, which gives no prompt lengths.",
+        method="exact division by 48 · 24 · 8 at both ends of the rounding range of 7.85 × 10⁶, against the "
+        "2,048-token context.",
         expected="verified",
         check=check_measurements,
     ),

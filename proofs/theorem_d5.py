@@ -329,44 +329,77 @@ def _lemma_d3_witnesses() -> list[Witness]:
     return out
 
 
-def global_minimiser_steps() -> dict[str, bool]:
-    """``h(D) − h(D⋆) = (f(S − gD) − f*)/‖g‖² ≥ 0`` from ``f ≥ f*`` (no size involved)."""
-    f_S, f_star, g2 = sp.symbols("f_S f_star g2", real=True)
-    f_D = sp.Symbol("f_D", real=True)  # f(S − g D)
-    excess, norm = sp.Symbol("e", nonnegative=True), sp.Symbol("N", positive=True)  # f_D − f*, ‖g‖²
+def global_minimiser_steps(K: int, V: int) -> dict[str, bool]:
+    """``h(D) − h(D⋆) = (f(S − gD) − f*)/‖g‖² ≥ 0``: with ``C = AΣ`` (the range condition) and ``Σ`` the
+    samples' second moment, ``f(X) − f(A) = (1/2m) Σ_i ‖(X − A)k_i‖²``, a sum of squares; ``f(S − gD⋆) = f(A)``
+    (``∇f`` vanishes there, so it is a global minimiser); ``‖g‖² > 0`` is the hypothesis ``∇f(S) ≠ 0``."""
+    pop = population(K, V)
+    A, X = matrix("A", V, K, real=True), matrix("X", V, K, real=True)  # X = S − gD for any D
+    c0 = sp.Symbol("c_0", real=True)
+    f = lambda Y: quadratic(Y, pop.Sigma, A * pop.Sigma, c0)  # noqa: E731
+    g2 = sp.Symbol("N", positive=True)  # ‖∇f(S)‖² > 0
+    squares = sum((_sq((X - A) * k) for k in pop.keys), sp.Integer(0)) / (2 * pop.m)
+    f_S = sp.Symbol("f_S", real=True)
     h = lambda value: (value - f_S) / g2  # noqa: E731
     return {
-        "h(D) − h(D⋆) = (f(S − gD) − f(S − gD⋆))/‖g‖²": vanishes(h(f_D) - h(f_star) - (f_D - f_star) / g2),
-        "(f(S − gD) − f*)/‖g‖² ≥ 0 (f ≥ f*, ‖g‖ > 0)": is_nonnegative(excess / norm),
+        "h(D) − h(D⋆) = (f(S − gD) − f(A))/‖g‖²": vanishes(h(f(X)) - h(f(A)) - (f(X) - f(A)) / g2),
+        "f(X) − f(A) = (1/2m)Σ_i‖(X − A)k_i‖² when C = AΣ": vanishes(f(X) - f(A) - squares),
+        "(1/2m)Σ_i‖(X − A)k_i‖²/‖g‖² ≥ 0": is_nonnegative(squares / g2),
+    }
+
+
+def rayleigh_steps(rayleigh=2) -> dict[str, bool]:
+    """Lemma D.3's Rayleigh step ``−h(D⋆) = (f(S) − f*)/‖g‖² ≥ 1/(c·L)`` with ``c = rayleigh`` (the paper's
+    ``c = 2``), in an orthonormal eigenbasis of ``Σ`` (K = 2: ``λ_1 = L = μ + δ ≥ λ_2 = μ ≥ 0``; the
+    spectral sums are :func:`eigenbasis_steps`): with ``a, b = ‖Wq_1‖², ‖Wq_2‖²``,
+    ``f(S) − f* = ½(L a + μ b)`` and ``‖g‖² = L² a + μ² b``, so ``c·L·(f(S) − f*) − ‖g‖² = μδb`` for ``c = 2``,
+    which is ``≥ 0``; any other ``c`` leaves the identity false (the negative control)."""
+    mu, delta = sp.Symbol("mu", nonnegative=True), sp.Symbol("delta", nonnegative=True)
+    a, b = sp.Symbol("a", nonnegative=True), sp.Symbol("b", nonnegative=True)  # squared norms
+    L = mu + delta
+    excess, g2 = (L * a + mu * b) / 2, L**2 * a + mu**2 * b
+    return {
+        f"{rayleigh}L(f(S) − f*) − ‖g‖² = μδ‖Wq_2‖²": vanishes(rayleigh * L * excess - g2 - mu * delta * b),
+        "μδ‖Wq_2‖² ≥ 0": is_nonnegative(mu * delta * b),
     }
 
 
 # --- Theorem D.5 ----------------------------------------------------------------------------------
 
 
-def chain_steps(T: int) -> dict[str, bool]:
-    """The scalar chain of the proof for T steps: ratio identity, term-by-term bound, telescoping."""
-    e = sp.symbols(f"e_1:{T + 2}", positive=True)  # f(S_t) − f*, t = 1..T+1
-    g2 = sp.symbols(f"G_1:{T + 1}", positive=True)  # ‖∇f(S_t)‖²
-    h = sp.symbols(f"h_1:{T + 1}", real=True)  # h_t(D_t)
-    p = sp.symbols(f"p_1:{T + 1}", positive=True)  # −h_t(D⋆) > 0
-    L = sp.Symbol("L", positive=True)
-    gap = sp.symbols(f"gap_1:{T + 1}", nonnegative=True)  # h_t(D_t) − h_t(D⋆) ≥ 0: D⋆ is the global minimiser
-    slack = sp.symbols(f"w_1:{T + 1}", nonnegative=True)  # 2L − 1/p_t ≥ 0: the Rayleigh step
+def chain_steps(T: int, rayleigh=2) -> dict[str, bool]:
+    """The scalar chain of the proof for T steps: ratio identity, term-by-term bound, telescoping.
+
+    Per step ``t``: ``e_t = f(S_t) − f*`` (``> 0`` for ``t ≤ T``: ``∇f(S_t) ≠ 0`` and every stationary point
+    is a minimiser; ``e_{T+1} ≥ 0`` since ``f ≥ f*``), ``G_t = ‖∇f(S_t)‖² > 0``; by definition
+    ``h_t(D_t) = (e_{t+1} − e_t)/G_t`` and, by Lemma D.3, ``h_t(D⋆) = −e_t/G_t``. In an orthonormal
+    eigenbasis of ``Σ`` (λ_1 = L = μ + δ ≥ λ_2 = μ ≥ 0, ``a_t, b_t = ‖W_tq_i‖²``) ``e_t = ½(L a_t + μ b_t)``,
+    ``G_t = L² a_t + μ² b_t``. The term-by-term bound ``r_t ≤ c·L·(h_t(D_t) − h_t(D⋆))`` with
+    ``c = rayleigh`` is rewritten, by an identity in those coordinates, as ``e_{t+1}·μδb_t/(G_t e_t) ≥ 0``;
+    for ``c ≠ 2`` the identity is false (the negative control).
+    """
+    e = sp.symbols(f"e_1:{T + 1}", positive=True) + (sp.Symbol(f"e_{T + 1}", nonnegative=True),)
+    G = sp.symbols(f"G_1:{T + 1}", positive=True)
+    a = sp.symbols(f"a_1:{T + 1}", nonnegative=True)
+    b = sp.symbols(f"b_1:{T + 1}", nonnegative=True)
+    mu, delta = sp.Symbol("mu", nonnegative=True), sp.Symbol("delta", nonnegative=True)
+    L = mu + delta
     steps: dict[str, bool] = {}
     ratios = []
     for t in range(T):
-        # definition of h_t at D_t: e_{t+1} = e_t + h_t(D_t)‖g_t‖²; Lemma D.3: e_t = −h_t(D⋆)‖g_t‖² = p_t G_t
-        r = (p[t] * g2[t] + h[t] * g2[t]) / (p[t] * g2[t])
-        ratios.append(e[t + 1] / e[t])
-        steps[f"t={t + 1}: r_t = 1 − h_t(D_t)/h_t(D⋆)"] = vanishes(r - (1 - h[t] / (-p[t])))
-        steps[f"t={t + 1}: r_t = (h_t(D_t) − h_t(D⋆))/|h_t(D⋆)|"] = vanishes(r - (h[t] + p[t]) / p[t])
-        bound = 2 * L * gap[t] - gap[t] / p[t]
-        steps[f"t={t + 1}: 2L·gap − gap/|h(D⋆)| = gap·(2L − 1/|h(D⋆)|)"] = holds_on(
-            bound, gap[t] * slack[t], {slack[t]: 2 * L - 1 / p[t]}
+        h_t, h_star = (e[t + 1] - e[t]) / G[t], -e[t] / G[t]  # h_t(D_t), h_t(D⋆)
+        gap, r = h_t - h_star, e[t + 1] / e[t]
+        ratios.append(r)
+        steps[f"t={t + 1}: r_t = 1 − h_t(D_t)/h_t(D⋆)"] = vanishes(r - (1 - h_t / h_star))
+        steps[f"t={t + 1}: r_t = (h_t(D_t) − h_t(D⋆))/|h_t(D⋆)|"] = vanishes(r - gap / (-h_star))
+        sign_form = e[t + 1] * mu * delta * b[t] / (G[t] * e[t])
+        # e_t and G_t written through the eigenbasis coordinates of step t (L = μ + δ)
+        coords = {e[t]: (L * a[t] + mu * b[t]) / 2, G[t]: L**2 * a[t] + mu**2 * b[t]}
+        steps[f"t={t + 1}: {rayleigh}L·gap − r_t = e_{{t+1}}·μδ‖W_tq_2‖²/(‖g_t‖²(f(S_t) − f*))"] = holds_on(
+            rayleigh * L * gap - r, sign_form, coords
         )
-        steps[f"t={t + 1}: gap·(2L − 1/|h(D⋆)|) ≥ 0"] = is_nonnegative(gap[t] * slack[t])
-        steps[f"t={t + 1}: r_t ≥ 0 (f(S_{{t+1}}) ≥ f*)"] = is_nonnegative(e[t + 1] / e[t])
+        steps[f"t={t + 1}: e_{{t+1}}·μδ‖W_tq_2‖²/(‖g_t‖²(f(S_t) − f*)) ≥ 0"] = is_nonnegative(sign_form)
+        steps[f"t={t + 1}: r_t ≥ 0 (f(S_{{t+1}}) ≥ f*)"] = is_nonnegative(r)
     steps["Π r_t = (f(S_{T+1}) − f*)/(f(S_1) − f*)"] = vanishes(sp.Mul(*ratios) - e[T] / e[0])
     return steps
 
@@ -425,11 +458,14 @@ def check_lemma_d1() -> Outcome:
     )
 
 
-def check_lemma_d3() -> Outcome:
+def check_lemma_d3(rayleigh=2) -> Outcome:
+    """``rayleigh``: the constant c of the Rayleigh step −h(D⋆) ≥ 1/(c·L) (the paper's 2; a negative
+    control passes another value and must get ``failed``)."""
     algebra = Derivation("free noncommutative algebra (any K, V)", noncommutative_steps())
     explicit = derive("stationary points, range condition", minimiser_steps, **GRID)
-    basis = derive("Rayleigh step in an orthonormal eigenbasis", eigenbasis_steps, K=(2,), V=(1, 2))
-    minimiser = Derivation("D⋆ minimises h over all D", global_minimiser_steps())
+    basis = derive("spectral sums in an orthonormal eigenbasis", eigenbasis_steps, K=(2,), V=(1, 2))
+    bound = Derivation("Rayleigh step, eigenbasis coordinates (K = 2)", rayleigh_steps(rayleigh))
+    minimiser = derive("D⋆ minimises h over all D", global_minimiser_steps, **GRID)
     witnesses = _lemma_d3_witnesses()
     sing = witnesses[0]
     return conclude(
@@ -441,18 +477,20 @@ def check_lemma_d3() -> Outcome:
         f"every K × K matrix D: Σ† is a global minimiser of h ({format_sizes(explicit.sizes)} explicit). Exact "
         f"instances: rank-1 Σ (keys {sing.instance['keys']}) gives h(Σ†) = {sing.lhs}, L = {sing.instance['L']}; "
         f"full-rank Σ gives h(Σ†) = {witnesses[1].lhs}.",
-        [algebra, explicit, basis, minimiser, *witnesses],
+        [algebra, explicit, basis, bound, minimiser, *witnesses],
         numbers={"h_star_singular": float(sing.lhs), "h_star_nonsingular": float(witnesses[1].lhs)},
     )
 
 
-def check_term_by_term() -> Outcome:
-    minimiser = Derivation("D⋆ minimises h over all D", global_minimiser_steps())
-    proof = derive("term-by-term bound", chain_steps, T=(1,))
+def check_term_by_term(rayleigh=2) -> Outcome:
+    """``rayleigh``: the constant c in r_t ≤ c·L·(h_t(D_t) − h_t(D⋆)) (the paper's 2)."""
+    minimiser = derive("D⋆ minimises h over all D", global_minimiser_steps, **GRID)
+    proof = derive("term-by-term bound", lambda T: chain_steps(T, rayleigh), T=(1,))
     return conclude(
         "Step 3 bounds r_t = (h_t(D_t) − h_t(D⋆))/|h_t(D⋆)| by 2L(h_t(D_t) − h_t(D⋆)) term by term: "
-        "2L·gap − gap/|h_t(D⋆)| = gap·(2L − 1/|h_t(D⋆)|) ≥ 0 needs gap = h_t(D_t) − h_t(D⋆) ≥ 0 as well as "
-        "the Rayleigh bound. It holds because D⋆ = Σ_k† is the global minimiser of h_t over all K × K "
+        "with gap = h_t(D_t) − h_t(D⋆) = (f(S_{t+1}) − f*)/‖∇f(S_t)‖², 2L·gap − gap/|h_t(D⋆)| equals "
+        "(f(S_{t+1}) − f*)·μδ‖Wq_2‖²/(‖∇f‖²(f(S_t) − f*)) ≥ 0 in an eigenbasis of Σ (λ_max = L = μ + δ, "
+        "λ_min = μ), which needs gap ≥ 0 as well as the Rayleigh bound. It holds because D⋆ = Σ_k† is the global minimiser of h_t over all K × K "
         "matrices (h_t(D) − h_t(D⋆) = (f(S_t − ∇f D) − f*)/‖∇f‖² ≥ 0; lemma-d3-newton-feedback), not merely "
         f"a good comparator; in particular every regret R_T against D⋆ is ≥ 0 ({format_sizes(proof.sizes)}, "
         "one token; the step is per token).",
@@ -460,8 +498,9 @@ def check_term_by_term() -> Outcome:
     )
 
 
-def check_theorem_d5() -> Outcome:
-    chain = derive("per-step ratios and telescoping", chain_steps, T=TS)
+def check_theorem_d5(rayleigh=2) -> Outcome:
+    """``rayleigh``: the constant c in r_t ≤ c·L·(h_t(D_t) − h_t(D⋆)) (the paper's 2)."""
+    chain = derive("per-step ratios and telescoping", lambda T: chain_steps(T, rayleigh), T=TS)
     inequalities = Derivation("AM–GM and monotone powers, every T (induction on n)", {
         **am_gm_steps(), **power_monotone_steps()
     })
@@ -486,7 +525,8 @@ def check_theorem_d5() -> Outcome:
         f"(K = 2, V = 1, T = {z['T']}, D_t = I/4, L = {z['L']}): {float(z['lhs']):.4f} ≤ {float(z['rhs']):.4f} "
         f"with R_T = {float(z['regret']):.4f}, computed in exact rationals.",
         [chain, inequalities, instance],
-        numbers={"instance_lhs": float(z["lhs"]), "instance_rhs": float(z["rhs"]), "T_checked": format_values(TS)},
+        numbers={"instance_lhs": float(z["lhs"]), "instance_rhs": float(z["rhs"]),
+                 "T_checked": format_values(chain.sizes["T"])},
     )
 
 
@@ -537,8 +577,9 @@ CLAIMS = [
         quote="where the inequality uses Equation (D.3) applied term-by-term.",
         statement="The step Σ_t (h_t(D_t) − h_t(D⋆))/|h_t(D⋆)| ≤ 2L Σ_t (h_t(D_t) − h_t(D⋆)) needs "
         "h_t(D_t) ≥ h_t(D⋆) at every t; it holds because D⋆ = Σ_k† is the global minimiser of h_t.",
-        method="sympy: h(D) − h(D⋆) = (f(S − ∇f D) − f*)/‖∇f‖² with f ≥ f*; the per-token bound rewritten "
-        "as gap·(2L − 1/|h(D⋆)|) with both factors nonnegative (T = 1).",
+        method=f"sympy: h(D) − h(D⋆) = (f(S − ∇f D) − f*)/‖∇f‖² with f − f* a sum of squares over the "
+        f"samples ({_SIZES}); the per-token bound rewritten, in eigenbasis coordinates of Σ (λ_max = L and λ_min), as a "
+        "product of nonnegative factors (T = 1); the same with 2L replaced by L must fail.",
         expected="verified",
         check=check_term_by_term,
     ),

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
-from ._evidence import Conditional, Counterexample, Derivation, derive, format_sizes, format_values
+from ._evidence import Conditional, Counterexample, Derivation, Witness, derive, format_sizes, format_values
 from ._inequalities import am_gm_steps
 from ._sym import dot, is_nonnegative, vanishes, vector
 from .lemma_4_1 import surrogate_closed_form
@@ -262,27 +262,54 @@ def super_geometric_steps() -> tuple[dict[str, bool], dict]:
     return steps, numbers
 
 
-def no_newton_comparator(beta=sp.Rational(1, 4), rho=sp.Rational(1, 4)) -> Counterexample:
-    """Without the Newton condition the decay is at most geometric.
+def no_newton_comparator(beta=sp.Rational(1, 4), rho=sp.Rational(1, 4)) -> Witness:
+    """The theorem's hypothesis is not automatic: without the Newton condition the decay is at most
+    geometric.
 
     K = 1, ``k_t = 1`` and a constant gate ``β < 1/d_max``: every ``d`` in the box has
     ``β d ≤ β d_max < 1``, so no comparator meets ``β⟨d*, s_t⟩ = 1``, and whatever the learner,
-    ``q_t = (1 − β d_t)² ≥ q_min = min over the box > 0``. Then ``Π q_t / ρ^T ≥ (q_min/ρ)^T``; a
-    super-geometric decay needs the limit of that lower bound to be ≤ 0, and with ``ρ = q_min`` it is 1.
+    ``q_t = (1 − β d_t)² ≥ q_min = min over the box > 0``. Then ``Π q_t / ρ^T ≥ (q_min/ρ)^T``, whose limit
+    with ``ρ = q_min`` is 1 > 0. This shows a case outside the theorem's hypothesis, not a failure of it.
     """
     x, T = sp.Symbol("x", real=True), sp.Symbol("T", positive=True, integer=True)
     box = sp.Interval(*_BOX)
     q_min = sp.minimum((1 - beta * x) ** 2, x, box)
-    return Counterexample(
-        "no comparator meets the Newton condition (β_t < 1/d_max)",
+    return Witness(
+        "no comparator meets the Newton condition (β_t < 1/d_max): at most geometric",
         sp.limit((q_min / rho) ** T, T, sp.oo),
-        "<=",
-        0,  # claimed: Π q_t / ρ^T → 0, so the limit of its lower bound (q_min/ρ)^T is ≤ 0
+        ">",
+        0,
         instance={"k_t": 1, "beta_t": beta, "d_min": _BOX[0], "d_max": _BOX[1], "q_min": q_min, "rho": rho},
         sizes={"K": 1},
         steps={
             "β_t d < 1 for every d in the box": sp.maximum(beta * x, x, box) < 1,
             "q_min > 0": q_min > 0,
+        },
+    )
+
+
+def zero_residual_super_geometric(rho=sp.Rational(1, 2)) -> Counterexample:
+    """The theorem's hypotheses without ``u_t ≠ 0``: the zero-residual stream of
+    :func:`zero_residual_stream` meets the Newton condition (``β d* k² = 1``, ``d* = 2`` in the box) with
+    regret 0 (the learner is the comparator), yet under the paper's convention ``q_t = 1`` its product
+    stays 1 for every T: ``Π q_t / ρ^T = ρ^{−T}`` does not tend to 0."""
+    T = sp.Symbol("T", positive=True, integer=True)
+    runs = {n: zero_residual_stream(n) for n in TS}
+    params = runs[TS[0]]["params"]
+    S_1 = params["S_0"] + params["beta_t"] * (params["v_t"] - params["S_0"] * params["k_t"]) * params["d_t"] * params["k_t"]
+    return Counterexample(
+        "u_t = 0 at every token: the product stays 1",
+        sp.limit(1 / rho**T, T, sp.oo),
+        "<=",
+        0,  # claimed: Π q_t / ρ^T → 0 for every ρ ∈ (0, 1)
+        instance={**params, "rho": rho},
+        sizes={"K": 1, "V": 1},
+        steps={
+            **{f"Π q_t = 1 at T = {n} (exact replay)": z["prod_q"] == 1 for n, z in runs.items()},
+            "S_1 = S_0: the stream repeats, so Π q_t = 1 for every T": S_1 == params["S_0"],
+            "Newton condition β_t d* k_t² = 1": params["beta_t"] * params["d*"] * params["k_t"] ** 2 == 1,
+            "d* in the box [1/2, 2]": bool(_BOX[0] <= params["d*"] <= _BOX[1]),
+            "R_T(d*) = 0: the learner is the comparator": params["d_t"] == params["d*"],
         },
     )
 
@@ -293,27 +320,26 @@ def check_super_geometric() -> Outcome:
         derive("Newton condition gives ε_T(d*) = 0", newton_epsilon_steps, T=TS),
         Derivation("super-geometric rate from ε_T(d*) = 0 and R_T(d*) ≤ c√T", steps),
     )
-    without = no_newton_comparator()
-    p = without.instance
+    zero = zero_residual_super_geometric()
+    condition = Conditional("u_t ≠ 0 at every token", under, (zero,))
+    outside = no_newton_comparator()
+    p = outside.instance
     t1, t2 = numbers["ogd_fixed_step_T_min_diameter"], numbers["ogd_fixed_step_T_min_from_d1_ones"]
-    condition = Conditional(
-        "unit keys and u_t ≠ 0; a comparator d* ∈ [d_min, d_max]^K with β_t⟨d*, s_t⟩ = 1 "
-        "at every token (so ε_T^diag = 0); and an a-priori regret bound R_T(d*) = o(T), e.g. c√T from "
-        "projected OGD with step η ∝ 1/√T.",
-        under,
-        (without,),
-    )
     return conclude(
-        "Under the condition, ε_T(d*) = 0 and Π q_t ≤ (2c/√T)^T, which falls below every ρ^T "
-        "(T·log(2c/(ρ√T)) → −∞) and is informative once T > 4c². The condition is not automatic: "
-        "the Newton condition is infeasible at any token with β_t < 1/d_max (reader-newton-infeasible); "
-        f"e.g. {format_sizes(without.sizes)}, k_t = {p['k_t']}, β_t = {p['beta_t']}: every d_t in "
+        "Under the theorem's hypotheses (unit keys, a comparator d* in the box with β_t⟨d*, s_t⟩ = 1 at every "
+        "token, regret R_T(d*) ≤ c√T) and u_t ≠ 0: ε_T(d*) = 0 and Π q_t ≤ (2c/√T)^T, which falls below every "
+        "ρ^T (T·log(2c/(ρ√T)) → −∞) and is informative once T > 4c². The one hypothesis the paper leaves to a "
+        "convention is u_t ≠ 0: a stream with u_t = 0 at every token (k_t = 1, v_t = 0, S_0 = 0, β_t = 1/2, "
+        "d_t = d* = 2) meets the Newton condition with regret 0, yet q_t = 1 by the convention and Π q_t = 1 for "
+        "every T. The paper's own hypotheses are not automatic (not a failure of the theorem): the Newton "
+        "condition is infeasible at any token with β_t < 1/d_max (reader-newton-infeasible); e.g. "
+        f"{format_sizes(outside.sizes)}, k_t = {p['k_t']}, β_t = {p['beta_t']}: every d_t in "
         f"[{p['d_min']}, {p['d_max']}] gives q_t ≥ {p['q_min']}, so Π q_t ≥ ({p['q_min']})^T for every T and "
         "every learner. And for the paper's fixed step η = 0.003 (d_k = 128, box [0.5, 2]) the textbook OGD "
         "bound R_T ≤ D²/(2η) + ηG²T/2 makes the base ≥ D²/(ηT), informative only for "
         f"T > {t1:,.0f} (> {t2:,.0f} from d_1 = 1), and it tends to 2ε + ηG², not 0, so that route "
         "gives a geometric rate at best.",
-        [condition],
+        [condition, outside],
         numbers=numbers,
     )
 
@@ -361,13 +387,15 @@ CLAIMS = [
         id="thm-5.2-super-geometric",
         location="Sec. 5, Thm 5.2; App. D.4, Thm D.7 (last part); App. D.5",
         quote="If a feasible diagonal comparator satisfies the gated Newton condition",
-        statement="If a feasible diagonal comparator satisfies the gated Newton condition and the "
-        "regret is sublinear, the product of residual ratios decays super-geometrically, "
-        "(O(1)/√T)^T under O(√T) regret.",
+        statement="With unit keys, if a feasible diagonal comparator satisfies the gated Newton condition and "
+        "the regret is sublinear, the product of residual ratios decays super-geometrically, "
+        "(O(1)/√T)^T under O(√T) regret. Conditional only on u_t ≠ 0, which the paper leaves to a convention; "
+        "its own hypotheses are part of the statement.",
         method=f"sympy: ε_T(d*) = 0 under β_t⟨d*, s_t⟩ = 1 ({format_sizes({'T': TS})}); limit of "
-        "T·log(2c/(ρ√T)); threshold T > 4c²; without the condition, a K = 1 stream with β_t < 1/d_max "
-        "whose Π q_t stays ≥ q_min^T (exact minimum over the box); exact arithmetic on the constant-step "
-        "OGD regret bound with the paper's η, d_k, box.",
+        "T·log(2c/(ρ√T)); threshold T > 4c²; without u_t ≠ 0, an exactly replayed zero-residual stream "
+        "meeting every hypothesis; outside the hypotheses, a K = 1 stream with β_t < 1/d_max whose Π q_t stays "
+        "≥ q_min^T (exact minimum over the box); exact arithmetic on the constant-step OGD regret bound with "
+        "the paper's η, d_k, box.",
         expected="conditional",
         check=check_super_geometric,
     ),

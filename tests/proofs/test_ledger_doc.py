@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from osdn_diag.proofs import ledger, ledger_doc
+from osdn_diag.proofs import inconsistencies, ledger, ledger_doc
 from osdn_diag.proofs._claims import Claim, Outcome
 from osdn_diag.proofs._evidence import Derivation
 
@@ -48,6 +48,8 @@ def test_quotes_are_verbatim_from_the_paper():
     paper = _normalise(Path(os.environ["OSDN_PAPER_TEXT"]).read_text(encoding="utf-8"))
     missing = [c.id for c in ledger.CLAIMS if _normalise(c.quote) not in paper]
     assert not missing, f"quotes not found in the paper: {missing}"
+    passages = [key for key, text in inconsistencies.PASSAGES.items() if _normalise(text) not in paper]
+    assert not passages, f"passages not found in the paper: {passages}"
 
 
 def test_main_writes_the_document(monkeypatch, tmp_path, capsys):

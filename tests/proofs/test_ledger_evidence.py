@@ -48,18 +48,22 @@ COVERED = {
         ("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 24),
         ("derivation", {"K": [2], "V": [1, 2]}, 12),
         ("derivation", {}, 2),
+        ("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 18),
         ("witness", {"K": [2], "V": [1]}, None),
         ("witness", {"K": [2], "V": [1]}, None),
     ],
-    "thm-d5-term-by-term": [("derivation", {}, 2), ("derivation", {"T": [1]}, 6)],
+    "thm-d5-term-by-term": [("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 18), ("derivation", {"T": [1]}, 6)],
     "thm-5.1-population-bound": [
         ("derivation", {"T": [1, 2, 3, 4]}, 54),
         ("derivation", {}, 11),
         ("witness", {"K": [2], "V": [1], "T": [3]}, None),
     ],
     "d3-regret-decomposition": [
-        ("derivation", {"T": [1, 2, 3, 4]}, 20),
+        ("derivation", {"T": [1, 2, 3, 4]}, 4),
+        ("derivation", {"T": [1, 2, 3], "K": [1, 2]}, 12),
+        ("derivation", {"K": [1, 2, 3], "V": [1, 2]}, 18),
         ("derivation", {}, 3),
+        ("witness", {"K": [1], "T": [1]}, None),
         ("witness", {"K": [1], "T": [1]}, None),
     ],
     "thm-d7-proof-steps": [
@@ -93,7 +97,8 @@ COVERED = {
         ("conditional", {}, None),
         ("under derivation", {"T": [1, 2, 3, 4]}, 4),
         ("under derivation", {}, 2),
-        ("without counterexample", {"K": [1]}, None),
+        ("without counterexample", {"K": [1], "V": [1]}, None),
+        ("witness", {"K": [1]}, None),
     ],
     "app-d4-alternating-counterexample": [
         ("derivation", {"K": [1], "V": [1]}, 7),
@@ -108,8 +113,18 @@ COVERED = {
     "wy-chunk-gated": [("derivation", {"C": [2, 3], "K": [2], "V": [1]}, 2)],
     "wy-chunk-kda": [("derivation", {"C": [2, 3], "K": [2], "V": [1]}, 2)],
     "chunk-output-listing-1": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 6)],
-    "chunk-output-listing-2": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 3)],
-    "chunk-output-app-b2": [("derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 3)],
+    "chunk-output-listing-2": [
+        ("conditional", {}, None),
+        ("under derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 6),
+        ("under derivation", {}, 1),
+        ("without counterexample", {"C": [2], "K": [1], "V": [1]}, None),
+    ],
+    "chunk-output-app-b2": [
+        ("conditional", {}, None),
+        ("under derivation", {"C": [2, 3, 4], "K": [2], "V": [1]}, 6),
+        ("under derivation", {}, 1),
+        ("without counterexample", {"C": [2], "K": [1], "V": [1]}, None),
+    ],
     "app-b1-post-gate-residual": [
         ("derivation", {"K": [1, 2], "V": [1, 2]}, 20),
         ("witness", {"K": [1], "V": [1]}, None),
@@ -126,6 +141,15 @@ COVERED = {
         ("without counterexample", {"K": [2]}, None),
     ],
     "fig1-vs-algorithm-1": [("derivation", {}, 2), ("witness", {"K": [1]}, None)],
+    "table-14-vs-tables-1-9-10": [("derivation", {}, 1), *[("witness", {}, None)] * 3],
+    "app-e-vs-app-f-context": [("witness", {}, None)],
+    "app-c-vs-b2-oskda-retention": [("witness", {}, None)],
+    "app-l-vs-eq-12-normaliser": [
+        ("conditional", {}, None),
+        ("under derivation", {"K": [1, 2, 3]}, 6),
+        ("without counterexample", {"K": [2]}, None),
+    ],
+    "app-d3-citations": [("derivation", {}, 2), ("witness", {"K": [1]}, None)],
     "app-l-state-overhead": [
         ("derivation", {}, 1),
         ("counterexample", SHAPE_340M, None),
@@ -169,10 +193,7 @@ COUNTEREXAMPLES = {
         for reading in ("h_t ≡ 0 where u_t = 0", "h_t from Eq. (18)")
     ],
     "thm-5.2-super-geometric": [
-        (
-            "1 <= 0",
-            {"k_t": "1", "beta_t": "1/4", "d_min": "1/2", "d_max": "2", "q_min": "1/4", "rho": "1/4"},
-        ),
+        ("oo <= 0", {"k_t": "1", "v_t": "0", "S_0": "0", "beta_t": "1/2", "d_t": "2", "d*": "2", "rho": "1/2"}),
     ],
     "app-a5-apf-proximal-form": [
         (
@@ -184,6 +205,19 @@ COUNTEREXAMPLES = {
         ("3/7 = 1", {"k": "1", "rho": "999/1000", "eta": "3/1000", "beta": "1/2", "d_fixed": "6/7"}),
         ("1/2 = 1", {"k": "1", "rho": "1", "eta": "3/1000", "beta": "1/4", "d_fixed": "2", "Newton d": "4"}),
     ],
+    **{
+        claim: [(
+            "20000019/400000000 = 20000001/40000000",
+            {"q = k = k̃ = v": "1", "S": "0", "beta": "(1/2, 1/2)", "alpha": "(1, 1/10000000)",
+             "gamma_2": "1/10000000", "clamp": "1/1000000"},
+        )]
+        for claim in ("chunk-output-listing-2", "chunk-output-app-b2")
+    },
+    "app-l-vs-eq-12-normaliser": [(
+        "4009/16000 = 2009/8000",
+        {"k": "(1, 1)", "d": "(1/4, 1/4)", "eta": "3/1000", "beta": "1/2", "gamma": "1",
+         "App. L step": "(2009/8000, 2009/8000)", "Eq. (12) step": "(4009/16000, 4009/16000)"},
+    )],
     "app-l-diagonal-mib-text": [("9/200 = 47/1000", {"layers": "23", "heads": "8", "d_k": "128", "MiB": "23/512"})],
     "momentum-writes-contract": [
         ("9/4 < 1", {"alpha": "1", "beta": "1/2", "eta": "1", "mu": "1/2", "S": "0", "M": "-4", "k": "1", "v": "-1"}),

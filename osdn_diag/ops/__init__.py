@@ -12,8 +12,8 @@ The public ops, importable from here (``from osdn_diag.ops import chunk_osdn``):
 * :func:`fused_replay` (:mod:`.replay`) — the diagnostic's replay: the recurrence with both residual
   norms of every write, fp32.
 * :func:`chunk_replay` (:mod:`.replay_chunk`) — the same replay a chunk of tokens at a time on tensor
-  cores (3×TF32), ungated or head-gated, K ≤ 128; a second algorithm for the same numbers (the
-  diagnostic uses ``fused_replay``, faster today: ``docs/performance.md``).
+  cores (3×TF32), ungated or head-gated, K ≤ 128; the diagnostic's Triton replay where it applies,
+  ``fused_replay`` elsewhere (:func:`osdn_diag.replay.call.triton_replay`, ``docs/performance.md``).
 
 Each states its shapes, dtypes and devices in its docstring. They are loaded on first access: the
 modules import triton and fla, which on a machine without a GPU must wait until

@@ -297,6 +297,12 @@ def check_args(args) -> None:
         for run in args.runs:
             if not Path(run).is_dir():
                 raise UsageError(f"RUN {run!r}: no such directory; give a run directory")
+        if len(args.runs) > 1 and not args.out:
+            raise UsageError(f"argument --out: required when comparing {len(args.runs)} runs (the comparison "
+                             "report is a directory of its own); give --out DIR")
+        if args.labels is not None and len(args.labels) != len(args.runs):
+            raise UsageError(f"argument --labels: one label per run: {len(args.runs)} run(s), "
+                             f"{len(args.labels)} label(s) given")
         if args.out:
             check_writable_dir(args.out, "argument --out")
         if args.d_head:

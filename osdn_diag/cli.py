@@ -274,8 +274,9 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 def _add_capture_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
-                   help="a local Hugging Face directory of an fla or OSDN model, builtin:NAME "
-                   "(a trained model shipped with the package) or random:PRESET")
+                   help="a local Hugging Face directory of an fla, OSDN or transformers model, a Hub "
+                   "id ORG/NAME[@REVISION] (safetensors only, never its code), builtin:NAME (a trained "
+                   "model shipped with the package) or random:PRESET")
     p.add_argument("--prompts", required=True, metavar="P",
                    help="a built-in suite (random, mqar, mqar-pair, lm-heldout, lm-heldout-pair) or a "
                    "JSONL file of {input_ids|text, task} rows")

@@ -59,6 +59,10 @@ CASES = [
      "argument --retention: expected a value in [0, 1]"),
     ("report-d-head-foo", ["report", "{badsummary}", "--d-head", "foo"], 2,
      "argument --d-head: expected LAYER.HEAD (e.g. 3.1), got 'foo'"),
+    ("report-two-runs-no-out", ["report", "{badsummary}", "{badsummary}"], 2,
+     "argument --out: required when comparing 2 runs"),
+    ("report-labels-count", ["report", "{badsummary}", "{badsummary}", "--labels", "a", "--out", "{tmp}/o"], 2,
+     "argument --labels: one label per run: 2 run(s), 1 label(s) given"),
     ("run-out-in-a-capture", [*RUN, "--out", "{badsummary}/capture/o"], 2, "inside the files of the run"),
     # Inputs that ended in tracebacks, some after the run directory existed (issue 44, item 8).
     ("text-empty", ["run", "{tokmodel}", "--prompts", "{emptytext}", "--out", "{tmp}/o", "-q"], 2,

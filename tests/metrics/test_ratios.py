@@ -67,6 +67,7 @@ def test_summary_matches_direct_computation(seed, lengths, heads, num_bins):
 @given(seed=st.integers(0, 10_000))
 def test_merge_equals_one_pass(seed):
     a, b = _call(seed, [9, 4], 2), _call(seed + 1, [7], 2)
+    b["finite"][0] = False  # the part merged in has an exclusion of its own
     whole, left, right = RatioAccumulator(), RatioAccumulator(), RatioAccumulator()
     whole.add(0, a, ["x", "y"], [9, 4])
     whole.add(1, b, ["x"], [7])
@@ -76,6 +77,9 @@ def test_merge_equals_one_pass(seed):
     sa, sb = whole.summary(), left.summary()
     assert sa["n"] == sb["n"] and math.isclose(sa["q_geo"], sb["q_geo"], rel_tol=1e-12)
     assert sa["by_layer"] == sb["by_layer"]
+    # NaN/Inf ratios left out of either part are counted once each in the merged summary
+    nonfinite = int((~a["finite"]).sum()) + int((~b["finite"]).sum())
+    assert sa["excluded_nonfinite"] == sb["excluded_nonfinite"] == nonfinite
 
 
 @given(seed=st.integers(0, 10_000), lengths=st.lists(st.integers(1, 20), min_size=1, max_size=3))

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from osdn_diag.metrics.ratios import RatioAccumulator
+from osdn_diag.metrics.ratios import RatioAccumulator, RatioStats
 
 # The documented floor on exact-zero ratios in q_geo (README, "The reference mathematics";
 # docs/design-notes.md, note 4).
@@ -125,3 +125,12 @@ def test_sums_on_the_gpu_equal_the_host_sums():
         assert math.isclose(stats.sum_log, other.sum_log, rel_tol=1e-12)
         assert math.isclose(stats.sum, other.sum, rel_tol=1e-12)
     assert host.excluded_nonfinite == gpu.excluded_nonfinite
+
+
+def test_ratio_stats_of_a_tensor():
+    """n_zero counts exact zeros only; a tiny positive ratio is floored in the log sum, not a zero."""
+    q = torch.tensor([0.0, 1e-35, 0.5, 2.0], dtype=torch.float64)
+    s = RatioStats.of(q)
+    assert (s.n, s.n_zero) == (4, 1)
+    assert s.sum == 2.5 + 1e-35 and math.isclose(s.q_arith, (2.5 + 1e-35) / 4, rel_tol=1e-15)
+    assert math.isclose(s.sum_log, 2 * math.log(Q_FLOOR) + math.log(0.5) + math.log(2.0), rel_tol=1e-15)

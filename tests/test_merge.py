@@ -68,6 +68,41 @@ def test_a_merge_assembles_the_run(tmp_path):
         "residuals.parquet/part-00001.parquet", "summary.json"]
 
 
+def _edit_manifest(node: Path, **changes) -> None:
+    path = node / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("case", ["capture-unfinished", "replay-unfinished", "one-process", "last-rank-missing",
+                                  "record-of-another-run"])
+def test_a_run_that_is_not_whole_is_refused_before_out_exists(tmp_path, capsys, case):
+    """Merging needs a run of several processes whose capture and replay finished, with a record of
+    every rank of that run (the module's docstring): anything else is refused in one line naming what
+    is missing, and OUT is never made."""
+    nodes = _nodes(tmp_path)
+    stages = {"capture": True, "replay": True, "report": False}
+    if case == "capture-unfinished":
+        _edit_manifest(nodes[0], stages={**stages, "capture": False})
+    elif case == "replay-unfinished":
+        _edit_manifest(nodes[0], stages={**stages, "replay": False})
+    elif case == "one-process":
+        _edit_manifest(nodes[0], world_size=1)
+    elif case == "last-rank-missing":
+        (nodes[1] / "ranks" / "rank-00001.json").unlink()
+    else:
+        (nodes[1] / "ranks" / "rank-00001.json").write_text(
+            json.dumps({"run_id": "b" * 32, "rank": 1, "world_size": 2}))
+    out = tmp_path / "m"
+    err = _one_line(["merge", *map(str, nodes), "--out", str(out)], capsys)
+    want = {"capture-unfinished": "the run did not finish (stages.capture is not true)",
+            "replay-unfinished": "the run did not finish (stages.replay is not true)",
+            "one-process": "not a run of several processes (world_size 1)",
+            "last-rank-missing": f"rank 1: no ranks/rank-00001.json of run {RUN_ID}",
+            "record-of-another-run": f"rank-00001.json: of run {'b' * 32}, not of {RUN_ID}"}[case]
+    assert want in err, err
+    assert not out.exists()
+
+
 def test_a_merge_into_a_directory_in_use_is_refused(tmp_path, capsys):
     """Two merges into one OUT at once: the second is refused at once (the lock), not interleaved."""
     nodes = _nodes(tmp_path)

@@ -185,3 +185,33 @@ def test_overwrite_refuses_a_foreign_file_in_capture_before_removing_anything(tm
     with pytest.raises(RunDirectoryError, match=f"{run / first}: not a file osdn-diag writes.*move it out of"):
         prepare_output(run, overwrite=True)
     assert (run / "manifest.json").is_file() and (run / SHARD).is_file() and (run / foreign).read_text() == "mine"
+
+
+# Stages.
+
+def test_starting_a_stage_undoes_it_and_every_later_stage(tmp_path):
+    """A stage that starts again (a re-replay of a reported run) leaves itself and every stage after it
+    not done, so the run is not complete until they finish again; earlier stages stay done."""
+    from osdn_diag.rundir import finish_stage, start_stage
+
+    manifest = {"run_id": "a" * 32, "stages": {"capture": True, "replay": True, "report": True}}
+    start_stage(tmp_path, manifest, "replay")
+    on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    assert on_disk["stages"] == {"capture": True, "replay": False, "report": False} and not on_disk["complete"]
+    finish_stage(tmp_path, manifest, "replay")
+    assert json.loads((tmp_path / "manifest.json").read_text())["complete"] is False  # the report is not redone
+    finish_stage(tmp_path, manifest, "report")
+    assert json.loads((tmp_path / "manifest.json").read_text())["complete"] is True
+    start_stage(tmp_path, manifest, "capture")
+    assert manifest["stages"] == {"capture": False, "replay": False, "report": False}
+
+
+def test_a_run_that_needs_merging_is_never_complete(tmp_path):
+    from osdn_diag.rundir import finish_stage
+
+    manifest = {"run_id": "a" * 32, "stages": {"capture": False, "replay": False}, "merge_needed": True}
+    finish_stage(tmp_path, manifest, "capture", "replay")
+    assert json.loads((tmp_path / "manifest.json").read_text())["complete"] is False
+    manifest["merge_needed"] = False
+    finish_stage(tmp_path, manifest)
+    assert json.loads((tmp_path / "manifest.json").read_text())["complete"] is True

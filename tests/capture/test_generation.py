@@ -143,3 +143,47 @@ def test_max_new_tokens_is_checked(models, bad):
 def test_a_batch_is_refused(models):
     with osdn_diag.capture(models["random:deltanet-tiny"]) as cap, pytest.raises(ValueError, match="one sequence"):
         cap.generate(torch.ones(2, 5, dtype=torch.long), 2)
+
+
+def _part(T: int, seed: int, initial=None, final=None):
+    """One forward pass's call of a one-layer, one-head delta rule (K = V = 2) over ``T`` tokens."""
+    from osdn_diag.capture import KernelCall
+
+    gen = torch.Generator().manual_seed(seed)
+    x = lambda *s: torch.randn(1, T, *s, generator=gen)  # noqa: E731
+    return KernelCall(layer=0, layer_name="layers.0", family="delta_rule", kernel="k", q=x(1, 2), k=x(1, 2),
+                      v=x(1, 2), beta=torch.rand(1, T, 1, generator=gen), o=x(1, 2), scale=0.5,
+                      initial_state=initial, final_state=final)
+
+
+def test_stitch_joins_a_prefill_and_its_steps_into_one_stream():
+    """Pure: the joined call holds every token in order, says where decoding starts (the prompt's
+    length, the first generated token's position), starts from the prefill's initial state and ends
+    in the last step's final state."""
+    from osdn_diag.capture.generation import stitch
+
+    s0, s1, s2 = (torch.randn(1, 1, 2, 2, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    parts = [_part(5, 1, None, s0), _part(1, 2, s0.clone(), s1), _part(1, 3, s1.clone(), s2)]
+    (joined,) = stitch([[p] for p in parts], prompt_length=5)
+    assert joined.flags["decode_start"] == 5 and joined.flags["state_handoff_error"] == 0.0
+    assert torch.equal(joined.k, torch.cat([p.k for p in parts], dim=1))
+    assert joined.initial_state is None and joined.final_state is s2
+
+
+@pytest.mark.parametrize("where", ["finite", "nonfinite"])
+def test_stitch_refuses_a_step_that_did_not_start_from_the_state_left(where):
+    """A state with NaN/Inf is carried only bit for bit where it is non-finite and within tolerance where
+    it is finite; a NaN appearing in the hand-off is a difference, never within tolerance."""
+    from osdn_diag.capture.generation import stitch
+
+    s0 = torch.tensor([[[[1.0, 4.0 if where == "finite" else float("nan")], [2.0, 3.0]]]])
+    start = s0.clone()
+    if where == "finite":
+        start[0, 0, 1, 0] = float("nan")  # all finite before, a NaN after: the difference is NaN
+    else:
+        start[0, 0, 1, 1] = 3.5  # beside the NaN carried, a finite entry moved
+    parts = [_part(4, 1, None, s0), _part(1, 2, start, None)]
+    with pytest.raises(GenerationError, match="decoding step 1 did not start from the state the step before left"):
+        stitch([[p] for p in parts], prompt_length=4)
+    (ok,) = stitch([[_part(4, 1, None, s0)], [_part(1, 2, s0.clone(), None)]], prompt_length=4)
+    assert ok.flags["state_handoff_error"] == 0.0

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,6 +19,7 @@ from osdn_strategies import (
 from torch.testing import assert_close
 
 from osdn_diag.math import surrogate, surrogate_grad, surrogate_hessian, write_gain
+from osdn_diag.math.closed_forms import log_bound
 
 N_TOKENS = st.integers(1, 12)
 K_DIM = st.integers(1, 5)
@@ -105,3 +109,19 @@ def test_surrogate_is_normalised_loss_change_of_one_write(data):
     assert (err <= 1e-9 * (f1 - f0).abs() + 1e-13 * scale).all()
     ok = (f1 - f0).abs() > 1e-4 * scale  # no catastrophic cancellation: compare the ratio itself
     assert_close(((f1 - f0) / g2)[ok], h[ok], rtol=1e-8, atol=0)
+
+
+
+def test_log_bound_values_and_its_failed_hypotheses():
+    """Theorem D.7's right-hand side T·log(2ε_T + 2R_T/T): the logarithm where the base is positive,
+    −inf where it is 0 or a rounding of 0, NaN where it is negative beyond rounding — the hypotheses
+    failed, which must not read as the strongest possible bound (−inf)."""
+    f64 = lambda *x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    eps = f64(0.1, 0.0, 0.1, 0.1, 0.1)
+    reg = f64(0.3, 0.0, -1.0, -0.2 * (1 + 1e-15), -0.2 - 1e-6)
+    out = log_bound(eps, reg, 2).tolist()
+    assert out[0] == pytest.approx(2 * math.log(0.5), rel=1e-15)  # base 0.2 + 0.3
+    assert out[1] == -math.inf                                      # base exactly 0
+    assert math.isnan(out[2])                                       # base −0.8
+    assert out[3] == -math.inf                                      # base −2e-16: a rounded 0
+    assert math.isnan(out[4])                                       # base −1e-6

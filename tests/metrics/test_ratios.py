@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from osdn_diag.metrics.ratios import RatioAccumulator
+from osdn_diag.metrics.ratios import RatioAccumulator, RatioStats
 
 # The documented floor on exact-zero ratios in q_geo (README, "The reference mathematics";
 # docs/design-notes.md, note 4).
@@ -67,6 +67,7 @@ def test_summary_matches_direct_computation(seed, lengths, heads, num_bins):
 @given(seed=st.integers(0, 10_000))
 def test_merge_equals_one_pass(seed):
     a, b = _call(seed, [9, 4], 2), _call(seed + 1, [7], 2)
+    b["finite"][0] = False  # the part merged in has an exclusion of its own
     whole, left, right = RatioAccumulator(), RatioAccumulator(), RatioAccumulator()
     whole.add(0, a, ["x", "y"], [9, 4])
     whole.add(1, b, ["x"], [7])
@@ -76,6 +77,9 @@ def test_merge_equals_one_pass(seed):
     sa, sb = whole.summary(), left.summary()
     assert sa["n"] == sb["n"] and math.isclose(sa["q_geo"], sb["q_geo"], rel_tol=1e-12)
     assert sa["by_layer"] == sb["by_layer"]
+    # NaN/Inf ratios left out of either part are counted once each in the merged summary
+    nonfinite = int((~a["finite"]).sum()) + int((~b["finite"]).sum())
+    assert sa["excluded_nonfinite"] == sb["excluded_nonfinite"] == nonfinite
 
 
 @given(seed=st.integers(0, 10_000), lengths=st.lists(st.integers(1, 20), min_size=1, max_size=3))
@@ -121,3 +125,12 @@ def test_sums_on_the_gpu_equal_the_host_sums():
         assert math.isclose(stats.sum_log, other.sum_log, rel_tol=1e-12)
         assert math.isclose(stats.sum, other.sum, rel_tol=1e-12)
     assert host.excluded_nonfinite == gpu.excluded_nonfinite
+
+
+def test_ratio_stats_of_a_tensor():
+    """n_zero counts exact zeros only; a tiny positive ratio is floored in the log sum, not a zero."""
+    q = torch.tensor([0.0, 1e-35, 0.5, 2.0], dtype=torch.float64)
+    s = RatioStats.of(q)
+    assert (s.n, s.n_zero) == (4, 1)
+    assert s.sum == 2.5 + 1e-35 and math.isclose(s.q_arith, (2.5 + 1e-35) / 4, rel_tol=1e-15)
+    assert math.isclose(s.sum_log, 2 * math.log(Q_FLOOR) + math.log(0.5) + math.log(2.0), rel_tol=1e-15)

@@ -206,6 +206,18 @@ def test_exact_zero_ratio_gives_minus_infinity_and_zero_slack():
     assert out["slack"].item() == 0.0 and out["eps_diag"].item() == 0.0
 
 
+def test_a_zero_ratio_under_a_positive_bound_has_infinite_slack():
+    """slack = log_bound − log_prod_q, and 0 only where both are −inf: a product Π q_t = 0 under a
+    positive bound holds with room to spare (+inf), not with equality."""
+    k = torch.ones(1, 2, 1, dtype=F64)
+    beta = torch.full((1, 2), 0.25, dtype=F64)
+    d = torch.ones(1, 2, 1, dtype=F64)
+    q = torch.tensor([[0.5, 0.0]], dtype=F64)
+    out = theorem_d7(k, beta, d, q, torch.ones(1, 2, dtype=torch.bool))
+    assert torch.isneginf(out["log_prod_q"]).all() and torch.isfinite(out["log_bound"]).all()
+    assert out["slack"].item() == math.inf
+
+
 # ---------------------------------------------------------------------------------- hypothesis flags
 
 

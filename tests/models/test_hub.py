@@ -127,3 +127,31 @@ def test_a_revision_that_walks_out_of_the_cache_is_refused(hub_cache):
     with pytest.raises(ValueError, match="which is not a snapshot of the Hub cache"):
         hub._check_snapshot("acme/tiny-deltanet", elsewhere)
     hub._check_snapshot("acme/tiny-deltanet", cache / "models--acme--tiny-deltanet" / "snapshots" / COMMIT)
+
+
+@pytest.mark.parametrize("ref", ["main", "v1.0"])
+def test_a_branch_or_tag_is_recorded_with_the_commit_it_resolved_to(hub_cache, ref):
+    """The source says which weights were measured: the commit, whatever name was asked for (a branch
+    or tag moves; the commit does not)."""
+    from osdn_diag.catalog import hub
+
+    cache, saved = hub_cache
+    if ref != "main":
+        (cache / "models--acme--tiny-deltanet" / "refs" / ref).write_text(COMMIT)
+    snapshot, source = hub.resolve(f"acme/tiny-deltanet@{ref}")
+    assert source.revision == ref and source.commit == COMMIT and snapshot.name == COMMIT
+    assert source.snapshot == str(snapshot) and snapshot.parent.name == "snapshots"
+
+
+def test_a_commit_named_directory_outside_the_snapshots_is_refused(hub_cache, tmp_path, monkeypatch):
+    """What resolves must be ``snapshots/<commit>`` of the cache, not any directory named like a commit."""
+    import huggingface_hub
+
+    from osdn_diag.catalog import hub
+
+    _, saved = hub_cache
+    stray = tmp_path / "elsewhere" / COMMIT
+    stray.mkdir(parents=True)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(stray))
+    with pytest.raises(ValueError, match=f"resolved to {stray}, which is not a snapshot of the Hub cache"):
+        hub.resolve("acme/tiny-deltanet")

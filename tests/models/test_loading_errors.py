@@ -285,6 +285,18 @@ def test_a_quantization_config_is_refused_before_transformers_sees_it(saved, tmp
     assert calls == []
 
 
+def test_a_null_quantization_config_and_builtin_implementations_pass_the_check():
+    """Only a quantization that would run is refused: ``"quantization_config": null`` (no quantization),
+    and implementations of transformers and torch, at any depth, pass."""
+    from osdn_diag.models.loading import _check_implementations
+
+    _check_implementations("m", "m/config.json", {
+        "quantization_config": None, "attn_implementation": "sdpa",
+        "text_config": {"quantization_config": None, "experts_implementation": {"moe": "grouped_mm"}}})
+    with pytest.raises(ValueError, match=r"^MODEL 'm': m/config.json has a quantization_config"):
+        _check_implementations("m", "m/config.json", {"text_config": {"quantization_config": {}}})
+
+
 def test_weights_of_a_quantized_float_format_are_refused_before_loading(saved, tmp_path, monkeypatch):
     def edit(tensors):
         tensors[Q_PROJ] = tensors[Q_PROJ].to(torch.float8_e4m3fn)

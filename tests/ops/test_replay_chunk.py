@@ -46,6 +46,17 @@ def test_chunk_replay_matches_reference(B, T, H, K, V, gate, asym, h0, chunk_siz
     _assert_fields_close(got, ref)
 
 
+@pytest.mark.parametrize("scale", [0.3, 1.0])
+def test_chunk_replay_reads_out_with_the_scale_it_is_given(scale):
+    """An explicit ``scale`` (here not K^-1/2 = 1/4) multiplies the queries of the read-out ``o``."""
+    q, k, v, beta, kw = _inputs(7, 1, 20, 2, 16, 8, gate="head", asym=False, h0=True)
+    ref = delta_rule_recurrence(q, k, v, beta, scale=scale, **kw)
+    got = ops_chunk.chunk_replay(*(x.to(DEVICE) for x in (q, k, v, beta)), scale=scale, **_to(kw))
+    _assert_fields_close(got, ref)
+    default = delta_rule_recurrence(q, k, v, beta, **kw)
+    assert not torch.allclose(ref.o, default.o, rtol=1e-2)  # the scale is seen in o
+
+
 @pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
 @pytest.mark.parametrize("K", [64, 128])
 def test_chunk_replay_default_launch_by_key_width(precision, K):

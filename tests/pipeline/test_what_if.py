@@ -83,6 +83,20 @@ def test_what_if_reports_no_recall(run_dir):
     assert "No recall accuracy for with OSDN d (what-if): a what-if replays" in table
 
 
+def test_what_if_names_its_source_by_absolute_path_and_refuses_an_out_in_another_run(run_dir, monkeypatch, tmp_path):
+    """``source_run`` is absolute (the output is read from other working directories); an --out inside
+    a run other than the one what-if reads is refused before anything is written."""
+    from osdn_diag.rundir import RunDirectoryError
+    from osdn_diag.whatif import what_if_out
+
+    monkeypatch.chdir(run_dir.parent)
+    assert main(["what-if", "run", "--eta", "0", "--out", "eta0", "-q"]) == 0
+    manifest = json.loads((tmp_path / "eta0" / "manifest.json").read_text())
+    assert manifest["source_run"] == str(run_dir.resolve()) and manifest["source_run_id"]
+    with pytest.raises(RunDirectoryError, match=r"--out .*inside the run .*eta0, which what-if does not read"):
+        what_if_out(run_dir, WhatIf(), tmp_path / "eta0" / "x")
+
+
 def test_bad_settings():
     with pytest.raises(ValueError, match="'retention'"):
         WhatIf(retention=1.5)

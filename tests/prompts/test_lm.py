@@ -194,3 +194,49 @@ def test_a_smaller_vocabulary_is_refused(tmp_path, docs, suite):
 def test_missing_corpus_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="corpus.json is missing"):
         lm_heldout_suite(num_prompts=1, length=4, vocab_size=VOCAB, seed=0, twice=False, directory=tmp_path)
+
+
+def test_a_vocabulary_one_token_smaller_is_refused_and_an_equal_one_accepted(tmp_path, docs):
+    directory = write_corpus(tmp_path / "c", docs, vocab_size=VOCAB)
+    kw = dict(num_prompts=2, length=10, seed=0, twice=False, directory=directory)
+    with pytest.raises(ValueError, match=rf"\({VOCAB} tokens\) and this model's vocabulary has {VOCAB - 1}"):
+        lm_heldout_suite(vocab_size=VOCAB - 1, **kw)
+    assert len(lm_heldout_suite(vocab_size=VOCAB, **kw)) == 2
+
+
+@pytest.mark.parametrize("top", [VOCAB - 1, VOCAB])
+def test_token_ids_must_lie_below_the_vocabulary_size(tmp_path, top):
+    """Ids are in [0, vocab_size): the largest allowed is vocab_size − 1 (a corpus.json that understates
+    its tokenizer's size is caught by the ids themselves)."""
+    doc = [top] + [1] * 11
+    directory = write_corpus(tmp_path / "c", [doc], vocab_size=VOCAB)
+    kw = dict(num_prompts=1, length=12, vocab_size=VOCAB, seed=0, twice=False, directory=directory)
+    if top < VOCAB:
+        assert lm_heldout_suite(**kw)[0].input_ids == doc
+    else:
+        with pytest.raises(ValueError, match=rf"heldout.safetensors: token ids outside \[0, {VOCAB}\)"):
+            lm_heldout_suite(**kw)
+
+
+def _path_with_first_byte(byte: int) -> str:
+    import hashlib
+
+    return next(p for i in range(100_000) if hashlib.sha256((p := f"m{i}.py").encode()).digest()[0] == byte)
+
+
+def test_heldout_split_is_the_first_sha256_byte_below_the_boundary():
+    """A path is held out when the first byte of its sha256 is below HELDOUT_BYTE (13): 12 is, 13 is not."""
+    assert corpus.HELDOUT_BYTE == 13
+    assert corpus.split_of(_path_with_first_byte(0)) == "heldout"
+    assert corpus.split_of(_path_with_first_byte(12)) == "heldout"
+    assert corpus.split_of(_path_with_first_byte(13)) == "train"
+    assert corpus.split_of(_path_with_first_byte(255)) == "train"
+
+
+@pytest.mark.parametrize("end", [-1, 1])
+def test_offsets_that_do_not_end_at_the_tokens_end_are_refused(tmp_path, end):
+    tokens = np.arange(10, dtype=np.int16)
+    save_file({"tokens": tokens, "offsets": np.array([0, 4, 10 + end], dtype=np.int64)},
+              str(tmp_path / "heldout.safetensors"))
+    with pytest.raises(ValueError, match=r"heldout.safetensors: 'offsets' must run from 0 to len\(tokens\) = 10"):
+        corpus.heldout_documents(tmp_path)

@@ -40,6 +40,8 @@ def test_jsonl_text_uses_tokenizer(tmp_path):
         ({"task": "x"}, "expected a field 'input_ids'"),
         ({"input_ids": [1, "a"]}, "must be a list of integers"),
         ({"input_ids": [1, 999]}, r"outside \[0, 100\)"),
+        ({"input_ids": [1, 100]}, r"outside \[0, 100\)"),  # ids run to vocab_size − 1
+        ({"input_ids": [-1, 1]}, r"outside \[0, 100\)"),
         ({"input_ids": []}, "is empty"),
         ({"text": "hello"}, "needs a tokenizer"),
         ({"input_ids": [1], "task": 3}, "'task' must be a string"),
@@ -50,6 +52,11 @@ def test_malformed_row_names_the_line(tmp_path, row, message):
     with pytest.raises(ValueError, match=message) as err:
         read_jsonl(path, vocab_size=100)
     assert f"{path}:2" in str(err.value)
+
+
+def test_ids_from_0_to_vocab_size_minus_1_are_read(tmp_path):
+    (prompt,) = read_jsonl(_write(tmp_path, [{"input_ids": [0, 99]}]), vocab_size=100)
+    assert prompt.input_ids == [0, 99]
 
 
 def test_random_suite_is_deterministic_and_twice_repeats():

@@ -89,6 +89,15 @@ def test_by_layer_ticks_are_whole_layers(run):
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
+def test_a_mapping_labels_its_runs(run):
+    """``{label: run}``: each run is drawn under its label, a run directory included (the model spec
+    labels a run only in a list)."""
+    loaded = osdn_diag.Results.load(run)
+    fig = odp.by_layer({"DeltaNet": run, "OSDN": loaded})
+    assert [line.get_label() for line in _lines(fig)] == ["DeltaNet", "OSDN"]
+    assert [line.get_label() for line in _lines(odp.by_layer([run]))] == ["synthetic-osdn"]
+
+
 def test_figures_draw_on_a_given_axes_and_save(run, tmp_path):
     from matplotlib.figure import Figure
 

@@ -378,3 +378,39 @@ def test_comparator_numbers_are_those_of_comparator_parquet(runs, name):
     assert row[7] == (f"{100 * expected['share_newton_feasible']:.1f} % / "
                       f"{100 * expected['share_newton_feasible_box']:.1f} %")
     assert row[8] == f"{expected['hypotheses_hold']} / {expected['problems']}"
+
+
+def _cells(table: str) -> list[list[str]]:
+    rows = [[c.strip() for c in line.strip()[1:-1].split(" | ")] for line in table.splitlines()]
+    return rows[:1] + rows[2:]
+
+
+def test_audit_and_theorem_tables_print_each_statistic_in_its_unit():
+    """The audit and Theorem D.7 tables cell by cell, from summary entries whose every number differs:
+    shares as percentages, ranges as [min, max] of the statistic named, bounds that hold counted over
+    the streams whose hypotheses hold, the failed hypotheses named."""
+    from osdn_diag.report.markdown import _audit_table, _comparator_table
+
+    audit = {"n": 10, "max_unit_dev": 2.5e-3, "keys_read_as": ["bf16"], "key_rounding_bound": 4e-3,
+             "beta_min": 0.125, "beta_max": 0.875, "d_min": 0.5, "d_max": 1.75, "share_zero_residual": 0.0125,
+             "share_newton_infeasible": 0.375, "decay": False, "theorem_d7_hypotheses_hold": False,
+             "unit_keys": False, "beta_in_open_unit_interval": True, "d_in_box": False}
+    decayed = {**audit, "decay": True, "unit_keys": True, "d_in_box": True}
+    header, row, row2 = _cells(_audit_table([("A", None, {"assumptions": audit}),
+                                             ("B", None, {"assumptions": decayed})]))
+    assert dict(zip(header, row)) == {
+        "model": "A", "max abs(‖k‖² − 1)": "2.5e-03", "keys read as": "bf16 (rounding alone: ≤ 4.0e-03)",
+        "β range": "[0.125, 0.875]", "d range": "[0.500, 1.750]", "zero residuals": "1.25 %",
+        "β < 1/d_max": "37.5 %", "state decay": "no", "Thm D.7 hypotheses": "do not hold: keys not unit, d outside the box"}
+    assert row2[-2:] == ["yes", "do not hold: state decays"]
+
+    c = {"problems": 8, "eps_diag_mean": 0.01234, "eps_at_ones_mean": 0.04321, "eps_at_final_d_mean": 0.02468,
+         "regret_mean": -0.125, "share_newton_infeasible_mean": 0.0625, "share_newton_feasible": 0.75,
+         "share_newton_feasible_box": 0.25, "hypotheses_hold": 5, "bound_holds": 4, "slack_min": -0.5}
+    header, row = _cells(_comparator_table([("A", c)]))
+    assert dict(zip(header, row)) == {
+        "model": "A", "streams": "8", "ε_T^diag (mean)": "0.0123", "ε_T(1)": "0.0432", "ε_T(d_T)": "0.0247",
+        "regret R_T(d*)": "-0.125", "β < 1/d_max": "6.2 %", "Newton feasible (R^K / box)": "75.0 % / 25.0 %",
+        "hypotheses hold": "5 / 8", "bound holds": "4 / 5", "min slack": "-0.500"}
+    header, row = _cells(_comparator_table([("A", {**c, "hypotheses_hold": 0, "bound_holds": 0})]))
+    assert row[header.index("bound holds")] == "–"

@@ -165,3 +165,54 @@ def test_resolve_names_what_runs():
     # transformers 5.25 and later run the torch function on inputs fla's kernels do not run on (the
     # CPU); earlier ones run fla's kernel on any device
     assert hf.resolve(site, bound, "cpu").kind == ("torch" if torch_on_cpu("qwen3_next") else "fla")
+
+
+def test_a_kernel_module_whose_forward_was_replaced_is_another_implementation():
+    """The ``kernels`` package wraps a kernel name in a module whose ``forward`` calls the function it
+    holds (``func``): that function is what runs. Once a Hub kernel replaced the module's ``forward``
+    (``kernelize``), the module is what runs — neither fla's kernel nor the torch fallback."""
+    import fla.ops.gated_delta_rule as gdn
+
+    tiny_model("qwen3_next", ("linear_attention", "full_attention"))
+    site = next(s for s in hf.SITES if s.model.model_type == "qwen3_next" and s.fla_name == "chunk_gated_delta_rule")
+
+    def wrap(func):
+        class Wrapped(torch.nn.Module):
+            def forward(self, *args, **kwargs):
+                return func(*args, **kwargs)
+
+        return Wrapped()
+
+    wrapped = wrap(gdn.chunk_gated_delta_rule)
+    assert hf.kernel_function(wrapped) is gdn.chunk_gated_delta_rule
+    assert hf.resolve(site, wrapped).kind == "fla"
+    hub_kernel = lambda *args, **kwargs: None  # noqa: E731
+    hub_kernel.__module__ = "kernels_hub.gated_delta_rule"
+    wrapped.forward = hub_kernel  # what kernelize does to the module
+    assert hf.kernel_function(wrapped) is wrapped
+    assert hf.resolve(site, wrapped).kind == "other"
+    flash = lambda *args, **kwargs: None  # noqa: E731
+    flash.__module__ = "flash_linear.ops"  # not fla, whatever its name starts with
+    assert hf.resolve(site, flash).kind == "other"
+    assert hf.resolve(site, wrap(flash)).kind == "other"
+
+
+def test_an_implementation_that_does_not_run_on_the_device_resolves_to_the_torch_function():
+    """transformers 5.25's wrapper lists the devices its implementation runs on and calls the torch
+    function on any other: resolve says so for such a device, and for a listed or unknown device
+    names the implementation."""
+    import fla.ops.gated_delta_rule as gdn
+
+    tiny_model("qwen3_next", ("linear_attention", "full_attention"))
+    site = next(s for s in hf.SITES if s.model.model_type == "qwen3_next" and s.fla_name == "chunk_gated_delta_rule")
+    torch_fn = lambda *args, **kwargs: None  # noqa: E731
+
+    def wrapper(implementation, torch_function, supported_devices):
+        def bound(*args, **kwargs):
+            return (implementation, torch_function, supported_devices)
+
+        return bound
+
+    bound = wrapper(gdn.chunk_gated_delta_rule, torch_fn, ("cuda",))
+    assert hf.resolve(site, bound, "cpu").kind == "torch" and hf.resolve(site, bound, "cpu").fn is torch_fn
+    assert hf.resolve(site, bound, "cuda").kind == "fla" and hf.resolve(site, bound, None).kind == "fla"

@@ -1,0 +1,39 @@
+"""The size fields of a model's config.json (:mod:`osdn_diag._config_checks`): absent or null, or a
+positive integer within its bound; a multimodal config's ``text_config`` checked alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from osdn_diag._config_checks import SIZE_FIELDS, check_config
+
+
+@pytest.mark.parametrize("value", [None, 1, SIZE_FIELDS["num_heads"]])
+def test_absent_null_and_positive_sizes_within_the_bound_pass(value):
+    check_config("m", {"num_heads": value, "hidden_size": 64}, "m/config.json")
+    check_config("m", {}, "m/config.json")
+
+
+@pytest.mark.parametrize("value,says", [
+    (0, "of at most 4,096, got 0"),
+    (-3, "of at most 4,096, got -3"),
+    (SIZE_FIELDS["num_heads"] + 1, "of at most 4,096, got 4,097"),
+    (True, "got True"),
+    (2.0, "got 2.0"),
+    ("8", "got '8'"),
+])
+def test_a_size_that_is_not_a_positive_integer_within_its_bound_is_refused(value, says):
+    with pytest.raises(ValueError) as err:
+        check_config("m", {"num_heads": value}, "m/config.json")
+    assert str(err.value).startswith("MODEL 'm': m/config.json: num_heads must be a positive integer")
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_text_config_of_a_multimodal_config_is_checked():
+    with pytest.raises(ValueError, match=r"text_config\.hidden_size must be a positive integer .* got 0"):
+        check_config("m", {"hidden_size": 64, "text_config": {"hidden_size": 0}}, "m/config.json")
+
+
+def test_a_config_that_is_not_an_object_is_refused():
+    with pytest.raises(ValueError, match=r"m/config.json is not a JSON object"):
+        check_config("m", [1, 2], "m/config.json")

@@ -692,6 +692,11 @@ def _reader_may_leave():
     finally:
         try:
             sys.stdout.flush()
+        except OSError:
+            # Not a reader that left (the wrapper takes those) but a full disk, say: the text stays
+            # buffered and the final flush reports it as a normal exit does (status 120), not as an
+            # error of the command's own.
+            pass
         finally:
             sys.stdout = previous
 

@@ -12,13 +12,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "osdn_diag"
 
 #: Each room may import only the rooms listed (and itself). Top-level helper modules (names starting
 #: with "_") are available to every room; ``rundir`` (what a run directory is: ids, stages, locks,
-#: hashes) is infrastructure below every room that writes files, and imports none of them.
+#: hashes) is infrastructure below every room that writes files, and imports none of them; ``runtime``
+#: (where kernels run: the CPU interpreter, devices) is the same below every room that runs a model.
 ALLOWED = {
     "rundir": set(),
+    "runtime": set(),
     "catalog": set(),  # names only: no torch, no fla, no other room
     "math": set(),
     "ops": {"math"},
-    "capture": {"math", "ops", "rundir"},
+    "capture": {"math", "ops", "rundir", "runtime"},
     "metrics": {"math", "ops", "capture"},  # the record type it reads
     "replay": {"capture", "metrics", "math", "ops", "prompts", "rundir"},
     "report": {"replay", "capture", "metrics", "math", "rundir", "whatif"},

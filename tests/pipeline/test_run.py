@@ -190,8 +190,15 @@ def test_bad_model_arguments(tmp_path):
     empty.mkdir()
     (empty / "config.json").write_text("{}")
     (empty / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match="pickled weights are not loaded"):
+    # the command finds it from the files alone, before it loads anything, and names MODEL
+    with pytest.raises(ValueError, match="MODEL .*pickled weights are not loaded"):
         main(["run", str(empty), "--prompts", "random", "--out", str(tmp_path / "y"), "-q"])
+    assert not (tmp_path / "y").exists()
+    # the loader, called from Python, refuses the same directory itself
+    from osdn_diag.models import load_model
+
+    with pytest.raises(FileNotFoundError, match="pickled weights are not loaded"):
+        load_model(str(empty))
 
 
 def test_local_model_directory(tmp_path):

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from osdn_diag._atomic import atomic_write_text
+from osdn_diag.runtime.atomic import atomic_write_text
 
 
 def bench(fn, name: str | None = None, *, warmup: int = 25, rep: int = 200) -> float:

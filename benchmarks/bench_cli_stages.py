@@ -16,8 +16,8 @@ import time
 
 T_START = time.perf_counter()
 
-from osdn_diag._bytecode import keep_bytecode  # noqa: E402
-from osdn_diag._fla_import import import_lazily  # noqa: E402
+from osdn_diag.runtime.bytecode import keep_bytecode  # noqa: E402
+from osdn_diag.runtime.fla_import import import_lazily  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

@@ -49,8 +49,8 @@ def _peak_rss_gib() -> float:
 #: calls it (``replayer`` imports ``to_device`` and ``replay_call`` by name). Inclusive times: a
 #: stage's time contains the stages it calls (indented).
 STAGES = (
-    ("osdn_diag.pipeline", "_CaptureSession.__init__", "set-up: prompts, manifest"),
-    ("osdn_diag.pipeline", "_CaptureSession.run", "forwards, each call replayed as captured"),
+    ("osdn_diag.pipeline.session", "_CaptureSession.__init__", "set-up: prompts, manifest"),
+    ("osdn_diag.pipeline.session", "_CaptureSession.run", "forwards, each call replayed as captured"),
     ("osdn_diag.replay.replayer", "Replayer.add", "  replay one call (everything below)"),
     ("osdn_diag.replay.replayer", "to_device", "    the record to the replay device"),
     ("osdn_diag.replay.replayer", "replay_call", "    replay kernel and per-token columns"),
@@ -60,11 +60,11 @@ STAGES = (
     ("osdn_diag.replay.replayer", "Replayer._finish_solving", "waiting for the comparator's batch"),
     ("osdn_diag.replay.replayer", "_Problems.solve", "comparator solve (a batch)"),
     ("osdn_diag.replay.replayer", "_arrow_table", "the calls' parquet rows (on their own thread)"),
-    ("osdn_diag.pipeline", "_ParquetEncoder.write", "  waiting to hand rows to the writer"),
-    ("osdn_diag.pipeline", "_ParquetEncoder.close", "waiting for the writer to finish"),
+    ("osdn_diag.pipeline.writers", "_ParquetEncoder.write", "  waiting to hand rows to the writer"),
+    ("osdn_diag.pipeline.writers", "_ParquetEncoder.close", "waiting for the writer to finish"),
     ("pyarrow.parquet", "ParquetWriter.write_table", "parquet encoding"),
-    ("osdn_diag.pipeline", "_finish_replay", "summary, comparator table, files"),
-    ("osdn_diag.pipeline", "_CaptureSession.finish", "the manifest, completed"),
+    ("osdn_diag.pipeline.replaying", "_finish_replay", "summary, comparator table, files"),
+    ("osdn_diag.pipeline.session", "_CaptureSession.finish", "the manifest, completed"),
 )
 
 

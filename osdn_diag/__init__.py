@@ -55,7 +55,7 @@ _source_tree_proofs()
 def __getattr__(name: str):
     # Loaded on first use, so that `import osdn_diag` (and `osdn-diag --help`, or an argument error)
     # does not pay for importing torch. `capture` and `replay` are callable modules
-    # (osdn_diag._callable); importing a submodule also sets it on this package.
+    # (osdn_diag.runtime.callable_module); importing a submodule also sets it on this package.
     import importlib
 
     if name in ("capture", "replay"):

@@ -24,7 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ._atomic import atomic_path
+from .runtime.atomic import atomic_path
 from .capture.store import IncompleteRunError
 from .rundir import (
     MANIFEST,

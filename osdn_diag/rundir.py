@@ -51,8 +51,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ._atomic import atomic_write_text, is_temporary, refuse_link, remove_stale_temporaries
-from ._json import dumps as strict_json
+from .runtime.atomic import atomic_write_text, is_temporary, refuse_link, remove_stale_temporaries
+from .runtime.strict_json import dumps as strict_json
 
 __all__ = [
     "IncompleteRunError",
@@ -204,7 +204,7 @@ def check_output(out_dir: str | os.PathLike, *, overwrite: bool) -> dict | None:
 
 
 def check_links(out_dir: str | os.PathLike, names=RUN_FILES) -> None:
-    """Refuse ``out_dir`` (:class:`~osdn_diag._atomic.LinkError`) if a name a command writes there is
+    """Refuse ``out_dir`` (:class:`~osdn_diag.runtime.atomic.LinkError`) if a name a command writes there is
     a symbolic link: one of ``names``, and below them the package's own names (anything in
     ``capture/``, ``ranks/`` and a ``residuals.parquet/`` directory; :data:`PLOT_FILES` in ``plots/``).
     Writing through a link would change files outside the run, and replacing one would break what
@@ -638,9 +638,9 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
 
 
 def _check_manifest_schema(manifest: dict, path: Path) -> None:
-    """Every key a command reads of the manifest has the type osdn-diag writes (:mod:`osdn_diag._schema`):
+    """Every key a command reads of the manifest has the type osdn-diag writes (:mod:`osdn_diag.runtime.schema`):
     a damaged file is refused here, naming the key, instead of failing deep in a reader."""
-    from ._schema import check_manifest
+    from .runtime.schema import check_manifest
 
     check_manifest(manifest, path)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ._cli_checks import what_if_settings_error
+from .runtime.usage import what_if_settings_error
 from .capture.record import KernelCall
 from .capture.store import CaptureReader
 from .math.phase1 import osdn_phase1
@@ -143,7 +143,7 @@ def _what_if(run_dir: Path, reader: CaptureReader, settings: WhatIf, out: Path, 
 def _copy_tokens(run_dir: Path, out: Path) -> None:
     """The source run's ``tokens.parquet`` (the same tokens, replayed with another d), where it has one;
     its manifest entry came with the source's manifest."""
-    from ._atomic import atomic_path
+    from .runtime.atomic import atomic_path
 
     source = run_dir / "tokens.parquet"
     if source.is_file():

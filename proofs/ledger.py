@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._atomic import atomic_path
-from .._json import dumps as strict_json
+from ..runtime.atomic import atomic_path
+from ..runtime.strict_json import dumps as strict_json
 from . import (
     arithmetic,
     chunk_outputs,
@@ -211,7 +211,7 @@ def to_records(results: Sequence[ClaimResult]) -> list[dict]:
 
 
 def write_json(results: Sequence[ClaimResult], path: str | os.PathLike) -> None:
-    """Write ``{"summary": …, "claims": [...]}`` atomically (:func:`osdn_diag._atomic.atomic_path`: a
+    """Write ``{"summary": …, "claims": [...]}`` atomically (:func:`osdn_diag.runtime.atomic.atomic_path`: a
     temporary in the same folder, then a rename; the mode a plain ``open`` would give)."""
     path = os.fspath(path)
     counts = _counts(results)

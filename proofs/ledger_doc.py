@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 
-from .._atomic import atomic_path
+from ..runtime.atomic import atomic_path
 from ._claims import SOURCES, STATUSES
 from ._evidence import format_sizes
 

@@ -143,7 +143,7 @@ def fla_interpreter() -> None:
             "(before pytest starts) to run them"
         )
     _require_fla("fla interpreter tests")
-    from osdn_diag._interpret import enable_fla_interpreter
+    from osdn_diag.runtime.interpret import enable_fla_interpreter
 
     # Raises RuntimeError naming what it found when the versions are wrong or fla was imported
     # before TRITON_INTERPRET was set: a broken environment, so an error rather than a skip.
@@ -155,7 +155,7 @@ def fla_kernels() -> None:
     """fla 0.6.0 ready to run on the test device: compiled on CUDA, interpreted on a CPU."""
     _require_fla("fla kernel tests")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from osdn_diag._interpret import enable_fla_interpreter
+        from osdn_diag.runtime.interpret import enable_fla_interpreter
 
         enable_fla_interpreter()
 

@@ -1,4 +1,4 @@
-"""Files written all at once (:mod:`osdn_diag._atomic`): readable by whoever the umask lets read them,
+"""Files written all at once (:mod:`osdn_diag.runtime.atomic`): readable by whoever the umask lets read them,
 on disk before they get their name, and no temporaries left behind by a killed writer once the run
 directory is opened again."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from osdn_diag._atomic import atomic_path, atomic_write_text, remove_stale_temporaries
+from osdn_diag.runtime.atomic import atomic_path, atomic_write_text, remove_stale_temporaries
 
 
 @pytest.fixture
@@ -179,7 +179,7 @@ def test_a_killed_figure_writers_temporary_is_removed_too(tmp_path):
 
 
 def test_with_a_root_no_link_on_the_way_is_followed(tmp_path):
-    from osdn_diag._atomic import LinkError
+    from osdn_diag.runtime.atomic import LinkError
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -1,4 +1,4 @@
-"""Bytecode kept in a cache of the package's own under ``PYTHONDONTWRITEBYTECODE`` (:mod:`osdn_diag._bytecode`):
+"""Bytecode kept in a cache of the package's own under ``PYTHONDONTWRITEBYTECODE`` (:mod:`osdn_diag.runtime.bytecode`):
 where the cache is, when torch counts as shipping its bytecode, and what ``keep_bytecode()`` and the console
 script do to a fresh interpreter (they change ``sys.pycache_prefix``, so those checks run in subprocesses)."""
 
@@ -12,11 +12,11 @@ import sys
 import uuid
 from pathlib import Path
 
-from osdn_diag import _bytecode
-from osdn_diag._bytecode import cache_dir
+from osdn_diag.runtime import bytecode as _bytecode
+from osdn_diag.runtime.bytecode import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-PATCH = 'import osdn_diag._bytecode as bc\nbc._ships_bytecode = lambda package="torch": False\n'
+PATCH = 'import osdn_diag.runtime.bytecode as bc\nbc._ships_bytecode = lambda package="torch": False\n'
 
 
 def test_cache_dir_default_explicit_and_off(monkeypatch, tmp_path):
@@ -81,7 +81,7 @@ def _keep(tmp_path, pycache, patch=True, dont_write=True):
     folder, what keep_bytecode returned, sys.pycache_prefix after)."""
     name, folder = _fake_package(tmp_path)
     code = (PATCH if patch else "") + (
-        "import json, sys\nfrom osdn_diag._bytecode import keep_bytecode\nroot = keep_bytecode()\n"
+        "import json, sys\nfrom osdn_diag.runtime.bytecode import keep_bytecode\nroot = keep_bytecode()\n"
         f"import {name}\nprint(json.dumps([None if root is None else str(root), sys.pycache_prefix]))\n")
     root, prefix = json.loads(_run(code, _env(tmp_path, pycache, dont_write)))
     return folder, root, prefix

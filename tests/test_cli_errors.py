@@ -195,31 +195,31 @@ def test_user_error_is_one_line(files, capsys, argv, status, message):
 
 
 def test_debug_shows_the_traceback(files):
-    from osdn_diag._cli_checks import UsageError
+    from osdn_diag.cli.checks import UsageError
 
     with pytest.raises(UsageError, match="--length"):
         entry([*RUN, "--length", "0", "--out", str(files["tmp"] / "o"), "--debug"])
 
 
 def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys, files):
-    import osdn_diag.cli as cli
+    from osdn_diag.cli import commands
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_cmd_report", interrupted)
+    monkeypatch.setattr(commands, "_cmd_report", interrupted)
     assert entry(["report", str(files["badsummary"])]) == 130
     out, err = capsys.readouterr()
     assert err.strip() == "osdn-diag: interrupted" and "Traceback" not in out + err
 
 
 def test_a_system_exit_with_a_message_is_one_line_and_status_2(monkeypatch, capsys, files):
-    import osdn_diag.cli as cli
+    from osdn_diag.cli import commands
 
     def exits(args):
         raise SystemExit("something the user gave\ncannot be used")
 
-    monkeypatch.setattr(cli, "_cmd_report", exits)
+    monkeypatch.setattr(commands, "_cmd_report", exits)
     assert entry(["report", str(files["badsummary"])]) == 2
     out, err = capsys.readouterr()
     assert err == "osdn-diag: error: something the user gave cannot be used\n" and not out

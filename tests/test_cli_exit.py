@@ -103,6 +103,7 @@ def test_output_buffered_by_native_code_is_flushed(tmp_path):
 TERM_SCRIPT = """
 import sys, time
 from osdn_diag import cli
+from osdn_diag.cli import dispatch
 from osdn_diag.rundir import output_lock
 
 def hold(args):  # a command at work in its directory, holding its lock
@@ -111,7 +112,7 @@ def hold(args):  # a command at work in its directory, holding its lock
         time.sleep(60)
     return 0
 
-cli._run_command = hold
+dispatch._run_command = hold
 sys.argv = ["osdn-diag", "prove", "-q"]
 cli.console()
 """

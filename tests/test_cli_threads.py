@@ -1,5 +1,5 @@
 """The model commands run torch on one CPU thread unless ``OMP_NUM_THREADS`` is set
-(:func:`osdn_diag.cli._cpu_threads`, docs/performance.md). The demo stands in for the model commands,
+(:func:`osdn_diag.cli.dispatch._cpu_threads`, docs/performance.md). The demo stands in for the model commands,
 with ``run_demo`` replaced by a stub: the thread count is set before the command runs."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 
 import osdn_diag.demo
 from osdn_diag import cli
+from osdn_diag.cli import dispatch
 
 
 @pytest.fixture
@@ -49,9 +50,9 @@ def test_the_default_device_counts_as_the_cpu_without_cuda(threads, monkeypatch)
 
 def test_a_gpu_device_or_a_file_command_leaves_torch_alone(threads, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    cli._cpu_threads("cuda:0")
+    dispatch._cpu_threads("cuda:0")
     assert torch.get_num_threads() == 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cli._cpu_threads(None)  # no --device: the GPU there is
+    dispatch._cpu_threads(None)  # no --device: the GPU there is
     assert torch.get_num_threads() == 2
-    assert set(cli._MODEL_COMMANDS) == {"capture", "replay", "run", "what-if", "demo", "warmup"}
+    assert set(dispatch._MODEL_COMMANDS) == {"capture", "replay", "run", "what-if", "demo", "warmup"}

@@ -110,7 +110,7 @@ def test_save_tuning_where_it_cannot_be_done_is_a_one_line_error(tmp_path, where
 def test_save_tuning_records_the_choices_a_gpu_run_made(tmp_path):
     """On a GPU: warmup --save-tuning writes a table of this GPU holding fla's autotuned kernels,
     which OSDN_DIAG_TUNING=FILE then accepts."""
-    from osdn_diag._tuning import load_table
+    from osdn_diag.runtime.tuning import load_table
 
     table = tmp_path / "t.json"
     done = subprocess.run([sys.executable, "-m", "osdn_diag", "warmup", "random:deltanet-tiny", "--length", "64",

@@ -1,11 +1,11 @@
-"""The size fields of a model's config.json (:mod:`osdn_diag._config_checks`): absent or null, or a
+"""The size fields of a model's config.json (:mod:`osdn_diag.runtime.config_checks`): absent or null, or a
 positive integer within its bound; a multimodal config's ``text_config`` checked alike."""
 
 from __future__ import annotations
 
 import pytest
 
-from osdn_diag._config_checks import SIZE_FIELDS, check_config
+from osdn_diag.runtime.config_checks import SIZE_FIELDS, check_config
 
 
 @pytest.mark.parametrize("value", [None, 1, SIZE_FIELDS["num_heads"]])

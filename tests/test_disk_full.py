@@ -13,8 +13,8 @@ import pickle
 
 import pytest
 
-from osdn_diag._atomic import atomic_write_text
-from osdn_diag._storage import StorageError
+from osdn_diag.runtime.atomic import atomic_write_text
+from osdn_diag.runtime.storage import StorageError
 from osdn_diag.cli import entry
 
 ARGS = ["random:deltanet-tiny", "--prompts", "random", "--num-prompts", "2", "--length", "8", "--device", "cpu", "-q"]

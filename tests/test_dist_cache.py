@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from osdn_diag import _dist_cache as dc
+from osdn_diag.runtime import dist_cache as dc
 
 _STDLIB = importlib.metadata.packages_distributions  # the standard library's, before any test replaces it
 
@@ -108,6 +108,7 @@ def test_the_default_file_is_in_the_osdn_diag_cache(monkeypatch, tmp_path):
 
 def test_a_model_command_uses_the_cache_while_it_runs(cache, tmp_path, monkeypatch):
     from osdn_diag import cli
+    from osdn_diag.cli import commands, dispatch
 
     seen = []
 
@@ -115,7 +116,7 @@ def test_a_model_command_uses_the_cache_while_it_runs(cache, tmp_path, monkeypat
         seen.append(importlib.metadata.packages_distributions is dc._remembered)
         raise ValueError("stopped here")
 
-    monkeypatch.setattr(cli, "_cmd_capture", command)
+    monkeypatch.setattr(commands, "_cmd_capture", command)
     with pytest.raises(ValueError, match="stopped here"):
         cli.main(["capture", "random:deltanet-tiny", "--prompts", "random", "--out", str(tmp_path / "r")])
     assert seen == [True]
@@ -214,6 +215,7 @@ def test_a_cache_path_that_is_no_regular_file(tmp_path, monkeypatch):
 
 def test_the_function_before_is_the_function_after(cache, tmp_path, monkeypatch):
     from osdn_diag import cli
+    from osdn_diag.cli import commands, dispatch
 
     def theirs():
         return _stdlib()
@@ -228,7 +230,7 @@ def test_the_function_before_is_the_function_after(cache, tmp_path, monkeypatch)
     def interrupted():
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_quiet_libraries", interrupted)  # Ctrl-C while the libraries load
+    monkeypatch.setattr(dispatch, "_quiet_libraries", interrupted)  # Ctrl-C while the libraries load
     with pytest.raises(KeyboardInterrupt):
         cli.main(["capture", "random:deltanet-tiny", "--prompts", "random", "--out", str(tmp_path / "r")])
     assert importlib.metadata.packages_distributions is _STDLIB

@@ -1,4 +1,4 @@
-"""Lazy import of fla (:mod:`osdn_diag._fla_import`): only the fla modules a run uses are executed,
+"""Lazy import of fla (:mod:`osdn_diag.runtime.fla_import`): only the fla modules a run uses are executed,
 shells complete themselves when asked for more, ``OSDN_DIAG_FLA_IMPORT=full`` restores plain ``import fla``,
 and the model index agrees with fla's own registry. Each check runs in a fresh interpreter, since the
 shells change process-wide import state; each lazy check also asserts that modules a plain ``import fla``
@@ -33,7 +33,7 @@ def test_lazy_import_loads_only_what_is_asked_and_completes_on_demand():
     submodule import keeps a shell incomplete; a non-submodule attribute completes it."""
     out = _run(f"""
 import json, sys
-from osdn_diag._fla_import import import_lazily, is_lazy
+from osdn_diag.runtime.fla_import import import_lazily, is_lazy
 out = {{"installed": import_lazily()}}
 import fla.layers.delta_net, fla.models.delta_net
 out.update(version=fla.__version__, lazy=is_lazy(), unrelated=[m for m in {UNRELATED!r} if m in sys.modules])
@@ -58,7 +58,7 @@ def test_full_setting_and_fla_imported_first_give_plain_fla():
     imported (and the setting gone), ``import_lazily()`` is False as well."""
     out = _run("""
 import json, os, sys
-from osdn_diag._fla_import import import_lazily, is_lazy
+from osdn_diag.runtime.fla_import import import_lazily, is_lazy
 out = {"full": import_lazily()}
 import fla
 out.update(lazy=is_lazy(), count=len([m for m in sys.modules if m.startswith("fla")]),
@@ -79,7 +79,7 @@ def test_model_index_agrees_with_fla():
     out = _run("""
 import json
 import fla, fla.models
-from osdn_diag._fla_import import _model_index
+from osdn_diag.runtime.fla_import import _model_index
 by_type, by_class = _model_index()
 rows = []
 for name in fla.models.__all__:
@@ -101,7 +101,7 @@ def test_config_class_imports_one_model_and_registers_it():
     ``delta_net`` with transformers, loading no other model; an unknown name gives None."""
     out = _run(f"""
 import json, sys
-from osdn_diag._fla_import import config_class, import_lazily, is_lazy
+from osdn_diag.runtime.fla_import import config_class, import_lazily, is_lazy
 out = {{"installed": import_lazily()}}
 cls = config_class("DeltaNetConfig")
 import transformers
@@ -169,7 +169,7 @@ print(json.dumps(None))
     assert json.loads((saved / "config.json").read_text())["model_type"] == "comba"
     out = _run(f"""
 import json, sys
-from osdn_diag._fla_import import import_lazily, is_lazy
+from osdn_diag.runtime.fla_import import import_lazily, is_lazy
 out = {{"installed": import_lazily()}}
 from osdn_diag.models import load_model
 out["comba_before"] = "fla.models.comba" in sys.modules
@@ -190,7 +190,7 @@ def test_torch_compile_of_fla_helpers_is_deferred_to_their_first_call():
     compiling at its first call; a module still gets torch's own compiled module at once."""
     out = _run("""
 import json, sys, torch
-from osdn_diag._fla_import import import_lazily
+from osdn_diag.runtime.fla_import import import_lazily
 out = {"installed": import_lazily()}
 import fla.modules.activations
 out["lowering_after_fla"] = "torch._inductor.lowering" in sys.modules
@@ -232,7 +232,7 @@ def test_fla_split_over_two_folders_loads_lazily(tmp_path):
     split = _split_install(tmp_path / "split")
     out = _run("""
 import json, sys
-from osdn_diag._fla_import import import_lazily, is_lazy, _model_index
+from osdn_diag.runtime.fla_import import import_lazily, is_lazy, _model_index
 out = {"installed": import_lazily(), "lazy": is_lazy(), "path": len(sys.modules["fla"].__path__)}
 import fla.layers.delta_net, fla.models.delta_net, fla.ops.delta_rule
 out["index"] = _model_index()[0].get("delta_net")
@@ -250,7 +250,7 @@ def test_a_layout_it_does_not_know_leaves_no_shell_behind():
 import importlib.util, json, sys
 real = importlib.util.find_spec
 importlib.util.find_spec = lambda name, *a: None if name == "fla.ops" else real(name, *a)
-from osdn_diag._fla_import import import_lazily, is_lazy
+from osdn_diag.runtime.fla_import import import_lazily, is_lazy
 out = {"installed": import_lazily(), "lazy": is_lazy(), "left": [m for m in sys.modules if m.startswith("fla")]}
 print(json.dumps(out))
 """)
@@ -262,7 +262,7 @@ def test_a_failing_initialiser_is_retried_like_a_failed_import():
     completes it."""
     out = _run("""
 import json, sys
-from osdn_diag._fla_import import import_lazily
+from osdn_diag.runtime.fla_import import import_lazily
 import_lazily()
 import fla.layers
 sys.modules["fla.layers.abc"] = None     # fla.layers' __init__ imports it first: now it fails
@@ -282,7 +282,7 @@ def test_deferred_compile_inside_a_compiled_function_and_after_the_command():
     as with torch's own); after ``cli.main`` returns, ``torch.compile`` is torch's again."""
     out = _run("""
 import json, sys, torch
-from osdn_diag._fla_import import import_lazily, restore_torch_compile
+from osdn_diag.runtime.fla_import import import_lazily, restore_torch_compile
 import_lazily()
 @torch.compile(backend="eager")
 def g(x):

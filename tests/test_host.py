@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from osdn_diag._host import from_host
+from osdn_diag.runtime.host import from_host
 from osdn_diag.replay.call import _table_index
 
 

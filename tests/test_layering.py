@@ -10,22 +10,33 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "osdn_diag"
 
-#: Each room may import only the rooms listed (and itself). Top-level helper modules (names starting
-#: with "_") are available to every room; ``rundir`` (what a run directory is: ids, stages, locks,
-#: hashes) is infrastructure below every room that writes files, and imports none of them; ``runtime``
-#: (where kernels run: the CPU interpreter, devices) is the same below every room that runs a model.
+#: Each room may import only the rooms listed (and itself). ``runtime`` (the plumbing: where kernels run,
+#: caches, atomic files, input checks) is below every room and available to all; it imports none of
+#: them. ``rundir`` (what a run directory is: ids, stages, locks, hashes) is infrastructure below every
+#: room that writes files. ``cli`` sits on top and may import any room.
 ALLOWED = {
-    "rundir": set(),
     "runtime": set(),
+    "rundir": set(),
     "catalog": set(),  # names only: no torch, no fla, no other room
     "math": set(),
     "ops": {"math"},
-    "capture": {"math", "ops", "rundir", "runtime"},
+    "layers": {"ops", "math"},
+    "models": {"catalog", "layers", "ops", "math"},
+    "prompts": set(),
+    "capture": {"math", "ops", "rundir"},
     "metrics": {"math", "ops", "capture"},  # the record type it reads
     "replay": {"capture", "metrics", "math", "ops", "prompts", "rundir"},
+    "identity": {"rundir"},
+    "pipeline": {"capture", "distributed", "identity", "models", "prompts", "replay", "metrics", "math", "ops",
+                 "rundir"},
+    "whatif": {"capture", "math", "metrics", "pipeline", "replay", "rundir"},
     "report": {"replay", "capture", "metrics", "math", "rundir", "whatif"},
     "plot": {"report", "replay", "capture"},
+    "merge": {"capture", "replay", "report", "rundir"},
+    "demo": {"catalog", "pipeline", "replay", "report", "rundir"},
 }
+#: What the package root holds besides the rooms: the package itself and ``python -m osdn_diag``.
+ROOT_MODULES = {"__init__.py", "__main__.py"}
 
 
 def _room(module: str) -> str:
@@ -64,6 +75,64 @@ def test_rooms_import_only_upstream():
         for path in files:
             for name in _imports(path):
                 other = _room(name)
-                if other and other != room and not other.startswith("_") and other not in allowed:
+                below = other == "runtime" and room != "runtime"  # plumbing, open to every room
+                if other and other != room and not below and other not in allowed:
                     problems.append(f"{path.relative_to(PACKAGE.parent)} imports {name} ({room} -> {other})")
     assert not problems, "\n".join(sorted(set(problems)))
+
+
+def test_the_root_shows_the_stages():
+    """The package root holds the rooms of the data flow and nothing private: plumbing lives in
+    ``runtime/``, the command line's parts in ``cli/``."""
+    private = sorted(p.name for p in PACKAGE.glob("_*.py") if p.name not in ROOT_MODULES)
+    assert not private, f"plumbing modules at the package root (move them into runtime/): {private}"
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    rooms |= {p.stem for p in PACKAGE.glob("*.py") if p.name not in ROOT_MODULES}
+    unlisted = sorted(rooms - set(ALLOWED) - {"cli", "distributed", "builtin", "tuning", "proofs"})
+    assert not unlisted, f"rooms without a rule in ALLOWED: {unlisted}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the package's modules it imports (anywhere in the file), edges to
+    a module's own enclosing packages left out (a submodule may use its package's namespace)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for imported in _imports(path):
+            parts = imported.split(".")
+            while parts and ".".join(parts) not in modules:  # a name imported from a module
+                parts = parts[:-1]
+            target = ".".join(parts)
+            if target and target != name and not name.startswith(target + ".") and not target.startswith(name + "."):
+                deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or through others, even inside functions: each
+    module can be read, and tested, above the ones it uses."""
+    graph = _module_graph()
+    seen, stack, cycles = {}, [], []
+
+    def visit(module: str) -> None:  # depth-first; a grey node met again closes a cycle
+        seen[module] = "grey"
+        stack.append(module)
+        for dep in sorted(graph[module]):
+            if seen.get(dep) == "grey":
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in seen:
+                visit(dep)
+        stack.pop()
+        seen[module] = "black"
+
+    for module in sorted(graph):
+        if module not in seen:
+            visit(module)
+    assert not cycles, "\n".join(cycles)

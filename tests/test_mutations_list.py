@@ -66,7 +66,7 @@ ENTRY = """
 [[mutation]]
 id = "{id}"
 description = "d"
-file = "osdn_diag/_json.py"
+file = "osdn_diag/runtime/strict_json.py"
 old = '{old}'
 new = '{new}'
 tests = ["{test}"]

@@ -1,5 +1,5 @@
 """Autotuned kernels' configurations compiled in parallel before Triton times them
-(:mod:`osdn_diag._autotune`). Triton's ``Autotuner`` runs here around a stand-in kernel that records
+(:mod:`osdn_diag.runtime.autotune`). Triton's ``Autotuner`` runs here around a stand-in kernel that records
 what it was asked to do (compiling a real kernel needs a GPU: benchmarks/RESULTS.md has the H200
 measurement). Each check runs in a fresh interpreter, since the patch is process-wide and Triton
 must not be in interpreter mode (where the package keeps one configuration per kernel)."""
@@ -11,7 +11,7 @@ from _fresh_python import run_json
 PRELUDE = """
 import json, sys, threading
 from triton.runtime.autotuner import Autotuner, Config
-from osdn_diag._autotune import compile_configs_in_parallel
+from osdn_diag.runtime.autotune import compile_configs_in_parallel
 
 calls = []
 
@@ -100,7 +100,7 @@ print(json.dumps(dict(patched=patched, calls=calls)))
 
 def test_workers_setting(monkeypatch):
     """The thread count: the variable's number, 0 for off, else the usable cores (at most 16)."""
-    from osdn_diag import _autotune
+    from osdn_diag.runtime import autotune as _autotune
 
     monkeypatch.setenv("OSDN_DIAG_PARALLEL_COMPILE", "3")
     assert _autotune.workers() == 3

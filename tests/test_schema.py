@@ -1,4 +1,4 @@
-"""The types of manifest.json and summary.json as osdn-diag writes them (:mod:`osdn_diag._schema`):
+"""The types of manifest.json and summary.json as osdn-diag writes them (:mod:`osdn_diag.runtime.schema`):
 what passes and what is refused in one line naming the key. Damaged files met by the commands are in
 tests/pipeline/test_damaged_files.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from osdn_diag._schema import SchemaError, check_manifest, check_summary
+from osdn_diag.runtime.schema import SchemaError, check_manifest, check_summary
 
 ENTRY = {"sha256": "0" * 64, "size": 5}
 MANIFEST = {"run_id": "a" * 32, "stages": {"capture": True}, "world_size": 2, "seed": 0,

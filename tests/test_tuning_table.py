@@ -1,5 +1,5 @@
 """Autotuning choices recorded on one GPU and reused on the next machine of its kind
-(:mod:`osdn_diag._tuning`). Triton's ``Autotuner`` runs here around a stand-in kernel that records
+(:mod:`osdn_diag.runtime.tuning`). Triton's ``Autotuner`` runs here around a stand-in kernel that records
 what it was asked to do, with the GPU's name pretended (the H200 measurement is in
 benchmarks/RESULTS.md). Each check runs in a fresh interpreter: the patch is process-wide."""
 
@@ -18,7 +18,7 @@ import json, sys
 from pathlib import Path
 import torch
 from triton.runtime.autotuner import Autotuner, Config
-import osdn_diag._tuning as tuning
+import osdn_diag.runtime.tuning as tuning
 
 tuning._device_name = lambda *args: "NVIDIA Test GPU"
 launches, timed = [], []
@@ -169,7 +169,7 @@ def test_the_shipped_tables_name_their_gpu_and_versions():
     """Every shipped table is readable, named after its GPU, and holds fla's kernels only."""
     tables = sorted((ROOT / "osdn_diag" / "tuning").glob("*.json"))
     assert tables, "no shipped tuning table"
-    from osdn_diag._tuning import _slug
+    from osdn_diag.runtime.tuning import _slug
 
     for path in tables:
         data = json.loads(path.read_text())
@@ -194,9 +194,9 @@ except ValueError as err:
 
 
 def test_save_tuning_refuses_an_existing_file_that_is_not_a_table_before_the_warmup(tmp_path):
-    from osdn_diag._tuning import check_table_file
+    from osdn_diag.runtime.tuning import check_table_file
 
-    from osdn_diag._tuning import _versions
+    from osdn_diag.runtime.tuning import _versions
 
     check_table_file(tmp_path / "new.json")  # a new file: fine
     for name, text in (("notes.json", '{"a": 1}'), ("list.json", "[1, 2]"),

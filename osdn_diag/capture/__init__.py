@@ -3,7 +3,7 @@
 The package is callable: ``osdn_diag.capture(model)`` is :func:`osdn_diag.capture.context.capture`.
 """
 
-from .._callable import make_callable
+from ..runtime.callable_module import make_callable
 from .context import Capture, capture
 from .record import KernelCall
 from .store import CaptureReader, CaptureWriter, StoredCall

@@ -67,7 +67,7 @@ PADDED_LAYERS = (
 def _loaded_classes(names: tuple[tuple[str, str], ...]) -> tuple[type, ...]:
     """The classes ``(module, name)`` of the modules imported so far. A model's layers are instances
     of classes whose modules it imported; the others are not imported here (fla loads lazily:
-    :mod:`osdn_diag._fla_import`)."""
+    :mod:`osdn_diag.runtime.fla_import`)."""
     return tuple(c for c in (getattr(sys.modules.get(m), n, None) for m, n in names) if c is not None)
 
 
@@ -123,7 +123,7 @@ def _check_runnable_here(model: torch.nn.Module) -> None:
     if param is not None and param.device.type != "cpu":
         return
     from .. import runtime
-    from .._interpret import InterpreterUnavailable
+    from ..runtime.interpret import InterpreterUnavailable
 
     try:
         runtime.prepare("cpu")

@@ -28,8 +28,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
-from .._atomic import atomic_path, atomic_write_text, remove_stale_temporaries
-from .._json import dumps as strict_json
+from ..runtime.atomic import atomic_path, atomic_write_text, remove_stale_temporaries
+from ..runtime.strict_json import dumps as strict_json
 from ..rundir import (  # noqa: F401 - IncompleteRunError, read_manifest, require_stage: re-exported
     MANIFEST, IncompleteRunError, RunDirectoryError, check_file_name, finish_stage, new_run_id, read_manifest,
     require_stage, sha256_file,

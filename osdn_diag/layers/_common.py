@@ -23,7 +23,7 @@ import torch.nn as nn
 from einops import rearrange
 from fla.layers.utils import get_layer_cache, repad_hidden_states, unpad_hidden_states, update_layer_cache
 
-from .._checks import check_box
+from ..runtime.checks import check_box
 from ..ops.osdn_chunk import chunk_osdn
 from ..ops.osdn_recurrent import fused_recurrent_osdn
 from ..ops.phase1 import METHODS, osdn_precondition

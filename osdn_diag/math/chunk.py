@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_shape, check_tensor
+from ..runtime.checks import check_shape, check_tensor
 
 __all__ = ["chunk_delta_rule"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_cu_seqlens, check_finite, check_shape, check_tensor
+from ..runtime.checks import check_cu_seqlens, check_finite, check_shape, check_tensor
 from .closed_forms import residual_ratio
 from .recurrence import RecurrenceResult, _apply
 

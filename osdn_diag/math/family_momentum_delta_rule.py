@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_cu_seqlens, check_finite, check_shape, check_tensor
+from ..runtime.checks import check_cu_seqlens, check_finite, check_shape, check_tensor
 from .recurrence import RecurrenceResult
 
 __all__ = ["MomentumResult", "momentum_delta_rule_recurrence"]

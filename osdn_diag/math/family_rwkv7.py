@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_cu_seqlens, check_finite, check_shape, check_tensor
+from ..runtime.checks import check_cu_seqlens, check_finite, check_shape, check_tensor
 from .recurrence import RecurrenceResult
 
 __all__ = ["rwkv7_recurrence", "target_scale"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_box, check_cu_seqlens, check_finite, check_shape, check_tensor
+from ..runtime.checks import check_box, check_cu_seqlens, check_finite, check_shape, check_tensor
 
 __all__ = ["Phase1Result", "osdn_phase1"]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import check_cu_seqlens, check_finite, check_recurrence_inputs, check_shape, check_tensor
+from ..runtime.checks import check_cu_seqlens, check_finite, check_recurrence_inputs, check_shape, check_tensor
 
 __all__ = [
     "RecurrenceResult",

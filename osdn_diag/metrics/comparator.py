@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_box, check_shape, check_tensor
+from ..runtime.checks import check_box, check_shape, check_tensor
 
 __all__ = [
     "BoxLSQResult",

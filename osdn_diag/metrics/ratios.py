@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import torch
 
-from .._host import from_host
+from ..runtime.host import from_host
 
 __all__ = ["Q_FLOOR", "RatioAccumulator", "RatioStats"]
 

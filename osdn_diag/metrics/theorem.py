@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_shape, check_tensor
+from ..runtime.checks import check_shape, check_tensor
 from ..math.closed_forms import log_bound as _log_bound
 from ..math.closed_forms import surrogate
 from .comparator import (

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .._config_checks import NO_REMOTE_CODE, check_config, check_model_files, refuse_auto_map
-from .._fla_import import config_class, import_model_type
+from ..runtime.config_checks import NO_REMOTE_CODE, check_config, check_model_files, refuse_auto_map
+from ..runtime.fla_import import config_class, import_model_type
 from ..catalog.presets import PRESETS
 
 __all__ = ["DEVICE_MAPS", "PRESETS", "LoadedModel", "load_model"]
@@ -57,7 +57,7 @@ _PACKAGE_CONFIGS = ("GDN2Config", "MomentumDeltaNetConfig")
 
 def _register_fla() -> None:
     """Fail with the install command if fla is missing (its models register themselves with
-    transformers' Auto classes as they are imported: :mod:`osdn_diag._fla_import`)."""
+    transformers' Auto classes as they are imported: :mod:`osdn_diag.runtime.fla_import`)."""
     try:
         import fla  # noqa: F401
     except ImportError as err:  # pragma: no cover - fla is a dependency

@@ -22,7 +22,7 @@ modules import triton and fla, which on a machine without a GPU must wait until
 
 from __future__ import annotations
 
-from .._lazy import lazy_names
+from ..runtime.lazy import lazy_names
 
 _PUBLIC = {
     "osdn_precondition": "phase1",

@@ -53,8 +53,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_cu_seqlens, check_cu_seqlens_layout
-from .._interpret import check_launchable
+from ..runtime.checks import check_cu_seqlens, check_cu_seqlens_layout
+from ..runtime.interpret import check_launchable
 
 __all__ = ["chunk_osdn", "ChunkOSDNFunction"]
 

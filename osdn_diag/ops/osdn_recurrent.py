@@ -30,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_box, check_cu_seqlens_layout
-from .._interpret import check_launchable
+from ..runtime.checks import check_box, check_cu_seqlens_layout
+from ..runtime.interpret import check_launchable
 from ..math.phase1 import _validate
 from ._common import load_d0, sequence_bounds, step_size_terms
-from .phase1 import _contig, _d0_mode, _params, _ret_mode
+from .phase1_sequential import _contig, _d0_mode, _params, _ret_mode
 
 __all__ = ["FusedRecurrentResult", "fused_recurrent_osdn", "fused_recurrent_osdn_fwd_kernel"]
 

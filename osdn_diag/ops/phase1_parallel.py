@@ -47,10 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_cu_seqlens
-from .._interpret import check_launchable
+from ..runtime.checks import check_cu_seqlens
+from ..runtime.interpret import check_launchable
 from ._common import load_d0, sequence_bounds, step_size_terms
-from .phase1 import MAX_K, _contig, _d0_mode, _params, _ret_mode, sequential_fwd
+from .phase1_sequential import MAX_K, _contig, _d0_mode, _params, _ret_mode, sequential_fwd
 
 __all__ = ["CHUNK", "EMIT_FROM", "ROUNDS", "TOL_D", "parallel_fwd"]
 

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import check_cu_seqlens, check_recurrence_inputs, check_shape
-from .._interpret import check_launchable
+from ..runtime.checks import check_cu_seqlens, check_recurrence_inputs, check_shape
+from ..runtime.interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
 from ._common import as_int, power_of_two, replay_result, sequence_bounds
 

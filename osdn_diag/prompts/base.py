@@ -14,27 +14,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .lm import lm_heldout_pair_suite, lm_heldout_suite
+from .mqar import mqar_pair_suite, mqar_suite
+from .prompt import Prompt
+
 __all__ = ["Prompt", "SUITES", "load_prompts", "random_suite", "read_jsonl"]
-
-
-@dataclass
-class Prompt:
-    id: int
-    task: str
-    input_ids: list[int]
-    repeat_start: int = -1
-    meta: dict = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-    def manifest_entry(self) -> dict:
-        return {"id": self.id, "task": self.task, "length": len(self), "repeat_start": self.repeat_start, **self.meta}
 
 
 def _twice(context: list[int], query: list[int], twice: bool) -> tuple[list[int], int]:
@@ -185,7 +173,10 @@ def random_suite(*, num_prompts: int, length: int, vocab_size: int, seed: int, t
 #: Built-in suites: name -> builder(num_prompts, length, vocab_size, seed, twice). The MQAR suites
 #: (``mqar``, ``mqar-pair``) and the held-out text suites (``lm-heldout``, ``lm-heldout-pair``) are added
 #: at the end of this module.
-SUITES: dict[str, Callable[..., list[Prompt]]] = {"random": random_suite}
+SUITES: dict[str, Callable[..., list[Prompt]]] = {
+    "random": random_suite, "mqar": mqar_suite, "mqar-pair": mqar_pair_suite,
+    "lm-heldout": lm_heldout_suite, "lm-heldout-pair": lm_heldout_pair_suite,
+}
 
 
 def load_prompts(
@@ -202,7 +193,7 @@ def load_prompts(
     if spec in SUITES:
         if num_prompts < 1:  # checked here, before a run directory is touched
             raise ValueError(f"argument --num-prompts: expected at least 1 prompt of suite {spec!r}, got {num_prompts}")
-        from .._cli_checks import check_suite_size
+        from ..runtime.usage import check_suite_size
 
         check_suite_size(num_prompts, length)
         return SUITES[spec](num_prompts=num_prompts, length=length, vocab_size=vocab_size, seed=seed, twice=twice)
@@ -212,11 +203,3 @@ def load_prompts(
             f"PROMPTS {spec!r}: neither a built-in suite ({', '.join(SUITES)}) nor an existing JSONL file"
         )
     return read_jsonl(path, tokenize=tokenize, twice=twice, vocab_size=vocab_size)
-
-
-# Imported last: mqar.py and lm.py import Prompt from this module, which is defined by now.
-from .lm import lm_heldout_pair_suite, lm_heldout_suite  # noqa: E402
-from .mqar import mqar_pair_suite, mqar_suite  # noqa: E402
-
-SUITES.update({"mqar": mqar_suite, "mqar-pair": mqar_pair_suite,
-               "lm-heldout": lm_heldout_suite, "lm-heldout-pair": lm_heldout_pair_suite})

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import corpus
-from .base import Prompt
+from .prompt import Prompt
 
 __all__ = ["SCORING", "heldout_windows", "lm_heldout_pair_suite", "lm_heldout_suite"]
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Prompt
+from .prompt import Prompt
 
 __all__ = [
     "IGNORE_INDEX",

@@ -17,7 +17,7 @@ The package is callable: ``osdn_diag.replay(cap)`` is :func:`replay`.
 
 from __future__ import annotations
 
-from .._lazy import lazy_names
+from ..runtime.lazy import lazy_names
 
 __all__ = [
     "CONTRACT_COLUMNS",
@@ -47,6 +47,6 @@ _HOME = {
 
 __getattr__, __dir__ = lazy_names(__name__, _HOME)
 
-from .._callable import make_callable  # noqa: E402
+from ..runtime.callable_module import make_callable  # noqa: E402
 
 make_callable(__name__, "replay")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._host import from_host
+from ..runtime.host import from_host
 from ..capture.kernel_inputs import unit_roundoff
 from ..capture.record import KernelCall
 from ..math.closed_forms import residual_ratio

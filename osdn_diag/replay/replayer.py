@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .._host import from_host
+from ..runtime.host import from_host
 from ..capture.record import KernelCall
 from ..capture.store import StoredCall, to_device
 from ..metrics.audit import AuditAccumulator

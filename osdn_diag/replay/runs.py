@@ -56,7 +56,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
         raise ValueError(f"{path}: not valid JSON ({err}); {again}") from None
     except RecursionError:
         raise ValueError(f"{path}: JSON nested too deeply to read; {again}") from None
-    from .._schema import check_summary
+    from ..runtime.schema import check_summary
 
     again = again if not manifest.get("counterfactual") else "run the what-if again"
     check_summary(summary, path, again)

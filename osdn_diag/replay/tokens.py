@@ -57,7 +57,7 @@ def write_tokens(out_dir: str | os.PathLike, table: pa.Table, run_id: str | None
     returns ``{"sha256", "size", "rows"}`` for the manifest."""
     import pyarrow.parquet as pq
 
-    from .._atomic import atomic_path
+    from ..runtime.atomic import atomic_path
     from ..rundir import sha256_file
 
     path = Path(out_dir) / TOKENS

@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from .._atomic import atomic_write_text, real_directory
+from ..runtime.atomic import atomic_write_text, real_directory
 from ..replay.families import MICRO_STEP_FAMILIES, NOT_APPLICABLE
 from ..replay.runs import load_run
 from ..replay.tokens import MIN_COUNT

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .._atomic import atomic_path
+from ..runtime.atomic import atomic_path
 
 __all__ = [
     "save",

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._cpus import usable_cpus
+from ..runtime.cpus import usable_cpus
 from . import plots
 
 __all__ = ["Figure", "default_workers", "draw", "figure_workers", "WORKERS_ENV"]
@@ -81,7 +81,7 @@ def _prepare() -> None:
     import signal
     import threading
 
-    from .._bytecode import keep_bytecode
+    from ..runtime.bytecode import keep_bytecode
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_bytecode()  # as the command's own process does: matplotlib compiled once, not at every start

@@ -238,7 +238,7 @@ def test_kda_layer_call(kernel, gate):
     """How ``fla.layers.KimiDeltaAttention`` calls the kernels: raw gate and β logits, in-kernel gate
     (softplus form, or the ``lower_bound`` form with ``safe_gate`` as the layer passes it), l2norm and
     the V×K state. ``safe_gate`` takes the chunk kernel through ``tl.gather``, aliased at module level
-    by fla (fix (c) of ``osdn_diag._interpret``)."""
+    by fla (fix (c) of ``osdn_diag.runtime.interpret``)."""
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
     gen = _gen(51)
@@ -374,7 +374,7 @@ def test_enable_is_idempotent():
     from triton.runtime import interpreter
     from triton.runtime.autotuner import Autotuner
 
-    from osdn_diag._interpret import enable_fla_interpreter
+    from osdn_diag.runtime.interpret import enable_fla_interpreter
 
     enable_fla_interpreter()
     enable_fla_interpreter()
@@ -394,7 +394,7 @@ def test_device_function_calls_patch_once_per_launch(monkeypatch):
     call (_interpret (e)); results are unchanged and the launch's patches are undone after it."""
     from triton.runtime import interpreter
 
-    from osdn_diag._interpret import enable_fla_interpreter
+    from osdn_diag.runtime.interpret import enable_fla_interpreter
 
     enable_fla_interpreter()
     scans = []
@@ -425,7 +425,7 @@ def test_a_jit_function_called_outside_a_launch_leaves_later_launches_patched(mo
     import numpy as np
     from triton.runtime import interpreter
 
-    from osdn_diag._interpret import enable_fla_interpreter
+    from osdn_diag.runtime.interpret import enable_fla_interpreter
 
     enable_fla_interpreter()
     scans = []
@@ -457,7 +457,7 @@ def test_enable_refuses_wrong_environment(monkeypatch, target, value, match):
     import fla
     import triton
 
-    from osdn_diag._interpret import enable_fla_interpreter
+    from osdn_diag.runtime.interpret import enable_fla_interpreter
 
     if target == "env":
         monkeypatch.setenv("TRITON_INTERPRET", value)

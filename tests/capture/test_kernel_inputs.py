@@ -134,10 +134,10 @@ def test_precond_write_key_forms_agree(dtype):
 
 
 def test_interpreter_rounds_fp32_to_bf16_to_nearest_even_like_torch():
-    """The interpreter fix (d) in osdn_diag._interpret: bf16 stores round like a GPU and like torch."""
+    """The interpreter fix (d) in osdn_diag.runtime.interpret: bf16 stores round like a GPU and like torch."""
     import numpy as np
 
-    from osdn_diag._interpret import f32_to_bf16_bits
+    from osdn_diag.runtime.interpret import f32_to_bf16_bits
 
     g = torch.Generator().manual_seed(4)
     x = torch.cat([

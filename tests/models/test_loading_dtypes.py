@@ -92,7 +92,7 @@ def test_logits_equal_from_pretrained_bitwise(saved, name):
 
 def test_the_run_records_what_is_kept_out_of_the_model_dtype(saved, tmp_path):
     """manifest.json's ``model.kept_dtypes``: the model is diagnosed as loaded, and says so."""
-    from osdn_diag.pipeline import _CaptureSession
+    from osdn_diag.pipeline.session import _CaptureSession
 
     preloaded = load_model(str(saved["gated-deltanet-tiny"]), dtype=torch.bfloat16)
     # No forward pass (the interpreter's bf16 dot is wrong): the manifest's model entry comes from

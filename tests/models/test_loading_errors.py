@@ -197,7 +197,7 @@ def test_from_pretrained_is_never_asked_to_trust_remote_code(saved, monkeypatch)
 
         monkeypatch.setattr(cls, "from_pretrained", spy)
     load_model(str(saved))
-    from osdn_diag.pipeline import _tokenizer
+    from osdn_diag.pipeline.inputs import _tokenizer
 
     assert _tokenizer(_with_tokenizer(saved))("a b a") == [0, 1, 0]
     assert seen == [False, False]

@@ -201,7 +201,7 @@ def test_cpu_tensors_without_the_interpreter_get_a_clear_error():
 def test_chunk_osdn_without_fla_s_interpreter_fixes(no_launch, monkeypatch):
     """TRITON_INTERPRET=1 but fla not prepared (its autotuner would look for a GPU to time configs
     on): the error names the call that prepares it."""
-    import osdn_diag._interpret as interp
+    import osdn_diag.runtime.interpret as interp
 
     monkeypatch.setattr(interp, "_ENABLED", False)
     x = _inputs()

@@ -246,7 +246,7 @@ def test_the_host_never_waits(fla_kernels):
 def test_the_sequential_kernel_leaves_skipped_pairs_alone(fla_kernels):
     """``skip`` (the token-parallel kernel's verdicts) keeps the sequential kernel off the pairs marked
     nonzero: their outputs keep what was there; the others are computed."""
-    from osdn_diag.ops.phase1 import sequential_fwd
+    from osdn_diag.ops.phase1_sequential import sequential_fwd
 
     k, beta, _ = _case(8, 1, 20, 2, 16)
     ref = osdn_phase1(k, beta, eta=0.5)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 
 def test_stages_time_every_call_and_restore_the_pipeline(tmp_path, capsys, benchmark_script):
-    from osdn_diag import pipeline
+    from osdn_diag.pipeline import writers
     from osdn_diag.replay import replayer
 
-    original_add, original_write = replayer.Replayer.add, pipeline._ParquetEncoder.write
+    original_add, original_write = replayer.Replayer.add, writers._ParquetEncoder.write
     bench = benchmark_script("bench_e2e")
     result = bench.main(["--model", "random:deltanet-tiny", "--prompts", "4", "--T", "32", "--batch-size", "2",
                          "--mode", "stream", "--stages", "--dir", str(tmp_path)])
@@ -23,4 +23,4 @@ def test_stages_time_every_call_and_restore_the_pipeline(tmp_path, capsys, bench
     whole = stages[("forwards, each call replayed as captured", "MainThread")]["seconds"]
     assert 0 < stages[("replay one call (everything below)", "MainThread")]["seconds"] <= whole
     assert "stage by stage" in capsys.readouterr().out
-    assert replayer.Replayer.add is original_add and pipeline._ParquetEncoder.write is original_write
+    assert replayer.Replayer.add is original_add and writers._ParquetEncoder.write is original_write

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from osdn_diag._schema import SchemaError, check_manifest, check_summary
+from osdn_diag.runtime.schema import SchemaError, check_manifest, check_summary
 from osdn_diag.cli import entry
 
 DAMAGES = [

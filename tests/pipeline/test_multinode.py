@@ -177,7 +177,7 @@ def test_own_out_per_node_a_killed_rank_a_resume_then_merge(one, tmp_path, capsy
 def test_a_nodes_own_out_holding_parts(tmp_path):
     """A node's own --out (no manifest there): its parts of the run being resumed stay, another run's
     are refused, and removed with --overwrite (only the files its records list)."""
-    from osdn_diag.pipeline import _prepare_node_output
+    from osdn_diag.pipeline.resume import _prepare_node_output
     from osdn_diag.rundir import RunDirectoryError, write_rank_record
 
     out = tmp_path / "node"

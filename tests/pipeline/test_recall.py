@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from osdn_diag.cli import main
-from osdn_diag.pipeline import _recall_hits, recall_table
+from osdn_diag.pipeline.recall import _recall_hits, recall_table
 from osdn_diag.prompts import MQARSpec, mqar_pair_prompts
 
 
@@ -128,7 +128,7 @@ def test_older_manifests_have_no_nll():
 def test_manifest_entries_carry_the_nll_and_read_older_rank_records():
     """The manifest's prompt entries get ``recall_nll``; hits of three numbers (a rank record written
     before the nll was recorded, read back when a run resumes) give entries without it."""
-    from osdn_diag.pipeline import _CaptureSession
+    from osdn_diag.pipeline.session import _CaptureSession
 
     spec = MQARSpec(vocab_size=64, num_pairs=3, num_queries=2)
     session = _CaptureSession.__new__(_CaptureSession)

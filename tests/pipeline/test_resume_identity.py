@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from osdn_diag.identity import identity_change, prompts_digest
-from osdn_diag.pipeline import _resumable
+from osdn_diag.pipeline.resume import _resumable
 from osdn_diag.prompts import Prompt
 from osdn_diag.rundir import RunDirectoryError
 
@@ -36,7 +36,7 @@ def _identity_now(model: Path, prompts: Path) -> dict:
     """The identity rank 0 of a rerun computes, in this process."""
     from osdn_diag.identity import run_identity
     from osdn_diag.models import load_model
-    from osdn_diag.pipeline import _versions
+    from osdn_diag.pipeline.inputs import _versions
     from osdn_diag.prompts import load_prompts
 
     loaded = load_model(str(model))

@@ -32,7 +32,7 @@ import stat
 import sys
 from pathlib import Path
 
-from ._cache_paths import cache_path
+from .cache_paths import cache_path
 
 __all__ = ["ENV", "KEEP", "cache_file", "distributions_key", "forget_distributions", "remember_distributions"]
 
@@ -139,7 +139,7 @@ def _answer(compute) -> dict[str, list[str]]:
             return {name: list(dists) for name, dists in entry["distributions"].items()}
     mapping = dict(compute())
     try:
-        from ._atomic import atomic_write_text
+        from .atomic import atomic_write_text
 
         where.parent.mkdir(parents=True, exist_ok=True)
         entries = [{"key": key, "distributions": mapping}] + entries[: KEEP - 1]

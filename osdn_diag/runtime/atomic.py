@@ -141,8 +141,8 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", *, root: str | os
 def _naming_full_disk(path: Path) -> Iterator[None]:
     """A full disk, quota or read-only file system while ``path`` is written, whatever the writer made
     of it (an OSError without a file name, a RuntimeError or AttributeError around it), raised as a
-    :class:`~osdn_diag._storage.StorageError` naming ``path``."""
-    from ._storage import as_storage_error
+    :class:`~osdn_diag.runtime.storage.StorageError` naming ``path``."""
+    from .storage import as_storage_error
 
     try:
         yield

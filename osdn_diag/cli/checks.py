@@ -10,11 +10,12 @@ read files (JSON, safetensors headers) but import neither torch's CUDA runtime n
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import struct
 from pathlib import Path
+
+from ..runtime.usage import UsageError, check_suite_size, what_if_settings_error
 
 __all__ = ["UsageError", "check_args", "check_suite_size", "parse_d_head", "check_safetensors", "check_writable_dir",
            "check_writable_file"]
@@ -26,10 +27,6 @@ BUILTIN_SUITES = ("random", "mqar", "mqar-pair", "lm-heldout", "lm-heldout-pair"
 #: token, repeated).
 MIN_LENGTH = {"mqar": 4, "mqar-pair": 4, "lm-heldout": 2, "lm-heldout-pair": 2}
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
-
-
-class UsageError(ValueError):
-    """An argument or input file the command cannot use; the message names it and what to do."""
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -110,18 +107,18 @@ def _read_json(path: Path, what: str):
 
 def _check_model(spec: str) -> None:
     if spec.startswith("random:"):
-        from .catalog import PRESETS
+        from ..catalog import PRESETS
 
         if spec.removeprefix("random:") not in PRESETS:
             raise UsageError(f"MODEL {spec!r}: unknown preset {spec.removeprefix('random:')!r}; available: "
                              + ", ".join(f"random:{p}" for p in PRESETS))
         return
     if spec.startswith("builtin:"):
-        from .catalog import builtin_path
+        from ..catalog import builtin_path
 
         directory = builtin_path(spec.removeprefix("builtin:"))
     else:
-        from .catalog import is_hub_id
+        from ..catalog import is_hub_id
 
         if is_hub_id(spec):
             return  # resolved when the model loads (the cache, or the Hub)
@@ -130,7 +127,7 @@ def _check_model(spec: str) -> None:
             raise UsageError(f"MODEL {spec!r}: no such directory; give a Hugging Face model directory, "
                              "a Hub id ORG/NAME[@REVISION], builtin:NAME or random:PRESET")
     # What the directory's files alone tell, before torch is imported (the loader checks it all again).
-    from ._config_checks import check_config, check_model_files, refuse_auto_map
+    from ..runtime.config_checks import check_config, check_model_files, refuse_auto_map
 
     try:
         check_model_files(spec, directory)
@@ -147,51 +144,9 @@ def _check_model(spec: str) -> None:
         check_safetensors(weights, f"MODEL {spec!r}")
 
 
-def what_if_settings_error(eta, d_min, d_max, retention, *, name=str, arg=lambda n: f"'{n}'") -> str | None:
-    """What is wrong with a what-if's settings (``None`` if nothing): finite numbers, ``eta >= 0``,
-    ``0 < d_min <= d_max``, ``retention`` in [0, 1]. One rule for the command line (``--d-min``)
-    and :class:`osdn_diag.whatif.WhatIf` (``'d_min'``): ``name`` spells a setting, ``arg`` quotes it."""
-    values = {"eta": eta, "d_min": d_min, "d_max": d_max, "retention": retention}
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return f"argument {arg(name(key))}: expected a finite number, got {value!r}"
-    if not eta >= 0:
-        return f"argument {arg(name('eta'))}: expected a step size >= 0, got {eta}"
-    if not 0 < d_min <= d_max:
-        lo, hi = name("d_min"), name("d_max")
-        return f"arguments {arg(lo)}, {arg(hi)}: expected 0 < {lo} <= {hi}, got {d_min} and {d_max}"
-    if not 0 <= retention <= 1:
-        return f"argument {arg(name('retention'))}: expected a value in [0, 1], got {retention}"
-    return None
-
-
 def _positive(name: str, value, minimum: int = 1) -> None:
     if value is not None and value < minimum:
         raise UsageError(f"argument {name}: expected an integer >= {minimum}, got {value}")
-
-
-#: Bounds on a built-in suite's size, far above any run that fits a machine: --length 10^12 tried to
-#: allocate 8 TB, --num-prompts 10^11 drew prompts silently for minutes before anything ran.
-MAX_LENGTH = 1 << 20          # tokens per prompt
-MAX_PROMPTS = 1 << 20
-MAX_SUITE_TOKENS = 1 << 28    # prompts × length: ~2.7e8 tokens (paper-scale runs: ~1e5)
-
-
-def check_suite_size(num_prompts: int, length: int) -> None:
-    """Refuse a built-in suite too large to run (:data:`MAX_LENGTH`, :data:`MAX_PROMPTS`,
-    :data:`MAX_SUITE_TOKENS`), up front, naming the argument: it would fail on memory after minutes,
-    or run for days."""
-    if length > MAX_LENGTH:
-        raise UsageError(f"argument --length: {length:,} tokens per prompt is more than the {MAX_LENGTH:,} "
-                         "a run supports; give a shorter length")
-    if num_prompts > MAX_PROMPTS:
-        raise UsageError(f"argument --num-prompts: {num_prompts:,} prompts is more than the {MAX_PROMPTS:,} "
-                         "a run supports; split the work over several runs")
-    if num_prompts * length > MAX_SUITE_TOKENS:
-        raise UsageError(f"arguments --num-prompts, --length: {num_prompts:,} × {length:,} = "
-                         f"{num_prompts * length:,} tokens is more than the {MAX_SUITE_TOKENS:,} a run "
-                         "supports (its capture alone would take ~2 KB per token, head and layer); use "
-                         "fewer or shorter prompts")
 
 
 def parse_d_head(text: str) -> tuple[int, int]:
@@ -206,7 +161,7 @@ def parse_d_head(text: str) -> tuple[int, int]:
 
 
 def _check_placement(out: str) -> None:
-    from .rundir import RunDirectoryError, check_placement
+    from ..rundir import RunDirectoryError, check_placement
 
     try:
         check_placement(out)
@@ -242,7 +197,7 @@ def check_args(args) -> None:
         check_suite_size(args.batch_size, args.length)
         _check_model(args.model)
         if args.save_tuning is not None:
-            from ._tuning import check_table_file
+            from ..runtime.tuning import check_table_file
 
             check_writable_file(args.save_tuning, "argument --save-tuning")
             check_table_file(args.save_tuning)  # its GPU is checked once CUDA is up (cli._cmd_warmup)

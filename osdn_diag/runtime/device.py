@@ -3,7 +3,7 @@
 fla's layers call Triton kernels besides the delta rule (short convolution, norms, gates). On a
 machine without CUDA those only run under Triton's interpreter, which must be switched on *before*
 triton or fla is imported. :func:`prepare` does that once, at the start of a command, and applies the
-interpreter fixes fla 0.6.0 needs (:mod:`osdn_diag._interpret`). The delta-rule kernel itself is then
+interpreter fixes fla 0.6.0 needs (:mod:`osdn_diag.runtime.interpret`). The delta-rule kernel itself is then
 replaced by the reference recurrence during capture (``kernels="auto"``), which is exact and far
 faster than interpreting it.
 """
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ._fla_import import is_lazy
+from .fla_import import is_lazy
 
 __all__ = ["default_device", "prepare"]
 
@@ -29,16 +29,16 @@ def prepare(device: str | torch.device | None = None) -> torch.device:
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
-            # (fla loaded through shells has built no kernel yet: osdn_diag._fla_import)
+            # (fla loaded through shells has built no kernel yet: osdn_diag.runtime.fla_import)
             if "triton" in sys.modules or ("fla" in sys.modules and not is_lazy()):
-                from ._interpret import InterpreterUnavailable
+                from .interpret import InterpreterUnavailable
 
                 raise InterpreterUnavailable(
                     "running fla on the CPU needs TRITON_INTERPRET=1 before triton or fla is imported; "
                     "set it in the environment (export TRITON_INTERPRET=1) and start again"
                 )
             os.environ["TRITON_INTERPRET"] = "1"
-        from ._interpret import enable_fla_interpreter
+        from .interpret import enable_fla_interpreter
 
         enable_fla_interpreter()
     return device

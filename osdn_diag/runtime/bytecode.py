@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from ._cache_paths import cache_path
+from .cache_paths import cache_path
 
 __all__ = ["ENV", "cache_dir", "keep_bytecode"]
 

@@ -29,7 +29,7 @@ import re
 import weakref
 from pathlib import Path
 
-from ._cache_paths import OFF as _OFF
+from .cache_paths import OFF as _OFF
 
 __all__ = ["ENV", "TABLES", "check_table_file", "load_table", "recorded_choices_used", "save_choices", "table_path",
            "tuning_key", "use_recorded_choices"]
@@ -162,7 +162,7 @@ def use_recorded_choices() -> bool:
 
     def run_with_table(self, *args, **kwargs):
         _TUNERS.add(self)
-        # (Under Triton's interpreter nothing is timed: osdn_diag._interpret keeps one configuration.)
+        # (Under Triton's interpreter nothing is timed: osdn_diag.runtime.interpret keeps one configuration.)
         if len(self.configs) > 1 and not knobs.runtime.interpret:
             if _STATE["table"] is None:
                 _STATE["table"] = load_table(_device_name(args))
@@ -211,7 +211,7 @@ def save_choices(path: Path) -> int:
     ``path`` already holds when it is a table of the same GPU, Triton and fla (so that several
     models' runs build one table); returns how many choices the file holds. Any other file at
     ``path`` is left alone (``ValueError``). The file is replaced whole or not at all."""
-    from ._atomic import atomic_write_text
+    from .atomic import atomic_write_text
 
     path = Path(path)
     head = {"format": FORMAT, "device": _device_name(), **_versions()}

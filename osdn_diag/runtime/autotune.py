@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from ._cpus import usable_cpus
+from .cpus import usable_cpus
 
 __all__ = ["ENV", "compile_configs_in_parallel", "workers"]
 

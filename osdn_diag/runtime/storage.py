@@ -3,7 +3,7 @@
 Writers fail on a full disk in their own ways: pyarrow's ``OSError`` with no file name, wrapped by the
 table writer's thread in a RuntimeError; matplotlib's PDF backend in an AttributeError raised while it
 handles the ``OSError``; ``os.write`` with no file name at all. The run's state stays correct (every
-file goes through a temporary and a rename, :mod:`osdn_diag._atomic`), but the message named no path
+file goes through a temporary and a rename, :mod:`osdn_diag.runtime.atomic`), but the message named no path
 or came as a traceback. :func:`storage_error` finds the ``OSError`` in an exception's chain, and
 :class:`StorageError` says which file could not be written and what to do.
 """

@@ -11,7 +11,7 @@ token loop's loads are either pipelined by Triton through shared memory (up to K
 4 key groups and contiguous keys per lane, 2.55 ms at K = V = 128 against 3.11 ms with the
 register prefetch of 8 rows, and 1.12× fla's gated kernel with a head gate where that layout ran
 0.93×) or prefetched into registers a token ahead (K = 256, where 16 rows per program with 4 key
-lanes ran 1.29× fla's kernel and 8 rows 0.81×); ``benchmarks/RESULTS.md`` has the sweeps.
+lanes ran 1.29× fla's kernel and 8 rows 0.81×); ``benchmarks/CHANGELOG.md`` (series 13, 15) has the sweeps.
 
 Per token it computes, explicitly from the state (never from Lemma 4.1's identity, which replay
 exists to check)::

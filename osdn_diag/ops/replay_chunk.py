@@ -55,7 +55,7 @@ __all__ = ["MAX_KEY_DIM", "PRECISIONS", "GrowingStateError", "chunk_replay"]
 
 #: Widest key the chunked replay takes: a program holds ``Sᵀ`` as ``[K, BV]`` and a chunk's ``[C, K]``
 #: key tiles in registers. (At K = 256, with fewer state rows per program, it computes the same to
-#: 7.5e-7 but runs at a third of the fused replay's speed on an H200: ``benchmarks/RESULTS.md``.)
+#: 7.5e-7 but runs at a third of the fused replay's speed on an H200: ``benchmarks/CHANGELOG.md``, series 23.)
 MAX_KEY_DIM = 128
 
 

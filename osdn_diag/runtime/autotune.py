@@ -3,7 +3,7 @@
 On a machine that has not run a model yet, fla's kernels autotune: Triton's ``Autotuner`` compiles
 and times each candidate configuration, one after another. For the paper-scale DeltaNet run on one
 H200 that was 151 configurations of 11 kernels, 94 s of a 142 s first run
-(``benchmarks/RESULTS.md``, "The command as typed"). Compilation mostly runs outside Python's GIL
+(``benchmarks/CHANGELOG.md``, series 12). Compilation mostly runs outside Python's GIL
 (LLVM, ``ptxas``), so :func:`compile_configs_in_parallel` makes every autotuner compile all of its
 candidates concurrently, in threads, just before it times the first one; the timing itself, the
 configuration chosen and Triton's and fla's caches are unchanged. Nothing happens when the

@@ -3,7 +3,7 @@
 ``import fla`` executes ``fla/__init__.py``, which imports every layer and model fla has; importing
 any submodule (``fla.ops.utils.index``, say) executes ``fla/ops/__init__.py`` first, which imports
 every op. On one H200 that costs 18 s per process, against 9.5 s for what a DeltaNet model needs
-(``benchmarks/RESULTS.md``, "Wall clock"). :func:`import_lazily` replaces the four package
+(``benchmarks/CHANGELOG.md``, series 12). :func:`import_lazily` replaces the four package
 initialisers that import everything — ``fla``, ``fla.layers``, ``fla.models``, ``fla.ops`` — by
 *shells*: package modules with the real ``__path__`` whose ``__init__.py`` has not run. Importing
 ``fla.layers.delta_net`` then executes that module and what it imports, nothing else.

@@ -3,8 +3,8 @@
 fla's chunk kernels are autotuned: on a machine that has never run a model, Triton compiles and
 times every candidate configuration of each (kernel, tuning key) before the first launch. For the
 paper-scale DeltaNet run on one H200 that was 151 configurations of 11 kernels, 53 s of the
-command's first run even with the candidates compiled in parallel (``benchmarks/RESULTS.md``, "The
-command as typed"). The choice is a function of the kernel, its tuning key (mostly head count, head
+command's first run even with the candidates compiled in parallel (``benchmarks/CHANGELOG.md``,
+series 12). The choice is a function of the kernel, its tuning key (mostly head count, head
 dimensions, chunk size and dtypes; for fla's l2 norm, layer norm and chunk cumsum also a block count
 of the tokens or the batch size), the GPU, Triton and fla.
 

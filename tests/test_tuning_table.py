@@ -209,3 +209,15 @@ def test_save_tuning_refuses_an_existing_file_that_is_not_a_table_before_the_war
     check_table_file(other)  # no GPU named: only its form is checked
     with pytest.raises(ValueError, match="recorded with device 'NVIDIA Other GPU'"):
         check_table_file(other, "NVIDIA H200")
+
+
+def test_the_shipped_tables_are_where_the_lookup_reads():
+    """The tables the package ships (``osdn_diag/tuning/*.json``, package data) are the folder
+    :func:`osdn_diag.runtime.tuning.table_path` looks in: an H200 finds its table by its name."""
+    from osdn_diag.runtime import tuning
+
+    shipped = sorted(p.name for p in (ROOT / "osdn_diag" / "tuning").glob("*.json"))
+    assert "nvidia-h200.json" in shipped
+    assert sorted(p.name for p in tuning.TABLES.glob("*.json")) == shipped
+    assert tuning.table_path("NVIDIA H200") == tuning.TABLES / "nvidia-h200.json"
+    assert json.loads(tuning.table_path("NVIDIA H200").read_text())

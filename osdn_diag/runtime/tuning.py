@@ -35,7 +35,7 @@ __all__ = ["ENV", "TABLES", "check_table_file", "load_table", "recorded_choices_
            "tuning_key", "use_recorded_choices"]
 
 ENV = "OSDN_DIAG_TUNING"
-TABLES = Path(__file__).parent / "tuning"
+TABLES = Path(__file__).resolve().parents[1] / "tuning"  # osdn_diag/tuning/: the package data
 FORMAT = 1
 
 _TUNERS: weakref.WeakSet = weakref.WeakSet()   # every autotuner that ran since the patch

@@ -242,7 +242,7 @@ def _check_rows(rows, call, n, gated, segs, prompts, before, decayed, after, tok
     assert len(seen) == len(rows)  # one row per (prompt, head, token, micro-step)
 
 
-def _inputs(gen, B, T, n, H, K, V, *, gated):
+def _inputs(gen, B, T, n, H, K, V, *, gated, zero_token=True):
     q = torch.randn(B, T, H, K, generator=gen)
     k = torch.randn(B, T * n, H, K, generator=gen)
     v = torch.randn(B, T * n, H, V, generator=gen)
@@ -252,9 +252,9 @@ def _inputs(gen, B, T, n, H, K, V, *, gated):
     beta[:, 2::7] = 1.0 - 1e-4
     beta[:, 3::7] = 2.0 - 1e-4
     k[:, 5::11] = 0.0
-    # A token whose every pair is zero (keys and values): its loss is 0 before and after, ratio 1.
-    k[:, 4 * n:5 * n] = 0.0
-    v[:, 4 * n:5 * n] = 0.0
+    if zero_token:  # token 4's every pair is zero (keys and values): its loss is 0 before and after, ratio 1
+        k[:, 4 * n:5 * n] = 0.0
+        v[:, 4 * n:5 * n] = 0.0
     g = -torch.rand(B, T, H, generator=gen) if gated else None
     return q, k, v, beta, g
 
@@ -373,7 +373,7 @@ def test_retention_probes_after_the_tokens_last_micro_step():
 
     gen = torch.Generator().manual_seed(11)
     n, H, K, V, T = 2, 2, 16, 8, 12
-    q, k, v, beta, g = _inputs(gen, 1, T, n, H, K, V, gated=True)
+    q, k, v, beta, g = _inputs(gen, 1, T, n, H, K, V, gated=True, zero_token=False)
     kw = dict(q=q, k=k, v=v, g=g, beta=beta, num_householder=n, scale=None, initial_state=None,
               output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=None)
     call = GDPChunkAdapter().record(kw, GDPChunkAdapter().reference(kw), layer=0, layer_name="gdp",

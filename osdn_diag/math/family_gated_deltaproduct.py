@@ -17,9 +17,17 @@ Conventions (those of :mod:`osdn_diag.math.recurrence`, plus the micro-steps):
   decay for ``j = 0`` (the paper's denominator; ``S_{t−1}``), ``loss_before_decayed = f_{t,0}(α_t
   S_{t−1})`` at ``j = 0`` and ``f_{t,j}(S_{t,j−1})`` at ``j > 0`` (gated only), ``loss_after =
   f_{t,j}(S_{t,j})``.
-* Per token, on each of its micro-step rows (``columns``): ``token_ratio = Π_j q_{t,j}`` with
-  ``q_{t,j} = loss_after / loss_before`` (1 where ``loss_before = 0``), ``token_ratio_post`` the
-  same product with the post-decay ratio at ``j = 0`` (gated only), and ``step = j``.
+* The token's loss: ``L_t(S) = Σ_j f_{t,j}(S)``, the sum of its ``n`` micro-step pairs' losses, read
+  at three states — ``token_loss_before = L_t(S_{t−1})`` (before the token's decay, the paper's
+  denominator), ``token_loss_before_decayed = L_t(α_t S_{t−1})`` (gated only) and ``token_loss_after
+  = L_t(S_t)`` (after its last micro-step). Per token, on each of its micro-step rows (``columns``):
+  ``token_ratio = L_t(S_t) / L_t(S_{t−1})`` and ``token_ratio_post = L_t(S_t) / L_t(α_t S_{t−1})``
+  (gated only), both 1 where the loss before is 0 (the paper's convention): ratios of *one* loss, so
+  with ``n = 1`` they are the delta rule's ``residual_ratio`` and ``residual_ratio_post``.
+  ``micro_step_ratio_product = Π_j q_{t,j}`` with ``q_{t,j} = loss_after / loss_before`` (1 where
+  ``loss_before = 0``) and ``micro_step_ratio_product_post`` the same with the post-decay ratio at
+  ``j = 0`` (gated only): products of ratios of *different* losses (each micro-step's own pair), kept
+  beside the token's ratio; and ``step = j``.
 * ``cu_seqlens`` counts *tokens* (``[N + 1]``, ``B = 1``); the state restarts at every boundary.
 """
 
@@ -37,32 +45,55 @@ def _ratio(after: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
     return torch.where(before > 0, after / torch.where(before > 0, before, 1.0), torch.ones_like(after))
 
 
+def _token_loss(S: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``L_t(S) = Σ_j ½‖S k_{t,j} − v_{t,j}‖²`` for states ``[b, H, V, K]`` and a token's pairs
+    ``k: [b, n, H, K]``, ``v: [b, n, H, V]``: ``[b, H]``."""
+    return 0.5 * (torch.einsum("bhvk,bjhk->bjhv", S, k) - v).square().sum((1, 3))
+
+
 def token_columns(
     loss_before: torch.Tensor,
     loss_after: torch.Tensor,
     loss_before_decayed: torch.Tensor | None,
     num_householder: int,
+    token_losses: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """The per-token columns from micro-step losses ``[B, T·n, H]``: ``step``, ``token_ratio`` and
-    (gated) ``token_ratio_post``, each ``[B, T·n, H]`` (a token's value repeated on its n rows).
+    """The per-token columns, each ``[B, T·n, H]`` (a token's value repeated on its n rows): ``step``,
+    ``token_ratio``, ``micro_step_ratio_product``, ``token_loss_before``, ``token_loss_after`` and,
+    gated, ``token_ratio_post``, ``micro_step_ratio_product_post``, ``token_loss_before_decayed``.
 
-    Micro-step ``j`` of token ``t`` is row ``t·n + j`` in every sequence; packed sequences start at
-    multiples of ``n`` (fla multiplies ``cu_seqlens`` by ``n``), so the grouping is global."""
+    ``loss_*`` are the micro-step losses ``[B, T·n, H]``; ``token_losses`` the token's loss ``L_t``
+    (module docstring) at its three states, ``[B, T, H]`` each, keyed ``"before"``, ``"after"`` and,
+    gated, ``"before_decayed"``. Micro-step ``j`` of token ``t`` is row ``t·n + j`` in every
+    sequence; packed sequences start at multiples of ``n`` (fla multiplies ``cu_seqlens`` by ``n``),
+    so the grouping is global."""
     B, Tn, H = loss_before.shape
     n = int(num_householder)
     if Tn % n:
         raise ValueError(f"{Tn} micro-steps are not a whole number of tokens of {n} micro-steps")
     T = Tn // n
 
-    def per_token(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(B, T, n, H).prod(2, keepdim=True).expand(B, T, n, H).reshape(B, Tn, H)
+    def repeat(x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T·n, H]
+        return x[:, :, None].expand(B, T, n, H).reshape(B, Tn, H)
 
-    q = _ratio(loss_after, loss_before)
-    step = torch.arange(n, device=q.device, dtype=q.dtype).repeat(T)[None, :, None].expand(B, Tn, H)
-    out = {"step": step.contiguous(), "token_ratio": per_token(q)}
+    def product(x: torch.Tensor) -> torch.Tensor:  # [B, T·n, H] -> its tokens' products, [B, T·n, H]
+        return repeat(x.reshape(B, T, n, H).prod(2))
+
+    before, after = token_losses["before"], token_losses["after"]
+    step = torch.arange(n, device=loss_before.device, dtype=loss_before.dtype).repeat(T)[None, :, None]
+    out = {
+        "step": step.expand(B, Tn, H).contiguous(),
+        "token_ratio": repeat(_ratio(after, before)),
+        "micro_step_ratio_product": product(_ratio(loss_after, loss_before)),
+        "token_loss_before": repeat(before),
+        "token_loss_after": repeat(after),
+    }
     if loss_before_decayed is not None:
+        decayed = token_losses["before_decayed"]
+        out["token_ratio_post"] = repeat(_ratio(after, decayed))
         # Only micro-step 0 carries the decay; at j > 0 the post-decay ratio is the ratio itself.
-        out["token_ratio_post"] = per_token(_ratio(loss_after, loss_before_decayed))
+        out["micro_step_ratio_product_post"] = product(_ratio(loss_after, loss_before_decayed))
+        out["token_loss_before_decayed"] = repeat(decayed)
     return out
 
 
@@ -82,7 +113,8 @@ def gated_deltaproduct_recurrence(
     """Run the recurrence of the module docstring. Returns a
     :class:`~osdn_diag.math.recurrence.RecurrenceResult` with ``o: [B, T, H, V]`` (token layout),
     ``final_state: [N, H, V, K]`` and the per-row values in the micro-step layout ``[B, T·n, H]``;
-    ``write_gain = β_{t,j}‖k_{t,j}‖²``; ``columns`` as :func:`token_columns`."""
+    ``write_gain = β_{t,j}‖k_{t,j}‖²``; ``columns`` as :func:`token_columns`, the token's loss read
+    at ``S_{t−1}``, ``α_t S_{t−1}`` and ``S_t`` directly, with all its pairs' keys."""
     n = int(num_householder)
     if n < 1:
         raise ValueError(f"argument 'num_householder': expected at least 1, got {n}")
@@ -112,6 +144,9 @@ def gated_deltaproduct_recurrence(
     before = torch.zeros(B, T * n, H, dtype=dtype, device=dev)
     after = torch.zeros_like(before)
     decayed = None if g is None else torch.zeros_like(before)
+    tok = {name: torch.zeros(B, T, H, dtype=dtype, device=dev) for name in ("before", "after")}
+    if g is not None:
+        tok["before_decayed"] = torch.zeros(B, T, H, dtype=dtype, device=dev)
     final = torch.zeros(N, H, V, K, dtype=dtype, device=dev)
     for rows, start, end, i in segments:
         b = B if i is None else 1
@@ -120,6 +155,11 @@ def gated_deltaproduct_recurrence(
         else:
             S = (initial_state if i is None else initial_state[i : i + 1]).to(dtype).clone()
         for t in range(start, end):
+            rs = slice(t * n, t * n + n)
+            kt, vt = kd[rows, rs], vd[rows, rs]  # the token's n pairs, [b, n, H, K], [b, n, H, V]
+            tok["before"][rows, t] = _token_loss(S, kt, vt)
+            if gd is not None:
+                tok["before_decayed"][rows, t] = _token_loss(S * gd[rows, t].exp()[..., None, None], kt, vt)
             for j in range(n):
                 r = t * n + j
                 kj, vj, bj = kd[rows, r], vd[rows, r], bd[rows, r]  # [b, H, K], [b, H, V], [b, H]
@@ -131,6 +171,7 @@ def gated_deltaproduct_recurrence(
                     decayed[rows, r] = 0.5 * u.square().sum(-1)
                 S = S + bj[..., None, None] * u[..., :, None] * kj[..., None, :]
                 after[rows, r] = 0.5 * (torch.einsum("bhvk,bhk->bhv", S, kj) - vj).square().sum(-1)
+            tok["after"][rows, t] = _token_loss(S, kt, vt)
             o[rows, t] = torch.einsum("bhvk,bhk->bhv", S, scale * qd[rows, t])
         if i is None:
             final = S
@@ -139,5 +180,5 @@ def gated_deltaproduct_recurrence(
     gain = bd * kd.square().sum(-1)
     return RecurrenceResult(
         o=o, final_state=final, loss_before=before, loss_after=after, write_gain=gain,
-        loss_before_decayed=decayed, columns=token_columns(before, after, decayed, n),
+        loss_before_decayed=decayed, columns=token_columns(before, after, decayed, n, tok),
     )

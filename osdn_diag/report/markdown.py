@@ -142,8 +142,11 @@ def _units_note(runs) -> list[str]:
     return [f"Units: {', '.join(micro)} {'makes' if len(micro) == 1 else 'make'} several writes "
             "(micro-steps) per token (GatedDeltaProduct): its q_geo, q_arith, per-task q_geo and n are per "
             "micro-step write, every other family's per token. `q_geo per token` is the geometric mean "
-            "of each token's ratio (the product of its micro-steps' ratios, `token_ratio`), i.e. "
-            "q_geo^n for n micro-steps per token: it is the column that compares across families.", ""]
+            "of each token's ratio (`token_ratio`: its loss over all its micro-steps' (key, value) "
+            "pairs, after the token over before it, as a delta rule's ratio is of its one pair's "
+            "loss): it is the column that compares across families. The product of a token's "
+            "micro-step ratios (`micro_step_ratio_product`, geometric mean q_geo^n) multiplies ratios "
+            "of different losses and does not.", ""]
 
 
 def _own_target_note(runs) -> list[str]:
@@ -626,7 +629,8 @@ def _preamble(runs) -> str:
     if fams & MICRO_STEP_FAMILIES:
         text += (" GatedDeltaProduct layers make several writes (micro-steps) per token, each a step on "
                  "`½‖S k_{t,j} − v_{t,j}‖²` with the micro-step's own key and value: their ratios are per "
-                 "micro-step, and `q_geo per token` (of each token's product of its micro-step ratios) is "
+                 "micro-step, and `q_geo per token` (of each token's ratio of its loss over all its "
+                 "micro-steps' pairs, `Σ_j ½‖S k_{t,j} − v_{t,j}‖²`, after the token over before it) is "
                  "the number that compares with other families.")
     return text
 

@@ -12,10 +12,14 @@ forget gate, β in [0, 2]) runs batch 2 on the chunk path (T = 1024, no grad:
       token's last micro-step and the gate on micro-step 0 (zeros elsewhere), v, β and the gate as
       given, and the kernel's fp32 final state; on the fused path the kernel's fp32 arithmetic on
       its raw arguments;
-(ii)  the package's GPU replay (``backend="triton"``) agrees per micro-step with an fp64 oracle run
-      on the consumed tensors (``_consumed.fp64_delta_rule`` on the interleaved sequence: residual
-      ratios within 1e-5 at p99, relative to max(ratio, 1e-3)), and the token ratios with the
-      oracle's products; the torch backend (the family's own reference) agrees with the triton one;
+(ii)  the package's GPU replay (``backend="triton"``, the fused replay on the probed record) agrees
+      per micro-step with an fp64 oracle run on the consumed tensors (``_consumed.fp64_delta_rule``
+      on the interleaved sequence: residual ratios within 1e-5 at p99, relative to
+      max(ratio, 1e-3)); the token ratios ``token_ratio`` / ``token_ratio_post`` — the token's loss
+      ``L_t = Σ_j ½‖S k_j − v_j‖²`` after its last micro-step over before its gate / after it — with
+      :func:`token_losses64`, an fp64 loop written here; ``micro_step_ratio_product`` with the
+      oracle's products of micro-step ratios; the torch backend (the family's own reference) agrees
+      with the triton one on every per-token column;
 (iii) the replay passes its own output and final-state checks at their default tolerances;
 (iv)  the logits with and without capture are bitwise equal.
 
@@ -137,6 +141,46 @@ def consumed(run: Run) -> dict:
     return {"q": q.double(), "k": k.double(), "v": a["v"].double(), "beta": a["beta"].double(), "g": g.double()}
 
 
+def token_losses64(c: dict) -> dict:
+    """The token's loss ``L_t(S) = Σ_j ½‖S k_{t,j} − v_{t,j}‖²`` over its ``N_H`` pairs, in fp64, from
+    the consumed interleaved tensors (the gate on micro-step 0), ``[B, T, H]`` each: ``before`` at
+    ``S_{t−1}``, ``decayed`` at ``exp(g_t) S_{t−1}``, ``after`` at ``S_t``; and ``ratio``, ``post``
+    (after / before, after / decayed; 1 where the loss before is 0)."""
+    k, v, beta, g = c["k"], c["v"], c["beta"], c["g"]
+    B, Tn, H, K = k.shape
+    T = Tn // N_H
+    S = torch.zeros(B, H, v.shape[-1], K, dtype=torch.float64, device=k.device)
+    out = {name: torch.empty(B, T, H, dtype=torch.float64, device=k.device) for name in ("before", "decayed", "after")}
+
+    def loss(state, kt, vt):  # kt [B, n, H, K], vt [B, n, H, V] -> [B, H]
+        return 0.5 * (torch.einsum("bhvk,bjhk->bjhv", state, kt) - vt).square().sum((1, 3))
+
+    for t in range(T):
+        rows = slice(t * N_H, (t + 1) * N_H)
+        kt, vt = k[:, rows], v[:, rows]
+        out["before"][:, t] = loss(S, kt, vt)
+        S = S * g[:, t * N_H].exp()[..., None, None]
+        out["decayed"][:, t] = loss(S, kt, vt)
+        for j in range(N_H):
+            r = t * N_H + j
+            u = v[:, r] - torch.einsum("bhvk,bhk->bhv", S, k[:, r])
+            S = S + beta[:, r, :, None, None] * u[..., :, None] * k[:, r, :, None, :]
+        out["after"][:, t] = loss(S, kt, vt)
+    for name, den in (("ratio", "before"), ("post", "decayed")):
+        d = out[den]
+        out[name] = torch.where(d == 0, torch.ones_like(d), out["after"] / torch.where(d == 0, 1.0, d))
+    return out
+
+
+def _token_p99(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor) -> float:
+    """p99 of ``|got − want| / max(want, 1e-3)`` over the tokens whose loss before exceeds 1e-6 × its
+    median (elsewhere the ratio is a quotient of rounding errors); NaN reads as infinite."""
+    ok = before > 1e-6 * before.median()
+    err = (got.double() - want).abs()[ok] / want.abs()[ok].clamp_min(1e-3)
+    err = torch.where(err.isnan(), torch.full_like(err, math.inf), err)
+    return float(torch.quantile(err, 0.99)) if err.numel() else 0.0
+
+
 def _model():
     import fla.models
     from transformers import AutoModelForCausalLM
@@ -227,22 +271,35 @@ def test_every_layer_replays_like_the_fp64_oracle(path, model_run):
         cols = dict(res.columns)
         micro = cols["pos"].long() * N_H + cols["step"].long()
         cmp = compare_ratios({**cols, "pos": micro}, ref)
-        # The token ratios: products of the oracle's micro-step ratios, with the same floor.
+        idx = cols["sequence"].long(), cols["pos"].long(), cols["head"].long()
+        # The products of the oracle's micro-step ratios, with the same floor.
         ratio = ref["ratio"].cpu()
         B, Tn, H = ratio.shape
-        tok = ratio.reshape(B, Tn // N_H, N_H, H).prod(2)
-        want = tok[cols["sequence"].long(), cols["pos"].long(), cols["head"].long()]
-        tok_err = ((cols["token_ratio"].double() - want).abs() / want.abs().clamp_min(1e-3))
+        prod = ratio.reshape(B, Tn // N_H, N_H, H).prod(2)[idx]
+        prod_err = ((cols["micro_step_ratio_product"].double() - prod).abs() / prod.abs().clamp_min(1e-3))
+        # The token's own ratio: one loss, L_t after its last micro-step over before (its gate / after it).
+        tok = {name: x.cpu()[idx] for name, x in token_losses64(c).items()}
+        tok_p99 = _token_p99(cols["token_ratio"], tok["ratio"], tok["before"])
+        post_p99 = _token_p99(cols["token_ratio_post"], tok["post"], tok["decayed"])
         print(f"[gdp-gpu] {path} layer {call.layer}: fidelity {res.fidelity:.3g} state {res.state_fidelity:.3g} "
               f"| oracle vs kernel o {o_err:.3g} state {s_err:.3g} | ratio p99 {cmp['p99']:.3g} "
-              f"token p99 {float(torch.quantile(tok_err, 0.99)):.3g}", flush=True)
+              f"token p99 {tok_p99:.3g} post {post_p99:.3g} product p99 {float(torch.quantile(prod_err, 0.99)):.3g} "
+              f"| q_geo per token {float(tok['ratio'].clamp_min(1e-30).log().mean().exp()):.3g}, "
+              f"of the products {float(prod.clamp_min(1e-30).log().mean().exp()):.3g}", flush=True)
         assert res.state_fidelity is not None
         assert cmp["p99"] <= 1e-5, cmp
         assert abs(cmp["q_geo"] - cmp["q_geo_ref"]) <= 1e-6 * cmp["q_geo_ref"], cmp
-        assert float(torch.quantile(tok_err, 0.99)) <= N_H * 1e-5
+        assert float(torch.quantile(prod_err, 0.99)) <= N_H * 1e-5
+        assert tok_p99 <= 1e-5 and post_p99 <= 1e-5, (tok_p99, post_p99)
+        for name, col in (("before", "token_loss_before"), ("decayed", "token_loss_before_decayed"),
+                          ("after", "token_loss_after")):
+            assert _token_p99(cols[col], tok[name], tok[name]) <= 1e-5, col
+        assert not any(bool(cols[name].isnan().any()) for name in ("token_ratio", "token_ratio_post"))
         # The torch backend (the family's token-form reference) agrees with the fused replay.
         res_t = replay_call(call, backend="torch")
-        for name in ("residual_ratio", "token_ratio", "token_ratio_post"):
+        for name in ("residual_ratio", "token_ratio", "token_ratio_post", "micro_step_ratio_product",
+                     "micro_step_ratio_product_post", "token_loss_before", "token_loss_before_decayed",
+                     "token_loss_after"):
             a, b = res_t.columns[name].double(), cols[name].double()
             assert float(torch.quantile((a - b).abs() / b.abs().clamp_min(1e-3), 0.99)) <= 1e-5, name
         assert torch.equal(res_t.columns["pos"], cols["pos"]) and torch.equal(res_t.columns["step"], cols["step"])
@@ -255,10 +312,16 @@ def test_capture_leaves_the_logits_bitwise_unchanged(path, model_run):
     assert torch.equal(hooked, plain), "capture changed the model's logits"
 
 
-def test_micro_step_product_is_the_token_ratio_in_the_summary_sense(model_run):
-    """q_geo over micro-step rows to the n-th power is the token ratios' geometric mean (one layer)."""
+def test_q_geo_to_the_n_is_the_micro_step_products_mean(model_run):
+    """q_geo over micro-step rows to the n-th power is the geometric mean of the products of the
+    micro-step ratios (one layer) — not of the token's own ratio, which is of one loss."""
     _, call = _pairs("fused_recurrent", model_run)[0]
     cols = replay_call(call, backend="triton").columns
     r = cols["residual_ratio"].double().clamp_min(1e-30)
-    t = cols["token_ratio"].double()[cols["step"] == 0].clamp_min(1e-30)
-    assert math.isclose(float(r.log().mean().exp()) ** N_H, float(t.log().mean().exp()), rel_tol=1e-4)
+    first = cols["step"] == 0
+    p = cols["micro_step_ratio_product"].double()[first].clamp_min(1e-30)
+    assert math.isclose(float(r.log().mean().exp()) ** N_H, float(p.log().mean().exp()), rel_tol=1e-4)
+    # Every row of a token holds the token's values.
+    for name in ("token_ratio", "micro_step_ratio_product", "token_loss_before", "token_loss_after"):
+        x = cols[name].reshape(-1, N_H)
+        assert torch.equal(x[:, 0:1].expand_as(x), x), name

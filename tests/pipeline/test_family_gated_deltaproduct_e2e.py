@@ -8,8 +8,10 @@ bound to the autograd function behind it for the run), prompts of 40 and 27 toke
 recurrent kernel as the layer calls it (``RUN_PATHS``: the chunk path only by default; the fused
 path's layer forward is checked in tests/capture/test_family_gated_deltaproduct.py). The table has one row per (prompt, head, token,
 micro-step); each row's ``loss_before``, ``loss_after``, ``residual_ratio``, ``residual_ratio_post``,
-``token_ratio`` and ``token_ratio_post`` is compared with the loop, and the replayed output and final
-state with the kernel's. Also: ``random:gated-deltaproduct-tiny`` runs through the command line
+the token's loss ``L_t = Σ_j ½‖S k_j − v_j‖²`` at its three states (``token_loss_*``), its ratios
+``token_ratio`` / ``token_ratio_post`` and the products of its micro-step ratios
+(``micro_step_ratio_product``, ``_post``) is compared with the loop, the summary's q_geo and per-token
+q_geo with the table's, and the replayed output and final state with the kernel's. Also: ``random:gated-deltaproduct-tiny`` runs through the command line
 with the reference stand-in, with the retention probes on.
 """
 
@@ -101,26 +103,36 @@ def _shards(run: Path):
 def _loop(q, k, v, beta, g, n, scale):
     """One sequence in fp64, stored interleaved tensors ``[T·n, H, ·]`` (q on each token's last
     micro-step, g on its first); state V×K from zero. Per micro-step row: losses before (pre-decay),
-    decayed, after; o per token (last micro-step)."""
+    decayed, after; per token ``[T, H]``: its loss Σ_j ½‖S k_j − v_j‖² over its n pairs at S_{t−1}
+    ("tok_before"), after the gate ("tok_decayed") and after its last micro-step ("tok_after"); o per
+    token (last micro-step)."""
     Tn, H, K = k.shape
     q, k, v, beta, g = (x.double() for x in (q, k, v, beta, g))
     S = torch.zeros(H, v.shape[-1], K, dtype=torch.float64)
     out = {name: torch.zeros(Tn, H, dtype=torch.float64) for name in ("before", "decayed", "after")}
+    out.update({name: torch.zeros(Tn // n, H, dtype=torch.float64) for name in ("tok_before", "tok_decayed", "tok_after")})
     o = torch.zeros(Tn // n, H, v.shape[-1], dtype=torch.float64)
 
     def loss(state, r):
         return 0.5 * (torch.einsum("hvk,hk->hv", state, k[r]) - v[r]).square().sum(-1)
 
+    def token_loss(state, r):  # the token of row r: the sum of its n pairs' losses
+        first = r - r % n
+        return sum(loss(state, x) for x in range(first, first + n))
+
     for r in range(Tn):
         out["before"][r] = loss(S, r)
         if r % n == 0:
+            out["tok_before"][r // n] = token_loss(S, r)
             S = S * g[r].exp()[:, None, None]
+            out["tok_decayed"][r // n] = token_loss(S, r)
         else:
             assert not g[r].any()  # the gate acts on micro-step 0 only
         out["decayed"][r] = loss(S, r)
         S = S + beta[r][:, None, None] * (v[r] - torch.einsum("hvk,hk->hv", S, k[r]))[:, :, None] * k[r][:, None, :]
         out["after"][r] = loss(S, r)
         if r % n == n - 1:
+            out["tok_after"][r // n] = token_loss(S, r)
             o[r // n] = torch.einsum("hvk,hk->hv", S, scale * q[r])
         else:
             assert not q[r].any()  # the query reads after the token's last micro-step
@@ -161,6 +173,7 @@ def test_run_matches_an_fp64_loop_on_the_stored_tensors(gdp_runs, path):
             for h in range(2):
                 for t in range(T):
                     steps = range(t * N_H, (t + 1) * N_H)
+                    Lb, Ld, La = (float(losses[name][t, h]) for name in ("tok_before", "tok_decayed", "tok_after"))
                     for j, r in enumerate(steps):
                         i = rows[(prompt, h, t, j)]
                         fb = float(losses["before"][r, h])
@@ -172,17 +185,33 @@ def test_run_matches_an_fp64_loop_on_the_stored_tensors(gdp_runs, path):
                             ("loss_after", float(losses["after"][r, h]), 1e-3 * fb, 1e-5),
                             ("residual_ratio", float(ratio[r, h]), 1e-3, 1e-5),
                             ("residual_ratio_post", float(post[r, h]), 1e-3, 1e-5),
-                            ("token_ratio", math.prod(float(ratio[s, h]) for s in steps), 1e-3, N_H * 1e-5),
-                            ("token_ratio_post", math.prod(float(post[s, h]) for s in steps), 1e-3, N_H * 1e-5),
+                            ("micro_step_ratio_product", math.prod(float(ratio[s, h]) for s in steps), 1e-3,
+                             N_H * 1e-5),
+                            ("micro_step_ratio_product_post", math.prod(float(post[s, h]) for s in steps), 1e-3,
+                             N_H * 1e-5),
+                            # The token's own ratio: one loss, after its last micro-step over before.
+                            ("token_loss_before", Lb, 0.0, 1e-5),
+                            ("token_loss_before_decayed", Ld, 0.0, 1e-5),
+                            ("token_loss_after", La, 1e-3 * Lb, 1e-5),
+                            ("token_ratio", La / Lb, 1e-3, 1e-5),
+                            ("token_ratio_post", La / Ld, 1e-3, 1e-5),
                         ):
                             got = table[col][i]
+                            assert got is not None and math.isfinite(got), (col, prompt, h, t, j, got)
                             assert abs(got - want) <= tol * max(abs(want), floor), (col, prompt, h, t, j, got, want)
                         assert table["rel_pos"][i] == pytest.approx(t / T)
                         checked += 1
     assert checked == len(table["prompt"])
-    # The summary's q_geo is over micro-step rows: its n_h-th power is the token ratios' geometric mean.
-    tok = [math.log(q) for q, j in zip(table["token_ratio"], table["step"]) if j == 0]
-    assert summary["q_geo"] ** N_H == pytest.approx(math.exp(sum(tok) / len(tok)), rel=1e-5)
+    # The summary's q_geo is over micro-step rows: its n_h-th power is the geometric mean of the
+    # products of the micro-step ratios; its per-token q_geo is that of the token's own ratio.
+    first = [i for i, j in enumerate(table["step"]) if j == 0]
+    prod = [math.log(table["micro_step_ratio_product"][i]) for i in first]
+    assert summary["q_geo"] ** N_H == pytest.approx(math.exp(sum(prod) / len(prod)), rel=1e-5)
+    tok = [math.log(table["token_ratio"][i]) for i in first]
+    assert summary["q_geo_per_token"] == pytest.approx(math.exp(sum(tok) / len(tok)), rel=1e-5)
+    assert summary["n_tokens"] == len(first)
+    tok_post = [math.log(table["token_ratio_post"][i]) for i in first]
+    assert summary["post_decay"]["q_geo_per_token"] == pytest.approx(math.exp(sum(tok_post) / len(tok_post)), rel=1e-5)
     assert summary["by_family"]["gated_delta_product"]["n"] == len(table["prompt"])
 
 

@@ -6,8 +6,9 @@ on the CPU): a random Gated DeltaNet (one write per token), a random GatedDeltaP
 micro-step writes per token, docs/families.md) and a random Comba (a loss of its own, read with
 ``p``; Theorem D.7's comparator does not apply to it). Definitions: ``q_geo = exp(mean log max(q,
 1e-30))`` over finite rows (docs/metrics.md); the per-token statistic is that of ``token_ratio`` on the
-``step = 0`` rows for GatedDeltaProduct (one row per token) and of ``residual_ratio`` for every other
-family (docs/families.md, run-directory.md).
+``step = 0`` rows for GatedDeltaProduct (one row per token: the ratio of the token's loss over its
+micro-steps' pairs) and of ``residual_ratio`` for every other family (docs/families.md,
+run-directory.md).
 """
 
 from __future__ import annotations
@@ -97,10 +98,20 @@ def test_per_token_statistics_in_the_summary(runs, name):
         geo_w, n_w = _per_write(run, post)
         assert entry["q_geo"] == pytest.approx(geo_w, rel=REL, abs=0) and entry["n"] == n_w
         if name == "gdp":
-            # n micro-steps per token: q_geo^n per token (no zero ratio here), and distinguishably so.
+            # n micro-steps per token: q_geo^n is the mean of the products of the micro-step ratios
+            # (no zero ratio here); the per-token statistic is of the token's own ratio, the one loss
+            # L_t after over before the token (token_loss_after / token_loss_before(_decayed)).
+            c = run["cols"]
+            first = c["finite"].astype(bool) & (c["step"] == 0)
+            prod = c["micro_step_ratio_product_post" if post else "micro_step_ratio_product"][first]
             assert n_w == MICRO * tokens and entry["n_zero"] == 0
-            assert geo == pytest.approx(geo_w ** MICRO, rel=1e-5)
-            assert geo < 0.5 * geo_w
+            assert _geo(prod) == pytest.approx(geo_w ** MICRO, rel=1e-5)
+            before = c["token_loss_before_decayed" if post else "token_loss_before"][first].astype(np.float64)
+            ratio = c["token_loss_after"][first].astype(np.float64) / before
+            q = c["token_ratio_post" if post else "token_ratio"][first].astype(np.float64)
+            assert (before > 0).all() and np.allclose(q, ratio, rtol=1e-5, atol=0)
+            # distinguishably not the per-write q_geo, nor the products' mean
+            assert not 0.5 < geo / geo_w < 2 and not 0.5 < geo / _geo(prod) < 2
         else:
             assert tokens == n_w and geo == pytest.approx(geo_w, rel=REL)
 

@@ -81,14 +81,14 @@ class RunView:
 
 def _run_parts(run, default_label: str):
     """``(label, summary, manifest or None, run directory or None, table or None)``."""
-    from ..replay import Results
-
     if isinstance(run, (str, os.PathLike)):
         from ..replay import load_run
         from ..report.markdown import _label
 
         manifest, summary = load_run(run)
         return _label(Path(run), manifest), summary, manifest, Path(run), None
+    from ..replay import Results  # here, not above: it imports torch, which reading a run never needs
+
     if isinstance(run, Results):
         return default_label, run.summary, None, None, run
     raise TypeError(f"argument 'runs': expected a run directory or a Results, got {type(run).__name__}")
@@ -184,8 +184,8 @@ def choose_strip_prompts(prompts: list[dict], count: int | None = None, ids=None
         ids = [int(i) for i in ids]
         missing = [i for i in ids if i not in known]
         if missing:
-            raise ValueError(f"argument 'strip_prompts': no prompt {missing[0]} in the run (ids "
-                             f"{min(known)}–{max(known)})" if known else "argument 'strip_prompts': the run has no prompts")
+            raise ValueError(f"argument 'strip_prompts' (--strip-prompts): no prompt {missing[0]} in the run (ids "
+                             f"{min(known)}–{max(known)})" if known else "argument 'strip_prompts' (--strip-prompts): the run has no prompts")
         return sorted(dict.fromkeys(ids))
     count = DEFAULT_STRIPS if count is None else int(count)
     if count < 0:

@@ -205,6 +205,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"\nq: residual ratio per write (lower = stronger contraction); {scored}. "
           f"{time.perf_counter() - start:.0f} s.")
     print(f"report: {report}")
+    view = report.parent / "view.html"
+    if view.is_file():
+        print(f"view: {view}")
     return 0
 
 

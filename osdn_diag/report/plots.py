@@ -137,7 +137,7 @@ def plot_by_layer(runs: list[tuple[str, dict]], ax=None):
 
 def plot_q_bars(runs: list[tuple[str, dict]], ax=None):
     """Fig. 2(b): overall q_geo of each run."""
-    fig, ax = _axes(ax, (1.2 + 1.1 * len(runs), 3.6))
+    fig, ax = _axes(ax, (max(4.2, 1.4 + 1.1 * len(runs)), 3.6))  # wide enough for its title
     labels = [label for label, _ in runs]
     values = [_num(s["q_geo"]) for _, s in runs]
     bars = ax.bar(range(len(runs)), values, color=[f"C{i}" for i in range(len(runs))])
@@ -147,7 +147,7 @@ def plot_q_bars(runs: list[tuple[str, dict]], ax=None):
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(runs)), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(r"$q_{geo}$ (all tokens, layers, heads)")
-    ax.set_title("Overall residual contraction")
+    ax.set_title("Overall residual contraction", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     return fig
 

@@ -114,6 +114,25 @@ word-break:break-all;border-left:4px solid #ccc;padding:2px 8px;margin:4px 0}
 #strip-scale{height:12px;width:320px;display:inline-block;vertical-align:middle;margin:0 6px}
 """
 
+# First of all: any error of the page's scripts is also shown on the page (a reader sees that a panel
+# failed, not just an empty box) and counted in <html data-errors>, which the browser test reads.
+_ERRORS_JS = r"""
+(function(){
+  let n = 0;
+  function show(msg){ n += 1; document.documentElement.setAttribute('data-errors', String(n));
+    const add = () => { let el = document.getElementById('osdn-view-errors');
+      if (!el) { el = document.createElement('pre'); el.id = 'osdn-view-errors';
+        el.style.cssText = 'color:#b00;background:#fee;padding:6px;white-space:pre-wrap';
+        document.body.insertBefore(el, document.body.firstChild); }
+      el.textContent += 'view error: ' + msg + '\n'; };
+    if (document.body) add(); else document.addEventListener('DOMContentLoaded', add); }
+  window.addEventListener('error', e => show(e.message || String(e)));
+  window.addEventListener('unhandledrejection', e => show(String(e.reason)));
+  const err = console.error.bind(console);
+  console.error = function(...a){ show(a.map(String).join(' ')); err(...a); };
+})();
+"""
+
 # The page's own script: draws the figures, links the heat map to the head curve, and renders the
 # token strips from the base64 arrays (colour: log10 q_t on one scale over the runs shown).
 _JS = r"""
@@ -225,6 +244,7 @@ def render(runs: list[RunView], *, title: str = "osdn-diag view") -> str:
         f"<title>{html.escape(title)}: {labels}</title>",
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<style>{_CSS}</style>",
+        f"<script>{_ERRORS_JS}</script>",
         f"<script>{get_plotlyjs()}</script>",
         "</head><body>",
         f"<h1>{html.escape(title)}</h1>",

@@ -214,6 +214,9 @@ document.body.setAttribute('data-ready', '1');
 
 def render(runs: list[RunView], *, title: str = "osdn-diag view") -> str:
     """The page's HTML for ``runs`` (:func:`~osdn_diag.view.data.view_data`)."""
+    from .figures import _go
+
+    _go()  # plotly is there, or an ImportError saying how to install it
     from plotly.offline import get_plotlyjs
 
     figures = {}

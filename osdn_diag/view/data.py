@@ -138,13 +138,10 @@ def _prompt_info(manifest, table: pa.Table) -> list[dict]:
     if manifest is not None:
         return [{"id": int(p["id"]), "task": p.get("task", ""), "length": int(p["length"])}
                 for p in manifest.get("prompts", [])]
-    prompt, pos = _col(table, "prompt"), _col(table, "pos")
-    task = table.column("task").to_pylist() if "task" in table.column_names else [""] * len(prompt)
-    out = {}
-    for i in np.unique(prompt):
-        first = int(np.flatnonzero(prompt == i)[0])
-        out[int(i)] = {"id": int(i), "task": task[first], "length": int(pos[prompt == i].max()) + 1}
-    return [out[k] for k in sorted(out)]
+    aggs = [("pos", "max")] + ([("task", "first")] if "task" in table.column_names else [])
+    g = table.group_by("prompt", use_threads=False).aggregate(aggs).sort_by("prompt").to_pydict()
+    tasks = g.get("task_first", [""] * len(g["prompt"]))
+    return [{"id": int(p), "task": t or "", "length": int(m) + 1} for p, t, m in zip(g["prompt"], tasks, g["pos_max"])]
 
 
 def _head_curves(table: pa.Table, lengths: dict[int, int]) -> dict:

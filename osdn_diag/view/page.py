@@ -192,7 +192,7 @@ function draw(){
     head.style.color = r.colour; box.appendChild(head);
     const div = document.createElement('div'); div.className = 'strip'; div.style.borderLeftColor = r.colour;
     for (let t=0;t<p.length;t++){
-      const s = document.createElement('span'); s.textContent = p.tokens[t];
+      const s = document.createElement('span'); s.textContent = p.tokens[t].replace(/\n/g, '\u21b5\n');
       const q = row < 0 ? NaN : p.v.q[row*p.length+t];
       if (q>0 && Number.isFinite(q)) { const c=(Math.log10(q)-lo)/(hi-lo); s.style.background=colour(c);
         s.style.color = c < 0.55 ? '#fff' : '#000'; } else s.style.background = '#eee';

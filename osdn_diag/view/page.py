@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import os
 from pathlib import Path
 
@@ -89,6 +90,18 @@ def _strip_note(runs: list[RunView]) -> str:
         return "No token strips (none asked for)."
     return (f"Token strips for {len(ids)} of {total} prompts (ids {', '.join(map(str, ids))}); every other "
             "panel is over every prompt. Choose others with --strips N or --strip-prompts ID,ID,…")
+
+
+def _finite(obj):
+    """``obj`` with every NaN or infinity replaced by ``None`` (a gap in a figure): the page's JSON
+    is strict, as every JSON file the package writes."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _json_script(id_: str, obj) -> str:
@@ -222,7 +235,7 @@ def render(runs: list[RunView], *, title: str = "osdn-diag view") -> str:
     figures = {}
     for name, build in FIGURES.items():
         fig = build(runs)
-        figures[name] = None if fig is None else json.loads(fig.to_json())
+        figures[name] = None if fig is None else _finite(json.loads(fig.to_json()))
     panels = [("contraction", "Contraction curve", "q_geo per relative-position bin, every prompt, layer and head "
                "(summary.json). Hover: bin, q_geo, n."),
               ("layer-head", "Layer × head", "q_geo of every head, one colour scale over the runs. Click a cell: "

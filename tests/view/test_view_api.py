@@ -95,3 +95,28 @@ def test_the_static_report_needs_no_plotly(lm_run, tmp_path, monkeypatch, capsys
 
 
 from importlib.util import find_spec as _find_spec  # noqa: E402  (the real one, kept before it is patched)
+
+
+def test_a_nonfinite_stream_is_left_out_of_the_strips():
+    import math
+
+    import numpy as np
+    import pyarrow as pa
+
+    from _synthetic import synthetic_results
+
+    res = synthetic_results(prompts=2, length=16, layers=2, heads=2)
+    t = res.table
+    col = (lambda name: t.column(name).to_numpy(zero_copy_only=False).copy())
+    sel = (col("prompt") == 0) & (col("layer") == 0) & (col("pos") == 3)  # NaN inputs there
+    q, lb, fin = col("residual_ratio"), col("loss_before"), col("finite")
+    q[sel], lb[sel], fin[sel] = np.nan, np.nan, False
+    for name, values in (("residual_ratio", q), ("loss_before", lb), ("finite", fin)):
+        t = t.set_column(t.schema.get_field_index(name), name, pa.array(values))
+    page = osdn_diag.Results(t, res.summary, res.tokens).view(strips=1).html
+    strip = page_data(page)["runs"][0]["strips"][0]
+    assert np.isnan(strip["v"]["q"][0, 3]) and np.isnan(strip["v"]["loss_before"][0, 3])  # layer 0: nothing
+    keep = (col("prompt") == 0) & (col("pos") == 3) & ~sel  # pooled: layer 1's heads only
+    want = math.exp(np.log(q[keep].astype(np.float64)).mean())
+    assert strip["v"]["q"][2, 3] == pytest.approx(want, rel=1e-6)
+    assert strip["v"]["loss_before"][2, 3] == pytest.approx(lb[keep].astype(np.float64).mean(), rel=1e-6)

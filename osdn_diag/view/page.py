@@ -160,19 +160,24 @@ for (const [id, fig] of Object.entries(FIGS)) {
 function f32(b64){const s=atob(b64);const u=new Uint8Array(s.length);for(let i=0;i<s.length;i++)u[i]=s.charCodeAt(i);
   return new Float32Array(u.buffer);}
 for (const r of DATA.runs) for (const p of r.strips) { p.v = {}; for (const f of DATA.fields) p.v[f] = f32(p.values[f]); }
-// heat map -> head curve
+// heat map -> head curve: a click on a cell, or the address's #head=LAYER.HEAD (a link to a head)
 const hm = document.getElementById('layer-head'), hc = document.getElementById('head-curve');
-if (hm && hc && hm.on) hm.on('plotly_click', ev => {
-  const pt = ev.points[0]; const layer = pt.y, head = pt.x, key = layer + '.' + head;
+function showHead(layer, head){
+  const key = layer + '.' + head;
   const edges = [...Array(11).keys()].map(b => b/10), x = edges.slice(0,-1).map((a,i)=>(a+edges[i+1])/2);
   const traces = [];
   DATA.runs.forEach(r => { const c = r.head_curves[key]; if (!c) return;
     traces.push({type:'scatter', mode:'lines+markers', x:x, y:c.q_geo, name:r.label, line:{color:r.colour},
       customdata:c.n.map((n,i)=>[n,'['+edges[i].toFixed(2)+', '+edges[i+1].toFixed(2)+')']),
       hovertemplate:'%{fullData.name}<br>bin %{customdata[1]}<br>q_geo %{y:.4g}<br>n %{customdata[0]:,}<extra></extra>'}); });
+  if (!traces.length || !hc) return;
   const layout = Object.assign({}, hc.layout, {title:{text:'Layer '+layer+', head '+head+': q_geo by relative position', x:0.01, font:{size:14}}});
   Plotly.react(hc, traces, layout, cfg);
-});
+}
+if (hm && hm.on) hm.on('plotly_click', ev => { const pt = ev.points[0]; showHead(pt.y, pt.x);
+  try { history.replaceState(null, '', '#head=' + pt.y + '.' + pt.x); } catch (e) {} });
+const asked = /head=(\d+)\.(\d+)/.exec(location.hash);
+if (asked) showHead(+asked[1], +asked[2]);
 // token strips
 const VIR = [[68,1,84],[59,82,139],[33,145,140],[94,201,98],[253,231,37]];
 function colour(t){t=Math.min(1,Math.max(0,t));const k=t*(VIR.length-1),i=Math.min(VIR.length-2,Math.floor(k)),f=k-i;

@@ -35,10 +35,10 @@ def _chromium() -> str:
     return found
 
 
-def _open(browser, page, *extra):
+def _open(browser, page, *extra, fragment=""):
     return subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                            "--enable-logging=stderr", "--v=0", "--virtual-time-budget=20000",
-                           "--window-size=1400,2600", *extra, page.as_uri()],
+                           "--window-size=1400,2600", *extra, page.as_uri() + fragment],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -55,6 +55,11 @@ def test_the_page_opens_without_errors_and_shows_every_panel(lm_run, tmp_path):
         assert re.search(rf'<div id="{panel}" class="[^"]*js-plotly-plot', html), panel
     strips = html[html.index('id="strips"'):]
     assert strips.count("<span") >= 2 * 32  # the first prompt's 32 tokens, once per run
+    assert "Layer 0, head 0: q_geo" in html  # the head curve, until a cell is clicked
+    # A link to a head (what a click on the heat map sets) draws that head's curve
+    linked = _open(browser, page, "--dump-dom", fragment="#head=2.1")
+    assert linked.returncode == 0 and "Layer 2, head 1: q_geo" in linked.stdout
+    assert not re.search(r"<html[^>]*data-errors", linked.stdout)
     shot = tmp_path / "view.png"
     done = _open(browser, page, f"--screenshot={shot}")
     assert done.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", done.stderr[-2000:]

@@ -5,8 +5,9 @@
         model(input_ids)
     res = osdn_diag.replay(cap)                # replay every write in fp32
     res.summary["q_geo"], res.to_pandas()
+    osdn_diag.view(res)                        # the interactive view (needs plotly)
 
-``osdn_diag.capture`` and ``osdn_diag.replay`` are modules that can be called like the functions
+``osdn_diag.capture``, ``osdn_diag.replay`` and ``osdn_diag.view`` are modules that can be called like the functions
 they hold. The reference mathematics lives in :mod:`osdn_diag.math`; the symbolic proofs and the
 claims ledger in :mod:`osdn_diag.proofs` (the repository's ``proofs/`` folder); the command line in
 :mod:`osdn_diag.cli`. Nothing here imports fla: that happens when a capture starts.
@@ -14,7 +15,7 @@ claims ledger in :mod:`osdn_diag.proofs` (the repository's ``proofs/`` folder); 
 
 __version__ = "0.1.0"
 
-__all__ = ["Results", "capture", "replay"]
+__all__ = ["Results", "capture", "replay", "view"]
 
 
 def _source_tree_proofs() -> None:
@@ -58,7 +59,7 @@ def __getattr__(name: str):
     # (osdn_diag.runtime.callable_module); importing a submodule also sets it on this package.
     import importlib
 
-    if name in ("capture", "replay"):
+    if name in ("capture", "replay", "view"):
         return importlib.import_module(f".{name}", __name__)
     if name == "Results":
         return importlib.import_module(".replay", __name__).Results

@@ -34,6 +34,9 @@ DEMO_LM_MODELS: dict[str, str] = {
     "lm-osdn-apf": "OSDN-APF",
 }
 
+#: The interactive view the demo writes beside ``report.md`` when plotly is installed.
+VIEW_FILE = "view.html"
+
 #: ``demo --lm``'s defaults: held-out windows per model (each also asked twice) and their length.
 LM_NUM_PROMPTS = 4
 LM_LENGTH = 256
@@ -79,6 +82,9 @@ def run_demo(
             :mod:`osdn_diag.rundir`). Without it a model directory that holds a run, or a ``report/``
             that holds a report, is refused; files osdn-diag did not write are refused either way.
             Every directory is checked before the first model runs.
+
+    With plotly installed (``pip install 'osdn-diag[view]'``), the interactive view of the runs is
+    written beside the report too, as ``report/view.html``.
 
     Returns ``(report.md path, one row per model)``.
     """
@@ -140,7 +146,7 @@ def run_demo(
     if found and not overwrite:
         raise RunDirectoryError(f"{report_dir}: already holds a report; pass --overwrite to replace it, or "
                                 "choose another --out")
-    check_links(report_dir, REPORT_FILES)
+    check_links(report_dir, (*REPORT_FILES, VIEW_FILE))
     made = not os.path.lexists(out_dir)  # the marker goes only into a directory the demo makes
     with output_lock(out_dir):
         if made:
@@ -190,7 +196,18 @@ def _run(out_dir: Path, names, tasks, *, num_prompts, device, seed, progress, ro
         run_dirs.append(run_dir)
         labels.append({**DEMO_MODELS, **DEMO_LM_MODELS}.get(name, name))
     report = write_report(run_dirs, out_dir / "report", labels)
+    if view_available():  # beside report.md; the static report never needs plotly
+        from .view import write_view
+
+        write_view(run_dirs, out_dir / "report" / VIEW_FILE, labels)
     return report, [_row(label, d) for label, d in zip(labels, run_dirs)]
+
+
+def view_available() -> bool:
+    """Whether plotly, which the interactive view needs, is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("plotly") is not None
 
 
 def _row(label: str, run_dir: Path) -> DemoRow:

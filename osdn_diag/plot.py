@@ -103,18 +103,26 @@ def eps_vs_q(runs, ax=None):
     return _plots.plot_eps_vs_q(series, ax=ax)
 
 
-def d_trajectory(run, head: tuple[int, int] | None = None, ax=None, channels: int = 8):
-    """The preconditioner ``d_t`` of one head over the first prompt of a run directory whose capture
-    was stored: ``head = (layer, head)``, by default head 0 of the first layer that has a ``d``."""
-    from .report.markdown import d_trajectory_of
+def d_trajectory(runs, head: tuple[int, int] | None = None, ax=None, channels: int = 8):
+    """The preconditioner ``d_t`` of one head over the first prompt, from run directories whose capture
+    was stored: ``head = (layer, head)``, by default head 0 of the first layer that has a ``d``. One
+    run: one axes (``ax`` when given); several: a panel for every run that has a d (so OSDN's and
+    OSDN-APF's read side by side)."""
+    from .report.markdown import d_trajectories_of
     from .capture.store import read_manifest
 
-    label, _, path = _one(run, "run")
-    if path is None:
-        raise TypeError("argument 'run': the d trajectory is read from a run directory's stored capture")
-    found = d_trajectory_of([path], [label], [read_manifest(path)], head)
-    if found is None:
-        raise ValueError(f"{path}: no stored capture with a preconditioner d (an OSDN-family run, "
+    found = [(label, path) for label, _, path in _runs(runs)]
+    if any(path is None for _, path in found):
+        raise TypeError("argument 'runs': the d trajectory is read from run directories' stored captures")
+    series = d_trajectories_of([p for _, p in found], [label for label, _ in found],
+                               [read_manifest(p) for _, p in found], head)
+    if not series:
+        where = found[0][1] if len(found) == 1 else "argument 'runs'"
+        raise ValueError(f"{where}: no stored capture with a preconditioner d (an OSDN-family run, "
                          "captured without --stream)")
-    d, title = found
-    return _plots.plot_d_trajectory(d, title, ax=ax, channels=channels)
+    if len(series) == 1:
+        d, title = series[0]
+        return _plots.plot_d_trajectory(d, title, ax=ax, channels=channels)
+    if ax is not None:
+        raise ValueError(f"argument 'ax': {len(series)} runs have a d, a panel each; leave ax out")
+    return _plots.plot_d_trajectories(series, channels=channels)

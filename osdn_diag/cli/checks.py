@@ -160,6 +160,14 @@ def parse_d_head(text: str) -> tuple[int, int]:
     return layer, head
 
 
+def parse_strip_prompts(text: str) -> list[int]:
+    """``--strip-prompts ID,ID,...`` as a list of prompt ids (ASCII digits, at least one)."""
+    if not re.fullmatch(r"[0-9]+(,[0-9]+)*", text):
+        raise UsageError(f"argument --strip-prompts: expected prompt ids separated by commas (e.g. 0,3,7), "
+                         f"got {text!r}")
+    return [int(x) for x in text.split(",")]
+
+
 def _check_placement(out: str) -> None:
     from ..rundir import RunDirectoryError, check_placement
 
@@ -262,3 +270,35 @@ def check_args(args) -> None:
             check_writable_dir(args.out, "argument --out")
         if args.d_head:
             parse_d_head(args.d_head)
+    if cmd == "view":
+        _check_view(args)
+
+
+def _check_view(args) -> None:
+    """``view``: the runs exist, the labels match, the strip options parse, plotly is there, and the
+    page's file can be written (not a directory, not a symbolic link)."""
+    for run in args.runs:
+        if not Path(run).is_dir():
+            raise UsageError(f"RUN {run!r}: no such directory; give a run directory")
+    if len(args.runs) > 1 and not args.out:
+        raise UsageError(f"argument --out: required for a view of {len(args.runs)} runs; give --out FILE.html")
+    if args.labels is not None and len(args.labels) != len(args.runs):
+        raise UsageError(f"argument --labels: one label per run: {len(args.runs)} run(s), "
+                         f"{len(args.labels)} label(s) given")
+    if args.strips is not None and args.strips < 0:
+        raise UsageError(f"argument --strips: expected a number of prompts >= 0, got {args.strips}")
+    if args.strips is not None and args.strip_prompts:
+        raise UsageError("argument --strip-prompts: give either --strips N or --strip-prompts, not both")
+    if args.strip_prompts:
+        parse_strip_prompts(args.strip_prompts)
+    out = Path(args.out) if args.out else Path(args.runs[0]) / "view.html"
+    what = "argument --out" if args.out else "the view's file"
+    if os.path.islink(out):
+        raise UsageError(f"{what} {str(out)!r}: a symbolic link; osdn-diag never writes through a link nor "
+                         "replaces one: remove it or give another path")
+    check_writable_file(out, what)
+    import importlib.util
+
+    if importlib.util.find_spec("plotly") is None:
+        raise UsageError("osdn-diag view needs plotly, which is not installed: pip install 'osdn-diag[view]' "
+                         "(or pip install plotly)")

@@ -184,6 +184,9 @@ def _cmd_what_if(args: argparse.Namespace) -> int:
         print("counterfactual: the replayed states follow OSDN's writes, not the model's own")
         report = write_report([args.dir, out], out, ["as captured", "with OSDN d (what-if)"], into_input=True)
     print(f"report: {report}")
+    view = report.parent / "view.html"
+    if view.is_file():
+        print(f"view: {view}")
     return 0
 
 
@@ -258,6 +261,18 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     d_head = parse_d_head(args.d_head) if args.d_head else None
     print(f"report: {write_report(args.runs, args.out, args.labels, d_head)}")
+    return 0
+
+
+def _cmd_view(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..view import write_view
+    from .checks import parse_strip_prompts
+
+    out = args.out or str(Path(args.runs[0]) / "view.html")
+    ids = parse_strip_prompts(args.strip_prompts) if args.strip_prompts else None
+    print(f"view: {write_view(args.runs, out, args.labels, strips=args.strips, strip_prompts=ids)}")
     return 0
 
 

@@ -227,6 +227,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer with a d, head 0)")
     report.set_defaults(func=commands._cmd_report)
 
+    view = sub.add_parser("view", help="write an interactive HTML view of one or more runs (needs plotly)",
+                          description="Write one self-contained HTML page (plotly.js inlined: opens from "
+                          "disk, no network) of one or more runs side by side: the contraction curve, the "
+                          "layer x head heat map linked to each head's curve, q_geo by layer, the comparator "
+                          "gap by layer, the preconditioner d, fidelity and the assumption audit, and token "
+                          "strips coloured by q_t for a few prompts. Needs plotly: pip install "
+                          "'osdn-diag[view]'.")
+    view.add_argument("runs", nargs="+", metavar="RUN", help="run directories (with summary.json)")
+    view.add_argument("--out", metavar="FILE.html", help="where to write (default: RUN/view.html for one run; "
+                      "required for several)")
+    view.add_argument("--labels", nargs="+", metavar="LABEL", help="one label per run")
+    view.add_argument("--strips", type=int, default=None, metavar="N",
+                      help="token strips for N prompts, taken in turn from each task (default 4)")
+    view.add_argument("--strip-prompts", metavar="ID,ID,...",
+                      help="token strips for these prompt ids instead (manifest.json: prompts[].id)")
+    view.set_defaults(func=commands._cmd_view)
+
     merge = sub.add_parser("merge", help="one run directory from the nodes' directories of a multi-node run",
                            description="Assemble the parts a run under torchrun --nnodes N left under "
                            "each node's own --out (no shared file system) into one run directory, "

@@ -67,6 +67,15 @@ class Results:
 
         return per_token(self.table, self.tokens, by_layer=by_layer)
 
+    def view(self, *, label: str = "run", strips: int | None = None, strip_prompts=None):
+        """The interactive view of these results (:func:`osdn_diag.view`): Jupyter shows it inline,
+        ``.save(path)`` writes the page. Needs plotly (``pip install 'osdn-diag[view]'``). In memory
+        there is no comparator table, so the ε_T^diag panel is empty; the d panel shows the
+        key-weighted ⟨d, k⊙k⟩/‖k‖² from the table."""
+        from ..view import view  # lazy: downstream of replay, and plotly is optional
+
+        return view({label: self}, strips=strips, strip_prompts=strip_prompts)
+
     def __repr__(self) -> str:
         s = self.summary
         layers, tasks = len(s.get("by_layer", {})), sorted(s.get("by_task", {}))

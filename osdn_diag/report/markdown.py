@@ -26,7 +26,7 @@ from ..rundir import (
 )
 from .render import Figure, draw
 
-__all__ = ["REPORT_FILES", "d_trajectory_of", "eps_q_series", "load_run", "write_report"]
+__all__ = ["REPORT_FILES", "d_trajectories_of", "d_trajectory_of", "eps_q_series", "load_run", "write_report"]
 
 #: what a report writes into its directory (a run's, or a comparison report's)
 REPORT_FILES = (MANIFEST, "report.md", "plots")
@@ -396,45 +396,63 @@ def _failed_hypotheses(a: dict) -> list[str]:
 
 
 def d_trajectory_of(paths, names, manifests, head: tuple[int, int] | None):
-    """``(d, title)``: d over the first prompt for ``head = (layer, head)`` — by default head 0 of the
-    first captured layer that has a d (for a what-if run, the counterfactual d, recomputed from the
-    source capture, which must still be the run it replayed: see :func:`osdn_diag.whatif.source_run`).
-    Runs without a stored capture, or without a d, are passed over; ``None`` if no run has one. Reads
-    only (the shards it loads are hashed), so that a report refused here has written nothing."""
+    """``(d, title)`` of the first run that has a d (:func:`d_trajectories_of`), or ``None``."""
+    found = d_trajectories_of(paths, names, manifests, head, first=True)
+    return found[0] if found else None
+
+
+def d_trajectories_of(paths, names, manifests, head: tuple[int, int] | None, *, first: bool = False):
+    """``[(d, title), ...]``, one per run that has a d: d over the first prompt for ``head = (layer,
+    head)`` — by default head 0 of the first captured layer that has a d (for a what-if run, the
+    counterfactual d, recomputed from the source capture, which must still be the run it replayed: see
+    :func:`osdn_diag.whatif.source_run`). Runs without a stored capture, or without a d, are passed
+    over; ``first``: stop at the first run found. An asked-for ``head`` that no run has is refused.
+    Reads only (the shards it loads are hashed), so that a report refused here has written nothing."""
+    found = []
     for path, name, manifest in zip(paths, names, manifests):
-        transform = None
-        if manifest.get("counterfactual"):
-            from ..whatif import WhatIf, source_run
-
-            path, transform = source_run(path, manifest), WhatIf(**manifest["what_if"])
-        elif manifest.get("capture_stored") is False or not (path / "capture").is_dir() or not any(
-                layer.get("has_d") for layer in manifest.get("layers", [])):
-            continue
-        # Imported here, not above: the capture's reader imports torch, which a report of runs without
-        # a stored d never needs (`osdn-diag report` of a --stream run reads JSON and parquet only).
-        from ..capture.store import CaptureReader
-
-        reader = CaptureReader(path)
-        if transform is not None and reader.run_id != manifest.get("source_run_id"):
-            raise RunDirectoryError(f"{path}: no longer the run this what-if output replayed (run id "
-                                    f"{reader.run_id}, not {manifest.get('source_run_id')}); run what-if again")
-        for shard in reader.shards():
-            stored = reader.load(shard)
-            if head is not None and stored.call.layer != head[0]:
-                continue
-            call = stored.call if transform is None else transform(stored.call)
-            if call.d is None:
-                continue
-            h = 0 if head is None else head[1]
-            if h >= call.num_heads:
-                raise ValueError(f"argument 'd_head': layer {call.layer} has {call.num_heads} heads, not {h + 1}")
-            row, start, end = call.segments()[0]
-            d = call.d[row, start:end, h].float().numpy()
-            return d, f"{name}: layer {call.layer}, head {h}, prompt {stored.prompts[0]}"
-    if head is not None:  # asked for, and no run has it: say so rather than leave the plot out
+        one = _d_of_run(path, name, manifest, head)
+        if one is not None:
+            found.append(one)
+            if first:
+                break
+    if head is not None and not found:  # asked for, and no run has it: say so rather than leave the plot out
         raise ValueError(f"argument 'd_head' (--d-head {head[0]}.{head[1]}): no run has a write-key "
                          f"preconditioner d in layer {head[0]} (its stored capture); give a layer whose d "
                          "was captured (manifest.json: layers[].has_d), or leave --d-head out")
+    return found
+
+
+def _d_of_run(path, name, manifest, head):
+    """``(d, title)`` of one run (see :func:`d_trajectories_of`), or ``None``."""
+    transform = None
+    if manifest.get("counterfactual"):
+        from ..whatif import WhatIf, source_run
+
+        path, transform = source_run(path, manifest), WhatIf(**manifest["what_if"])
+    elif manifest.get("capture_stored") is False or not (path / "capture").is_dir() or not any(
+            layer.get("has_d") for layer in manifest.get("layers", [])):
+        return None
+    # Imported here, not above: the capture's reader imports torch, which a report of runs without
+    # a stored d never needs (`osdn-diag report` of a --stream run reads JSON and parquet only).
+    from ..capture.store import CaptureReader
+
+    reader = CaptureReader(path)
+    if transform is not None and reader.run_id != manifest.get("source_run_id"):
+        raise RunDirectoryError(f"{path}: no longer the run this what-if output replayed (run id "
+                                f"{reader.run_id}, not {manifest.get('source_run_id')}); run what-if again")
+    for shard in reader.shards():
+        stored = reader.load(shard)
+        if head is not None and stored.call.layer != head[0]:
+            continue
+        call = stored.call if transform is None else transform(stored.call)
+        if call.d is None:
+            continue
+        h = 0 if head is None else head[1]
+        if h >= call.num_heads:
+            raise ValueError(f"argument 'd_head': layer {call.layer} has {call.num_heads} heads, not {h + 1}")
+        row, start, end = call.segments()[0]
+        d = call.d[row, start:end, h].float().numpy()
+        return d, f"{name}: layer {call.layer}, head {h}, prompt {stored.prompts[0]}"
     return None
 
 
@@ -580,9 +598,10 @@ def _not_applicable_note(left_out, runs) -> list[str]:
     return [line for text in lines for line in (text, "")]
 
 
-def eps_q_series(paths, names) -> list[tuple[str, list[float], list[float]]]:
-    """``(label, ε_T^diag per stream, q_geo per stream)`` of each run that has ``comparator.parquet``
-    (the stream's q_geo is ``exp(log_prod_q / n_valid)``; streams with no valid write are left out)."""
+def eps_q_series(paths, names) -> list[tuple[str, list[float], list[float], list[int]]]:
+    """``(label, ε_T^diag per stream, q_geo per stream, layer per stream)`` of each run that has
+    ``comparator.parquet`` (the stream's q_geo is ``exp(log_prod_q / n_valid)``; streams with no valid
+    write are left out)."""
     import pyarrow.parquet as pq
 
     series = []
@@ -590,9 +609,10 @@ def eps_q_series(paths, names) -> list[tuple[str, list[float], list[float]]]:
         f = Path(path) / "comparator.parquet"
         if not f.is_file():
             continue
-        t = pq.read_table(f, columns=["eps_diag", "log_prod_q", "n_valid"]).to_pydict()
-        pts = [(e, math.exp(lp / n)) for e, lp, n in zip(t["eps_diag"], t["log_prod_q"], t["n_valid"]) if n]
-        series.append((name, [p[0] for p in pts], [p[1] for p in pts]))
+        t = pq.read_table(f, columns=["layer", "eps_diag", "log_prod_q", "n_valid"]).to_pydict()
+        pts = [(e, math.exp(lp / n), int(layer))
+               for layer, e, lp, n in zip(t["layer"], t["eps_diag"], t["log_prod_q"], t["n_valid"]) if n]
+        series.append((name, [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]))
     return series
 
 
@@ -696,7 +716,7 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
         _check_comparable(paths, loaded)
     names = labels or [_label(p, m) for p, (m, _) in zip(paths, loaded)]
     runs = [(name, m, s) for name, (m, s) in zip(names, loaded)]
-    d_trajectory = d_trajectory_of(paths, names, [m for m, _ in loaded], d_head)
+    d_trajectories = d_trajectories_of(paths, names, [m for m, _ in loaded], d_head)
     token_runs = tokens_of(paths, loaded)
 
     # Everything is checked: only now is anything written. Into a run, this is its report stage (not
@@ -728,9 +748,9 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
     if series:
         eps_plot = plots / "eps_vs_q.png"
         figures.append(Figure("plot_eps_vs_q", (series,), eps_plot))
-    if d_trajectory is not None:
+    if d_trajectories:
         d_plot = plots / "d_trajectory.png"
-        figures.append(Figure("plot_d_trajectory", tuple(d_trajectory), d_plot))
+        figures.append(Figure("plot_d_trajectories", (d_trajectories,), d_plot))
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="token-stats") as pool:
@@ -826,8 +846,9 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
                   "", *family_tables]
     if d_plot is not None:
         parts += ["## The preconditioner d", "", f"![d trajectory](plots/{d_plot.name})", "",
-                  "The write-key preconditioner of one head over the first prompt: eight channels and "
-                  "the mean over all channels (`osdn-diag report --d-head LAYER.HEAD` picks the head).", ""]
+                  "The write-key preconditioner of one head over the first prompt, a panel for every run "
+                  "that has one: eight channels and the mean over all channels (`osdn-diag report --d-head "
+                  "LAYER.HEAD` picks the head).", ""]
     else:
         unstored = [name for name, (m, _) in zip(names, loaded) if m.get("capture_stored") is False
                     and any(layer.get("has_d") for layer in m.get("layers", []))]

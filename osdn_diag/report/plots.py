@@ -18,6 +18,7 @@ __all__ = [
     "plot_by_layer",
     "plot_contraction",
     "plot_d_trajectory",
+    "plot_d_trajectories",
     "plot_eps_vs_q",
     "plot_layer_head",
     "plot_q_bars",
@@ -56,10 +57,12 @@ def _figure(figsize, **kwargs):
 
 
 def _axes(ax, figsize):
-    """``(figure, axes)``: ``ax``'s own, or a new figure of ``figsize``."""
+    """``(figure, axes)``: ``ax``'s own, or a new figure of ``figsize`` with a constrained layout, which
+    makes room for every label and for a legend placed outside the axes (:func:`_finish`), so that a
+    plain ``fig.savefig`` (without ``bbox_inches="tight"``) clips neither."""
     if ax is not None:
         return ax.figure, ax
-    fig = _figure(figsize)
+    fig = _figure(figsize, layout="constrained")
     return fig, fig.subplots()
 
 
@@ -72,9 +75,13 @@ def _finish(fig, ax, *, xlabel: str, ylabel: str, title: str, legend: bool = Tru
     ax.grid(alpha=0.3)
     if legend:
         entries = len(ax.get_legend_handles_labels()[1])
-        if entries > 3:  # beside many curves a legend inside the axes covers some of them: below it
-            ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
-        else:
+        own = fig.get_layout_engine() is not None and len(fig.axes) == 1
+        if entries > 3 and own:
+            # Beside many curves a legend inside the axes covers some of them: below the axes, as a
+            # figure legend that the constrained layout makes room for inside the figure's bounds.
+            fig.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="outside lower center", ncol=2,
+                       frameon=False)
+        else:  # a caller's axes, or a few entries: inside the axes, so inside any figure
             ax.legend(fontsize=8)
     return fig
 
@@ -112,12 +119,16 @@ def plot_contraction(runs: list[tuple[str, dict]], ax=None):
 
 
 def plot_by_layer(runs: list[tuple[str, dict]], ax=None):
-    """q_geo of every layer, one line per run."""
+    """q_geo of every layer, a point per layer and run: layers are categories, so the points are not
+    joined by a line; several runs are set side by side within each layer's slot."""
     fig, ax = _axes(ax, (6.4, 4.0))
-    for label, summary in runs:
+    width = 0.6 / max(len(runs), 1)
+    for i, (label, summary) in enumerate(runs):
         layers = sorted(summary["by_layer"], key=int)
-        ax.plot([int(layer) for layer in layers], [_num(summary["by_layer"][layer]["q_geo"]) for layer in layers],
-                marker="o", label=label)
+        offset = (i - (len(runs) - 1) / 2) * width if len(runs) > 1 else 0.0
+        ax.plot([int(layer) + offset for layer in layers],
+                [_num(summary["by_layer"][layer]["q_geo"]) for layer in layers],
+                marker="o", linestyle="none", color=f"C{i}", label=label)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
@@ -126,7 +137,7 @@ def plot_by_layer(runs: list[tuple[str, dict]], ax=None):
 
 def plot_q_bars(runs: list[tuple[str, dict]], ax=None):
     """Fig. 2(b): overall q_geo of each run."""
-    fig, ax = _axes(ax, (1.2 + 1.1 * len(runs), 3.6))
+    fig, ax = _axes(ax, (max(4.2, 1.4 + 1.1 * len(runs)), 3.6))  # wide enough for its title
     labels = [label for label, _ in runs]
     values = [_num(s["q_geo"]) for _, s in runs]
     bars = ax.bar(range(len(runs)), values, color=[f"C{i}" for i in range(len(runs))])
@@ -136,7 +147,7 @@ def plot_q_bars(runs: list[tuple[str, dict]], ax=None):
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(runs)), labels, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel(r"$q_{geo}$ (all tokens, layers, heads)")
-    ax.set_title("Overall residual contraction")
+    ax.set_title("Overall residual contraction", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     return fig
 
@@ -176,13 +187,36 @@ def plot_layer_head(runs: list[tuple[str, dict]], axes=None):
     return fig
 
 
-def plot_eps_vs_q(runs: list[tuple[str, list[float], list[float]]], ax=None):
-    """ε_T^diag of each (prompt, layer, head) stream against that stream's q_geo."""
-    fig, ax = _axes(ax, (5.6, 4.2))
-    for label, eps, q in runs:
-        ax.scatter(eps, q, s=8, alpha=0.6, label=label)
+def plot_eps_vs_q(runs: list[tuple], ax=None):
+    """ε_T^diag of each (prompt, layer, head) stream against that stream's q_geo, by layer: a run is
+    ``(label, eps, q, layer)`` (``layer`` per stream; ``(label, eps, q)`` draws every stream in one
+    colour). The colour is the stream's layer (a colour bar says which), the marker shape the run."""
+    import numpy as np
+
+    fig, ax = _axes(ax, (6.2, 4.4))
+    layered = [r for r in runs if len(r) > 3 and len(r[3])]
+    top = max((max(r[3]) for r in layered), default=0)
+    norm = None
+    if layered:
+        from matplotlib.colors import Normalize
+
+        norm = Normalize(vmin=0, vmax=max(top, 1))
+    mappable = None
+    for i, run in enumerate(runs):
+        label, eps, q = run[:3]
+        marker = "osD^vP*X"[i % 8]
+        if len(run) > 3 and len(run[3]):
+            mappable = ax.scatter(eps, q, s=14, alpha=0.75, c=np.asarray(run[3], dtype=float), cmap="viridis",
+                                  norm=norm, marker=marker, edgecolors="none")
+            ax.scatter([], [], s=14, marker=marker, color="0.35", label=label)  # the legend's key: shape only
+        else:
+            ax.scatter(eps, q, s=8, alpha=0.6, marker=marker, label=label)
+    if mappable is not None:
+        bar = fig.colorbar(mappable, ax=ax, label="layer")
+        if top <= 24:
+            bar.set_ticks(range(0, top + 1, max(1, (top + 1) // 8)))
     return _finish(fig, ax, xlabel=r"$\varepsilon_T^{diag}$ (best fixed diagonal comparator)",
-                   ylabel=r"$q_{geo}$ of the stream", title="Comparator gap against measured contraction")
+                   ylabel=r"$q_{geo}$ of the stream", title="Comparator gap against measured contraction, by layer")
 
 
 def plot_d_trajectory(d, title: str, ax=None, channels: int = 8):
@@ -195,6 +229,17 @@ def plot_d_trajectory(d, title: str, ax=None, channels: int = 8):
         ax.plot(t, d[:, i], linewidth=0.8, alpha=0.7, label=f"channels 0–{shown - 1}" if i == 0 else None)
     ax.plot(t, d.mean(1), color="k", linewidth=1.6, label=f"mean over all {d.shape[1]} channels")
     return _finish(fig, ax, xlabel="position", ylabel=r"$d_t$", title=title, title_size=9)
+
+
+def plot_d_trajectories(series: list[tuple], channels: int = 8):
+    """Every run that has a d: ``series`` of ``(d: [T, K], title)``, a panel each, one above the other
+    on the same axes' scale, so one run's d settling (OSDN) and another's collapsing to the box's
+    lower end (OSDN-APF) read side by side."""
+    fig = _figure((6.4, 1.2 + 2.6 * len(series)), layout="constrained")
+    axes = fig.subplots(len(series), 1, squeeze=False, sharex=False, sharey=True)[:, 0]
+    for ax, (d, title) in zip(axes, series):
+        plot_d_trajectory(d, title, ax=ax, channels=channels)
+    return fig
 
 
 def plot_retained(runs: list[tuple[str, dict]], ax=None):

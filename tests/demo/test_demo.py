@@ -178,6 +178,8 @@ def test_report_has_the_tables_and_the_plot(demo):
     for link in links:  # every image the report links exists and is a PNG
         assert (path.parent / link).read_bytes()[:8] == PNG_MAGIC, link
     assert "## The preconditioner d" in report  # the OSDN runs carry a d
+    view = (path.parent / "view.html").read_text()  # plotly is in the test extra: the view is beside it
+    assert view.startswith("<!DOCTYPE html>") and all(f">{label}<" in view or label in view for label in labels)
 
 
 def test_printed_table_has_one_line_per_model_and_the_report_path(demo):
@@ -197,6 +199,7 @@ def test_printed_table_has_one_line_per_model_and_the_report_path(demo):
             assert nums[2 + i] == pytest.approx(s["by_task"][t]["q_geo"], abs=6e-5)
             assert nums[2 + len(tasks) + i] == pytest.approx(s["recall"][t]["accuracy"], abs=6e-4)
     assert f"report: {out / 'report' / 'report.md'}" in lines
+    assert f"view: {out / 'report' / 'view.html'}" in lines
 
 
 def test_demo_is_deterministic_and_follows_the_seed(demo, tmp_path):

@@ -75,6 +75,9 @@ class HeadAudit:
 
     def as_dict(self, unit_tol: float) -> dict:
         return {
+            "streams": self.streams,
+            "hypotheses_hold": self.hypotheses_hold,
+            "hypotheses_failed": {name: self.hypotheses_failed.get(name, 0) for name in hypotheses.HYPOTHESES},
             "n": self.n,
             "max_unit_dev": self.max_unit_dev,
             "keys_read_as": sorted(self.keys_read_as),
@@ -87,9 +90,6 @@ class HeadAudit:
             "share_zero_residual": self.n_zero_residual / self.n if self.n else 0.0,
             "share_newton_infeasible": self.n_newton_infeasible / self.n if self.n else 0.0,
             "decay": self.decay,
-            "streams": self.streams,
-            "hypotheses_hold": self.hypotheses_hold,
-            "hypotheses_failed": {name: self.hypotheses_failed.get(name, 0) for name in hypotheses.HYPOTHESES},
         }
 
 

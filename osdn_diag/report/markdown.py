@@ -861,10 +861,11 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
             "condition β⟨d, k⊙k⟩ = 1 under unit keys. ‖k‖² is that of the keys exactly as the kernel "
             "read them: fla's chunk kernels read bf16-rounded unit keys in a bf16 model, and near "
             "β = 1 that rounding, not the model, sets q_t = (1 − β‖k‖²)². The hypotheses are checked "
-            "per (prompt, layer, head) stream, over its tokens with a non-zero residual: keys count as "
-            "unit within 1e-3 plus what rounding a unit key to the dtype the kernel read it in can "
-            "cause, (1 + u)² − 1 (the tolerance in brackets; 7.8e-3 for bf16). The next table counts "
-            "the same streams by the same definition. Per layer and head in summary.json.",
+            "per (prompt, layer, head) stream, over its tokens with a non-zero residual; a key counts as "
+            "unit within 1e-3 plus (1 + u)² − 1, what rounding a unit key to the dtype the kernel read "
+            "it in (unit roundoff u) can cause: 8.8e-3 in all for bf16, 1.0e-3 for fp32 (in brackets). "
+            "The next table counts the same streams by the same definition. Per layer and head in "
+            "summary.json.",
             "",
             _audit_table(runs),
             "",
@@ -878,8 +879,9 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
             f"diagonal comparator in [{box[0]}, {box[1]}]^K, ε_T^diag = min_d 1/(2T) Σ (1 − β_t⟨d, "
             "k_t⊙k_t⟩)² (solved with a certificate; rows in comparator.parquet), ε_T at d ≡ 1 and at the "
             "last d, the realised regret of the trajectory against it, and the bound "
-            "Π q_t ≤ (2ε_T + 2R_T/T)^T in log space — checked only where its hypotheses hold "
-            "(unit keys, β ∈ (0, 1), d in the box, no decay). With the realised regret the bound "
+            "Π q_t ≤ (2ε_T + 2R_T/T)^T in log space — checked only on the streams where its hypotheses "
+            "hold (unit keys, β ∈ (0, 1), d in the box, no decay, a valid token: the audit's definition "
+            "above). With the realised regret the bound "
             "reduces to AM–GM, so it must hold there; the informative numbers are ε_T^diag and the "
             "regret.",
             "",

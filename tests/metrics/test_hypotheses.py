@@ -142,3 +142,47 @@ def test_packed_sequences_are_streams_of_their_own():
     assert (s["streams"], s["hypotheses_hold"], s["hypotheses_failed"]["unit_keys"]) == (6, 5, 1)
     assert s["by_head"]["003.001"]["hypotheses_failed"]["unit_keys"] == 1
     assert s["by_layer"]["003"]["streams"] == 6
+
+
+# ------------------------------------------------------------------------------------- the contract
+
+DOCS = __import__("pathlib").Path(__file__).resolve().parents[2] / "docs"
+
+
+def _documented(page: str, heading: str) -> list[str]:
+    """The backticked names in the first column of the first table whose header is ``| column |``,
+    ``| key |`` or ``| check |`` under ``heading`` of ``docs/page``."""
+    text = (DOCS / page).read_text()
+    section = text[text.index(heading):]
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(("| column |", "| key |", "| check |")))
+    names = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        first = line.split("|")[1]
+        names += first.split("`")[1::2]
+    return names
+
+
+def test_documented_comparator_columns_and_audit_keys_are_those_written():
+    from osdn_diag.metrics.theorem import COLUMNS
+
+    columns = _documented("run-directory.md", "## comparator.parquet")
+    assert columns == ["prompt", "task", "layer", "head", *COLUMNS]
+    assert COLUMNS[-5:] == ("key_norm_tol", "unit_keys", "beta_in_open_unit_interval", "no_decay",
+                            "hypotheses_hold")
+    checks = _documented("metrics.md", "**The Theorem D.7 hypotheses hold for a stream**")
+    assert checks == list(HYPOTHESES)
+    acc = AuditAccumulator()
+    k = torch.nn.functional.normalize(torch.ones(1, 3, 1, 2), dim=-1)
+    zeros = torch.zeros_like(k)
+    acc.add(KernelCall(layer=0, layer_name="l", family="x", kernel="x", q=zeros, k=k, v=zeros,
+                       beta=torch.full((1, 3, 1), 0.5), o=zeros, scale=1.0), torch.ones(1, 3, 1),
+            torch.ones(1, 3, 1, dtype=torch.bool))
+    keys = [key for key in acc.summary()["by_head"]["000.000"]]
+    text = (DOCS / "metrics.md").read_text()
+    audit = text[text.index("| `streams` |"):text.index("## Comparator gap")]
+    documented = [name for line in audit.splitlines() if line.startswith("| `")
+                  for name in line.split("|")[1].split("`")[1::2]]
+    assert documented == keys

@@ -155,7 +155,8 @@ EXPECTATION_NOTE = (
     "q_t ≈ (1 − 0.5)² = 0.25; β_t → 1 (an exact Newton write) sends q_t to 0, β_t → 0 to 1, and any "
     "0 < a_t < 2 gives q_t < 1 (Corollary A.2). A q_geo near 0.25 thus says the gates sit near "
     "0.5, as at initialisation; a trained model's departure from it is what the diagnostic measures. "
-    "For a layer with decay the identity holds for the post-decay ratio; q_t also carries the decay."
+    "For a layer with decay the identity holds for the ratio against the decayed state "
+    "(`residual_ratio_post`); q_t also carries the decay."
 )
 
 

@@ -186,3 +186,47 @@ def test_documented_comparator_columns_and_audit_keys_are_those_written():
     documented = [name for line in audit.splitlines() if line.startswith("| `")
                   for name in line.split("|")[1].split("`")[1::2]]
     assert documented == keys
+
+
+def test_a_replayed_bf16_capture_counts_keys_within_its_rounding_as_unit(tmp_path):
+    """End to end: a capture whose kernel read its keys in bf16. Head 0's keys have ‖k‖² = 1.005
+    (within bf16's rounding of a unit key: unit), head 1's 1.02 (not unit in any dtype). comparator.parquet,
+    its summary counts and the audit's say the same, stream by stream."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from osdn_diag.capture import CaptureWriter
+    from osdn_diag.math import deltanet
+    from osdn_diag.pipeline import replay_run
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K = 2, 12, 2, 8
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    k[:, :, 0] *= 1.005**0.5
+    k[:, :, 1] *= 1.02**0.5
+    k = k.float()
+    beta = 0.2 + 0.6 * torch.rand(B, T, H, generator=gen)
+    w = CaptureWriter(tmp_path)
+    w.begin({"model": {"spec": "synthetic"}, "prompts_source": "test",
+             "prompts": [{"id": i, "task": "t", "length": T, "repeat_start": -1} for i in range(B)]})
+    w.write(0, list(range(B)), KernelCall(layer=0, layer_name="layers.0", family="x", kernel="x", q=q, k=k, v=v,
+                                          beta=beta, o=deltanet(q, k, v, beta).o, scale=K**-0.5,
+                                          flags={"qk_read_as": "bfloat16"}))
+    w.finish({"kernels": ["fla"]})
+    replay_run(tmp_path, progress=False)
+    table = pq.read_table(tmp_path / "comparator.parquet")
+    c = {name: table.column(name).to_pylist() for name in table.column_names}
+    assert c["head"] == [0, 1, 0, 1]
+    assert c["unit_keys"] == [True, False, True, False] and c["hypotheses_hold"] == [True, False, True, False]
+    assert c["key_norm_tol"] == [key_norm_tol("bfloat16")] * 4
+    s = json.loads((tmp_path / "summary.json").read_text())
+    expected = {"streams": 4, "hypotheses_hold": 2,
+                "hypotheses_failed": {name: 2 if name == "unit_keys" else 0 for name in HYPOTHESES}}
+    assert {key: s["assumptions"][key] for key in expected} == expected
+    assert s["comparator"]["problems"] == 4 and s["comparator"]["hypotheses_hold"] == 2
+    assert s["comparator"]["hypotheses_failed"] == expected["hypotheses_failed"]
+    assert s["assumptions"]["by_head"]["000.000"]["hypotheses_hold"] == 2
+    # With the realised regret the bound is AM–GM: it holds on the two streams, keys 5e-3 off unit.
+    assert s["comparator"]["bound_holds"] == 2

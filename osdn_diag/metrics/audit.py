@@ -19,8 +19,7 @@ Beside the counts, every (layer, head) records over its finite tokens:
   dtype's unit roundoff ``u`` (7.8e-3 for bf16, 1.2e-7 for fp32), and ``key_norm_tol``, the
   tolerance the check ``unit_keys`` applies (``unit_tol`` plus that bound);
 * ``beta_min``, ``beta_max``;
-* ``d_min``, ``d_max`` of the write preconditioner (1 when the layer has none) and whether it stays
-  inside the box;
+* ``d_min``, ``d_max`` of the write preconditioner (1 when the layer has none);
 * ``share_zero_residual`` — tokens with ``f_t(S_{t−1}) = 0`` (the ratio is then 1 by convention);
 * ``share_newton_infeasible`` — tokens with ``β_t < 1/d_max``: under unit keys
   ``β_t⟨d, s_t⟩ ≤ β_t d_max < 1``, so the gated Newton condition cannot hold there;

@@ -174,6 +174,9 @@ def test_documented_comparator_columns_and_audit_keys_are_those_written():
                             "hypotheses_hold")
     checks = _documented("metrics.md", "**The Theorem D.7 hypotheses hold for a stream**")
     assert checks == list(HYPOTHESES)
+    from osdn_diag.report.markdown import HYPOTHESIS_WORDS  # the report names every check, in order
+
+    assert list(HYPOTHESIS_WORDS) == list(HYPOTHESES)
     acc = AuditAccumulator()
     k = torch.nn.functional.normalize(torch.ones(1, 3, 1, 2), dim=-1)
     zeros = torch.zeros_like(k)

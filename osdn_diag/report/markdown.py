@@ -384,8 +384,9 @@ HYPOTHESIS_WORDS = {
 
 
 def _audit_table(runs) -> str:
-    header = ["model", "max abs(‖k‖² − 1)", "keys read as (unit within)", "β range", "d range", "zero residuals",
-              "β < 1/d_max", "state decay", "Thm D.7 hypotheses hold (streams)", "failed (streams)"]
+    header = ["model", "max abs(‖k‖² − 1)", "keys read as (unit within)", "β range", "d range",
+              "zero residuals", "β < 1/d_max", "state decay", "Thm D.7 hypotheses hold (streams)",
+              "failed (streams)"]
     rows = []
     for label, _, s in runs:
         a = s.get("assumptions")

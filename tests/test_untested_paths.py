@@ -204,12 +204,12 @@ def test_audit_newton_infeasible_boundary_and_open_unit_interval():
 
     # β ∈ (0, 1): both ends excluded, the nearest fp32 values inside included.
     s = _audit([0.0, 0.5])
-    assert s["beta_min"] == 0.0 and s["beta_in_open_unit_interval"] is False
-    assert s["theorem_d7_hypotheses_hold"] is False
+    assert s["beta_min"] == 0.0 and s["hypotheses_failed"]["beta_in_open_unit_interval"] == 1
+    assert s["hypotheses_hold"] == 0
     s = _audit([0.5, 1.0])
-    assert s["beta_max"] == 1.0 and s["beta_in_open_unit_interval"] is False
-    assert s["theorem_d7_hypotheses_hold"] is False
+    assert s["beta_max"] == 1.0 and s["hypotheses_failed"]["beta_in_open_unit_interval"] == 1
+    assert s["hypotheses_hold"] == 0
     tiny = torch.nextafter(torch.tensor(0.0), torch.tensor(1.0)).item()
     near_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()
     s = _audit([tiny, near_one])
-    assert s["beta_in_open_unit_interval"] is True and s["theorem_d7_hypotheses_hold"] is True
+    assert s["hypotheses_failed"]["beta_in_open_unit_interval"] == 0 and s["hypotheses_hold"] == 1

@@ -1,19 +1,25 @@
 """Assumption audit: which of the theory's hypotheses a captured layer satisfies, per head.
 
 Theorem D.7 (and Corollary A.2) assume unit keys, ``β_t ∈ (0, 1)``, ``d_t`` inside the box
-``[d_min, d_max]^K``, no state decay, and they say nothing about tokens whose residual is zero. For
-every (layer, head) the audit records, over the finite tokens:
+``[d_min, d_max]^K``, no state decay, and they say nothing about tokens whose residual is zero.
+
+**Whether the hypotheses hold** is decided per (prompt, layer, head) stream, by the one definition of
+:mod:`osdn_diag.metrics.hypotheses` over the stream's valid tokens — the same streams, tokens and
+checks as ``comparator.parquet``'s ``hypotheses_hold``. The audit counts them: ``streams``,
+``hypotheses_hold`` (streams on which every check passes) and ``hypotheses_failed`` (per check, the
+streams failing it), overall, per layer and per head.
+
+Beside the counts, every (layer, head) records over its finite tokens:
 
 * ``max_unit_dev`` — ``max |‖k_t‖² − 1|`` over the keys exactly as the kernel read them: for fla's
   chunk paths of a bf16 model these are bf16-rounded unit vectors, whose ``‖k‖²`` can sit ~4e-3 from 1
   — near β = 1 that, not the model, sets ``q_t = (1 − β‖k‖²)²``;
 * ``keys_read_as`` and ``key_rounding_bound`` — the dtype(s) the kernel read its keys in and the
   largest ``|‖k‖² − 1|`` that rounding a unit key to that dtype can cause, ``(1 + u)² − 1`` for the
-  dtype's unit roundoff ``u`` (7.8e-3 for bf16, 1.2e-7 for fp32); ``unit_keys`` allows that much on
-  top of ``unit_tol`` (``unit_keys_exact`` does not);
+  dtype's unit roundoff ``u`` (7.8e-3 for bf16, 1.2e-7 for fp32), and ``key_norm_tol``, the
+  tolerance the check ``unit_keys`` applies (``unit_tol`` plus that bound);
 * ``beta_min``, ``beta_max``;
-* ``d_min``, ``d_max`` of the write preconditioner (1 when the layer has none) and whether it stays
-  inside the box;
+* ``d_min``, ``d_max`` of the write preconditioner (1 when the layer has none);
 * ``share_zero_residual`` — tokens with ``f_t(S_{t−1}) = 0`` (the ratio is then 1 by convention);
 * ``share_newton_infeasible`` — tokens with ``β_t < 1/d_max``: under unit keys
   ``β_t⟨d, s_t⟩ ≤ β_t d_max < 1``, so the gated Newton condition cannot hold there;
@@ -24,12 +30,12 @@ The numbers are kept as running extrema and counts, so they combine across calls
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..capture.kernel_inputs import unit_roundoff
 from ..capture.record import KernelCall
+from . import hypotheses
 
 __all__ = ["AuditAccumulator", "HeadAudit"]
 
@@ -47,6 +53,9 @@ class HeadAudit:
     decay: bool = False
     key_rounding_bound: float = 0.0
     keys_read_as: frozenset = frozenset()
+    streams: int = 0
+    hypotheses_hold: int = 0
+    hypotheses_failed: dict = field(default_factory=dict)  # check -> streams failing it
 
     def merge(self, o: HeadAudit) -> None:
         self.n += o.n
@@ -58,30 +67,28 @@ class HeadAudit:
         self.decay = self.decay or o.decay
         self.key_rounding_bound = max(self.key_rounding_bound, o.key_rounding_bound)
         self.keys_read_as = self.keys_read_as | o.keys_read_as
+        self.streams += o.streams
+        self.hypotheses_hold += o.hypotheses_hold
+        for name, n in o.hypotheses_failed.items():
+            self.hypotheses_failed[name] = self.hypotheses_failed.get(name, 0) + n
 
-    def as_dict(self, box: tuple[float, float], unit_tol: float) -> dict:
-        lo, hi = box
-        exact = self.max_unit_dev <= unit_tol
-        unit = self.max_unit_dev <= unit_tol + self.key_rounding_bound
-        beta_ok = 0 < self.beta_min and self.beta_max < 1
-        d_ok = lo <= self.d_min and self.d_max <= hi
+    def as_dict(self, unit_tol: float) -> dict:
         return {
+            "streams": self.streams,
+            "hypotheses_hold": self.hypotheses_hold,
+            "hypotheses_failed": {name: self.hypotheses_failed.get(name, 0) for name in hypotheses.HYPOTHESES},
             "n": self.n,
             "max_unit_dev": self.max_unit_dev,
-            "unit_keys": unit,
-            "unit_keys_exact": exact,
             "keys_read_as": sorted(self.keys_read_as),
             "key_rounding_bound": self.key_rounding_bound,
+            "key_norm_tol": unit_tol + self.key_rounding_bound,
             "beta_min": self.beta_min,
             "beta_max": self.beta_max,
-            "beta_in_open_unit_interval": beta_ok,
             "d_min": self.d_min,
             "d_max": self.d_max,
-            "d_in_box": d_ok,
             "share_zero_residual": self.n_zero_residual / self.n if self.n else 0.0,
             "share_newton_infeasible": self.n_newton_infeasible / self.n if self.n else 0.0,
             "decay": self.decay,
-            "theorem_d7_hypotheses_hold": unit and beta_ok and d_ok and not self.decay,
         }
 
 
@@ -90,16 +97,22 @@ class AuditAccumulator:
 
     Args:
         box: the preconditioner box ``(d_min, d_max)`` the theorem is checked against.
-        unit_tol: largest ``|‖k‖² − 1|`` still counted as a unit key.
+        unit_tol: largest ``|‖k‖² − 1|`` counted as a unit key before the rounding of the dtype the
+            keys were read in is added (:func:`~osdn_diag.metrics.hypotheses.key_norm_tol`).
     """
 
-    def __init__(self, box: tuple[float, float] = (0.5, 2.0), unit_tol: float = 1e-3):
+    def __init__(self, box: tuple[float, float] = (0.5, 2.0), unit_tol: float = hypotheses.KEY_NORM_BASE_TOL):
         self.box = box
         self.unit_tol = unit_tol
         self.heads: dict[tuple[int, int], HeadAudit] = {}
 
-    def add(self, call: KernelCall, loss_before: torch.Tensor, finite: torch.Tensor) -> None:
-        """``loss_before`` and ``finite`` are ``[B, T, H]`` (replay's ``loss_before``, finiteness)."""
+    def add(self, call: KernelCall, loss_before: torch.Tensor, finite: torch.Tensor,
+            valid: torch.Tensor | None = None) -> None:
+        """``loss_before``, ``finite`` and ``valid`` are ``[B, T, H]``: the replay's ``loss_before``, its
+        finiteness, and Theorem D.7's valid tokens (the replay's ``theorem_valid``; by default the
+        finite tokens with a non-zero residual), over which each stream's hypotheses are checked."""
+        if valid is None:
+            valid = finite & (loss_before != 0)
         k2 = call.k.double().square().sum(-1)
         beta = call.beta.double()
         ok = finite
@@ -118,11 +131,23 @@ class AuditAccumulator:
             stats += [torch.where(ok[..., None], d, inf).amin((0, 1, 3)),
                       torch.where(ok[..., None], d, -inf).amax((0, 1, 3))]
         read_as = str(call.flags.get("qk_read_as", "float32"))
-        rounding = (1.0 + unit_roundoff(read_as)) ** 2 - 1.0
+        rounding = hypotheses.key_rounding_bound(read_as)
+        flags = self._stream_checks(call, k2, beta, valid, self.unit_tol + rounding)
         # One transfer for every head's numbers (reading them one by one would synchronise each time).
         rows = torch.stack(stats).cpu().T.tolist()
+        per_head = torch.stack([flags[name] for name in (*hypotheses.HYPOTHESES, "hypotheses_hold")], -1)
+        per_head = per_head.reshape(-1, call.num_heads, per_head.shape[-1]).cpu()  # [S, H, checks + 1]
         for h, row in enumerate(rows):
             n, dev, b_lo, b_hi, n_zero, n_newton = row[:6]
+            streams = per_head[:, h]
+            counted = HeadAudit(
+                streams=streams.shape[0],
+                hypotheses_hold=int(streams[:, -1].sum()),
+                hypotheses_failed={name: int((~streams[:, i]).sum()) for i, name in enumerate(hypotheses.HYPOTHESES)},
+                key_rounding_bound=rounding,
+                keys_read_as=frozenset({read_as}),
+            )
+            self.heads.setdefault((call.layer, h), HeadAudit()).merge(counted)
             if not n:
                 continue
             audit = HeadAudit(
@@ -135,10 +160,40 @@ class AuditAccumulator:
                 n_zero_residual=int(n_zero),
                 n_newton_infeasible=int(n_newton),
                 decay=call.g is not None,
-                key_rounding_bound=rounding,
-                keys_read_as=frozenset({read_as}),
             )
             self.heads.setdefault((call.layer, h), HeadAudit()).merge(audit)
+
+    def _stream_checks(self, call: KernelCall, k2, beta, valid, tol: float) -> dict[str, torch.Tensor]:
+        """The hypotheses' checks for the call's streams, ``[S·H]`` (stream ``i·H + h`` is head ``h``
+        of the call's ``i``-th sequence, as in ``comparator.parquet``), over the ``valid`` tokens."""
+        segs = call.segments()
+        B, T, H = beta.shape
+        dev = beta.device
+        # seq[b, t]: the sequence token (b, t) belongs to, or -1 (packed padding).
+        seq = torch.full((B, T), -1, dtype=torch.long)
+        for i, (row, start, end) in enumerate(segs):
+            seq[row, start:end] = i
+        seq = seq.to(dev)
+        m = valid.bool() & (seq >= 0)[..., None]  # [B, T, H]
+        P = len(segs) * H
+        idx = (seq.clamp_min(0)[..., None] * H + torch.arange(H, device=dev)).reshape(-1)
+        m = m.reshape(-1)
+
+        def reduce(x, how, empty):
+            out = torch.full((P,), empty, dtype=torch.float64, device=dev)
+            return out.scatter_reduce(0, idx[m], x.reshape(-1)[m].double(), how, include_self=True)
+
+        n_valid = torch.zeros(P, dtype=torch.long, device=dev).index_add_(0, idx[m], torch.ones_like(idx[m]))
+        inf = float("inf")
+        dev_max = reduce((k2 - 1).abs(), "amax", -inf)
+        b_lo, b_hi = reduce(beta, "amin", inf), reduce(beta, "amax", -inf)
+        if call.d is None:
+            d_ok = torch.ones(P, dtype=torch.bool, device=dev)
+        else:
+            lo, hi = self.box
+            outside = ~((call.d >= lo) & (call.d <= hi)).all(-1)  # [B, T, H]
+            d_ok = reduce(outside.double(), "amax", 0.0) == 0
+        return hypotheses.check(n_valid, dev_max, b_lo, b_hi, d_ok, call.g is not None, tol)
 
     def merge(self, other: AuditAccumulator) -> None:
         for key, audit in other.heads.items():
@@ -151,7 +206,7 @@ class AuditAccumulator:
         total = HeadAudit()
         for a in by_layer.values():
             total.merge(a)
-        fmt = lambda a: a.as_dict(self.box, self.unit_tol)  # noqa: E731
+        fmt = lambda a: a.as_dict(self.unit_tol)  # noqa: E731
         return {
             "box": list(self.box),
             "unit_tol": self.unit_tol,

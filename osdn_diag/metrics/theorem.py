@@ -35,15 +35,18 @@ finite; the caller's ``valid`` mask), with ``T_eff = n_valid``; the excluded tok
   ``eps_free`` / ``eps_diag``; false without valid tokens). With unit keys it is ``T_eff`` equations in
   ``K`` unknowns: over-determined once ``T_eff > K``, and then solvable only off generic streams
   (ledger ``thm-5.2-newton-overdetermined``), so Theorem 5.2's super-geometric clause rarely applies;
-* ``hypotheses_hold`` — unit keys (``max_unit_dev ≤ unit_tol``), ``β_t ∈ (0, 1)``, ``d_in_box``, not gated
-  (Lemma 4.1's ``q_t = (1 − a_t)²`` needs the ratio against the undecayed state), ``n_valid ≥ 1``.
+* ``key_norm_tol``, ``unit_keys``, ``beta_in_open_unit_interval``, ``no_decay`` and ``hypotheses_hold``
+  — the stream's checks of Theorem D.7's hypotheses and whether all hold, as defined once in
+  :mod:`osdn_diag.metrics.hypotheses` (with ``d_in_box`` and ``n_valid ≥ 1``): unit keys up to the
+  key-norm tolerance of the dtype the keys were read in, ``β_t ∈ (0, 1)``, ``d`` in the box, not gated
+  (Lemma 4.1's ``q_t = (1 − a_t)²`` needs the ratio against the undecayed state), a valid token.
   Problems with no valid token get ``log_prod_q = log_bound = slack = 0`` (empty product ≤ 1).
 
 **What the bound says here.** With unit keys, ``2 ε_T(d) + 2 R_T(d)/T = mean_t (1 − a_t(d_t))²`` for
 *every* comparator ``d`` (ledger: ``thm-d7-realised-regret-identity``), and Lemma 4.1 makes that the mean
 of the ``q_t``. With the realised regret the bound is therefore exactly AM–GM, ``Π q_t ≤ (mean q_t)^T``:
-``slack ≥ 0`` is guaranteed whenever the hypotheses hold, up to rounding and up to the key-norm slack
-``unit_tol`` (with ``n_t = 1 + δ_t`` the identity is off by ``O(max |δ_t|)`` per token). A negative slack
+``slack ≥ 0`` is guaranteed whenever the hypotheses hold, up to rounding and up to the key-norm
+tolerance (with ``n_t = 1 + δ_t`` the identity is off by ``O(max |δ_t|)`` per token). A negative slack
 with ``hypotheses_hold`` is a measurement problem, not news about the theorem. The informative numbers are
 ``eps_diag`` (how well *any* diagonal preconditioner in the box could do), the regret (how far the online
 iterates are from it) and the size of the slack (how far the ratios are from all being equal).
@@ -56,6 +59,7 @@ import torch
 from ..runtime.checks import check_shape, check_tensor
 from ..math.closed_forms import log_bound as _log_bound
 from ..math.closed_forms import surrogate
+from . import hypotheses
 from .comparator import (
     BLOCK_ELEMS,
     BoxLSQResult,
@@ -88,6 +92,10 @@ COLUMNS = (
     "eps_free",
     "newton_feasible",
     "newton_feasible_box",
+    "key_norm_tol",
+    "unit_keys",
+    "beta_in_open_unit_interval",
+    "no_decay",
     "hypotheses_hold",
 )
 
@@ -126,6 +134,24 @@ def _validate(k, beta, d_traj, q, valid, gated):
     elif not isinstance(gated, bool):
         raise ValueError(f"argument 'gated': expected a bool or a bool tensor [P], got {type(gated).__name__}")
     return P, T, K
+
+
+def _check_unit_tol(unit_tol, k: torch.Tensor, P: int) -> torch.Tensor:
+    """``unit_tol`` as a ``[P]`` fp64 tensor on ``k``'s device (see :func:`theorem_d7`)."""
+    if unit_tol is None:
+        unit_tol = hypotheses.key_norm_tol(str(k.dtype).removeprefix("torch."))
+    if isinstance(unit_tol, torch.Tensor):
+        if unit_tol.dim() != 1 or unit_tol.shape[0] != P or unit_tol.is_complex() or unit_tol.dtype == torch.bool:
+            raise ValueError(f"argument 'unit_tol': expected a number or a real tensor [P] = [{P}], "
+                             f"got {unit_tol.dtype} {list(unit_tol.shape)}")
+        tol = unit_tol.to(device=k.device, dtype=F64)
+    elif isinstance(unit_tol, (int, float)) and not isinstance(unit_tol, bool):
+        tol = torch.full((P,), float(unit_tol), dtype=F64, device=k.device)
+    else:
+        raise ValueError(f"argument 'unit_tol': expected a number >= 0, got {unit_tol!r}")
+    if not bool(((tol >= 0) & torch.isfinite(tol)).all()):
+        raise ValueError(f"argument 'unit_tol': expected numbers >= 0, got {unit_tol!r}")
+    return tol
 
 
 def _valid_only(name, x, m):
@@ -205,14 +231,7 @@ def _chunk(k, beta, d_traj, q, m, gated, lo, hi, unit_tol, res: BoxLSQResult, d_
     infeasible = (m & (bb < 1.0 / hi)).sum(1).to(F64)
     share_newton_infeasible = torch.where(has, infeasible / T_eff, nan)
     eps_free = torch.where(has, comparator_gap_masked(d_free, kk, bb, m), nan)
-    hypotheses_hold = (
-        has
-        & (max_unit_dev <= unit_tol)
-        & (beta_min > 0)
-        & (beta_max < 1)
-        & d_in_box
-        & ~gated
-    )
+    flags = hypotheses.check(n_valid, max_unit_dev, beta_min, beta_max, d_in_box, gated, unit_tol)
     return {
         "eps_diag": res.value,
         "kkt_residual": res.kkt_residual,
@@ -232,7 +251,8 @@ def _chunk(k, beta, d_traj, q, m, gated, lo, hi, unit_tol, res: BoxLSQResult, d_
         "eps_free": eps_free,
         "newton_feasible": has & (eps_free <= NEWTON_TOL),
         "newton_feasible_box": has & (res.value <= NEWTON_TOL),
-        "hypotheses_hold": hypotheses_hold,
+        "key_norm_tol": unit_tol.clone(),
+        **{name: flags[name] for name in ("unit_keys", "beta_in_open_unit_interval", "no_decay", "hypotheses_hold")},
     }
 
 
@@ -246,7 +266,7 @@ def theorem_d7(
     d_min: float = 0.5,
     d_max: float = 2.0,
     gated: bool | torch.Tensor = False,
-    unit_tol: float = 1e-3,
+    unit_tol: float | torch.Tensor | None = None,
     solver_kw: dict | None = None,
     block_elems: int = BLOCK_ELEMS,
 ) -> dict[str, torch.Tensor]:
@@ -260,20 +280,22 @@ def theorem_d7(
         valid: ``[P, T]`` bool, tokens with ``u_t ≠ 0`` and finite measurements.
         d_min, d_max: the comparator box (and the box ``d_t`` must stay in).
         gated: whether the layer decays its state (bool, or a bool tensor ``[P]``).
-        unit_tol: largest ``|‖k_t‖² − 1|`` that still counts as a unit key.
+        unit_tol: largest ``|‖k_t‖² − 1|`` that still counts as a unit key: a number, or a ``[P]``
+            tensor (one per problem); by default
+            :func:`~osdn_diag.metrics.hypotheses.key_norm_tol` of ``k``'s dtype — pass the dtype the
+            kernel read its keys in where ``k`` was converted since (the replay does).
         solver_kw: extra keywords for :func:`~osdn_diag.metrics.comparator.comparator_gap_diag`
             (``tol``, ``max_iter``, ``dtype``, ``block_elems``).
         block_elems: problems are processed in groups of about this many ``T·K`` elements.
 
     Returns:
         ``{column: [P] tensor}`` in :data:`COLUMNS` order: fp64 values, ``n_valid`` int64,
-        ``d_in_box``, ``newton_feasible``, ``newton_feasible_box`` and ``hypotheses_hold`` bool; on
-        ``k``'s device.
+        ``d_in_box``, ``newton_feasible``, ``newton_feasible_box``, ``unit_keys``,
+        ``beta_in_open_unit_interval``, ``no_decay`` and ``hypotheses_hold`` bool; on ``k``'s device.
     """
     lo, hi = _check_box_finite(d_min, d_max)
     P, T, K = _validate(k, beta, d_traj, q, valid, gated)
-    if not (isinstance(unit_tol, (int, float)) and unit_tol >= 0):
-        raise ValueError(f"argument 'unit_tol': expected a number >= 0, got {unit_tol!r}")
+    unit_tol = _check_unit_tol(unit_tol, k, P)
     if isinstance(gated, torch.Tensor):
         gated_t = gated.to(k.device)
     else:
@@ -297,5 +319,6 @@ def theorem_d7(
         res = BoxLSQResult(d=sol.d[sl], value=sol.value[sl], kkt_residual=sol.kkt_residual[sl], gap=sol.gap[sl],
                            iterations=sol.iterations, converged=sol.converged[sl])
         dt = None if d_traj is None else d_traj[sl]
-        parts.append(_chunk(k[sl], beta[sl], dt, q[sl], valid[sl], gated_t[sl], lo, hi, unit_tol, res, d_free[sl]))
+        parts.append(_chunk(k[sl], beta[sl], dt, q[sl], valid[sl], gated_t[sl], lo, hi, unit_tol[sl], res,
+                            d_free[sl]))
     return {name: torch.cat([p[name] for p in parts]) for name in COLUMNS}

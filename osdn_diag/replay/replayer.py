@@ -25,6 +25,8 @@ from ..runtime.host import from_host
 from ..capture.record import KernelCall
 from ..capture.store import StoredCall, to_device
 from ..metrics.audit import AuditAccumulator
+from ..metrics.hypotheses import HYPOTHESES, key_norm_tol
+from ..metrics.hypotheses import count as count_hypotheses
 from ..metrics.ratios import RatioAccumulator, RatioStats
 from ..metrics.retention import RetentionAccumulator, probe_positions, retrieval_errors
 from . import families
@@ -172,7 +174,7 @@ class Replayer:
                     cols = dict(res.device_columns)
                     cols["finite"] = cols["finite"].bool() & torch.isfinite(cols[acc.column])
                     acc.add(call.layer, cols, tasks, res.sequence_lengths, call.num_heads)
-        self.audit.add(call, res.grid["loss_before"], res.grid["finite"])
+        self.audit.add(call, res.grid["loss_before"], res.grid["finite"], res.grid["theorem_valid"])
         decode_start = _decode_start(call)
         if decode_start >= 0:
             _add_phases(self.phases, res.device_columns, decode_start)
@@ -399,7 +401,7 @@ class _Solve:
         if device.type == "cuda":
             stream = torch.cuda.Stream(device)
             produced = torch.cuda.current_stream(device).record_event()
-            for t in (batch.k, batch.beta, batch.d, batch.q, batch.valid, batch.gated):
+            for t in (batch.k, batch.beta, batch.d, batch.q, batch.valid, batch.gated, batch.tol):
                 if t is not None:  # the caller's stream may reuse their memory only after the solve's use
                     t.record_stream(stream)
         self.table: pa.Table | None = None
@@ -430,10 +432,12 @@ class _Solve:
 class _Problems:
     """Theorem D.7's inputs for the (sequence, head) streams of one or more calls, padded to one length:
     ``k [P, L, K]``, ``beta [P, L]``, ``d [P, L, K]`` or None, ``q [P, L]`` (fp64), ``valid [P, L]``,
-    ``gated [P]``, and per problem its prompt, task, layer and head."""
+    ``gated [P]``, ``tol [P]`` (the key-norm tolerance of the dtype the kernel read the keys in:
+    ``k`` here is fp32 whatever that was), and per problem its prompt, task, layer and head."""
 
-    def __init__(self, k, beta, d, q, valid, gated, prompt, task, layer, head):
+    def __init__(self, k, beta, d, q, valid, gated, tol, prompt, task, layer, head):
         self.k, self.beta, self.d, self.q, self.valid, self.gated = k, beta, d, q, valid, gated
+        self.tol = tol
         self.prompt, self.task, self.layer, self.head = prompt, task, layer, head
 
     @property
@@ -477,6 +481,8 @@ class _Problems:
         return cls(
             torch.nan_to_num(k), torch.nan_to_num(beta), d, q, valid,
             torch.full((S * H,), call.g is not None, device=dev),
+            torch.full((S * H,), key_norm_tol(str(call.flags.get("qk_read_as", "float32"))), dtype=torch.float64,
+                       device=dev),
             prompt_ids, [str(prompts.get(p, {}).get("task", "")) for p in prompt_ids],
             [call.layer] * (S * H), list(range(H)) * S,
         )
@@ -488,7 +494,7 @@ class _Problems:
         cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
         return cls(
             cat("k"), cat("beta"), None if parts[0].d is None else cat("d"), cat("q"), cat("valid"), cat("gated"),
-            *([x for p in parts for x in getattr(p, name)] for name in ("prompt", "task", "layer", "head")),
+            cat("tol"), *([x for p in parts for x in getattr(p, name)] for name in ("prompt", "task", "layer", "head")),
         )
 
     def solve(self, box: tuple[float, float]) -> pa.Table:
@@ -496,7 +502,7 @@ class _Problems:
         from ..metrics.theorem import theorem_d7
 
         cols = theorem_d7(self.k, self.beta, self.d, self.q, self.valid,
-                          d_min=box[0], d_max=box[1], gated=self.gated)
+                          d_min=box[0], d_max=box[1], gated=self.gated, unit_tol=self.tol)
         data = {
             "prompt": pa.array(self.prompt, pa.int32()),
             "task": pa.array(self.task, pa.string()),
@@ -515,6 +521,11 @@ def comparator_summary(table: pa.Table, box: tuple[float, float]) -> dict:
             ("eps_diag", "eps_at_ones", "eps_at_final_d", "regret", "slack", "kkt_residual", "gap",
              "hypotheses_hold", "n_valid", "share_newton_infeasible", "newton_feasible", "newton_feasible_box")}
     hold = cols["hypotheses_hold"].bool()
+    # Each check of the hypotheses per stream, from its column (has_valid_token is n_valid > 0).
+    flags = {name: torch.tensor(table.column(name).to_numpy(zero_copy_only=False)).bool()
+             for name in HYPOTHESES if name != "has_valid_token"}
+    flags["has_valid_token"] = cols["n_valid"] > 0
+    flags["hypotheses_hold"] = hold
     has = cols["n_valid"] > 0
 
     def mean(x, sel):
@@ -538,6 +549,7 @@ def comparator_summary(table: pa.Table, box: tuple[float, float]) -> dict:
         "max_kkt_residual": float(cols["kkt_residual"].max()) if len(hold) else None,
         "max_gap": float(cols["gap"].max()) if len(hold) else None,
         "hypotheses_hold": int(hold.sum()),
+        "hypotheses_failed": count_hypotheses(flags)["hypotheses_failed"],
         "bound_holds": int((slack >= -1e-6).sum()),
         "slack_min": float(slack.min()) if slack.numel() else None,
         "slack_mean": float(slack.mean()) if slack.numel() else None,

@@ -53,7 +53,7 @@ COLUMNS = (
     "eps_diag", "kkt_residual", "gap", "eps_at_ones", "eps_at_final_d", "regret", "log_prod_q", "log_bound",
     "slack", "n_valid", "max_unit_dev", "beta_min", "beta_max", "d_in_box", "share_newton_infeasible",
     "eps_free", "newton_feasible", "newton_feasible_box",
-    "hypotheses_hold",
+    "key_norm_tol", "unit_keys", "beta_in_open_unit_interval", "no_decay", "hypotheses_hold",
 )
 
 F64 = torch.float64

@@ -128,4 +128,5 @@ def test_audit_table_says_why_hypotheses_fail(tmp_path):
     from test_report import _run  # this folder's synthetic-run helper (pytest puts the folder on the path)
 
     text = write_report([_run(tmp_path / "g", 0, gated=True, task="t")]).read_text()
-    assert "do not hold: state decays" in text
+    # 2 layers × 2 heads × 1 prompt: four streams, every one failing on decay alone.
+    assert "| yes | 0 / 4 | state decays: 4 |" in text

@@ -37,6 +37,8 @@ def runs(tmp_path_factory):
         "deltanet": ["builtin:mqar-deltanet", "--num-prompts", "4", "--length", "64"],
         # The same prompts as above, so that the two runs can be compared in one report.
         "gated": ["random:gated-deltanet-tiny", "--num-prompts", "4", "--length", "64"],
+        # A randomly initialised DeltaNet: what q_geo a newcomer should expect (the report's guide).
+        "random": ["random:deltanet-tiny", "--num-prompts", "4", "--length", "64"],
     }
     out = {}
     for name, (model, *rest) in specs.items():
@@ -391,18 +393,28 @@ def test_audit_and_theorem_tables_print_each_statistic_in_its_unit():
     the streams whose hypotheses hold, the failed hypotheses named."""
     from osdn_diag.report.markdown import _audit_table, _comparator_table
 
+    none_failed = {"unit_keys": 0, "beta_in_open_unit_interval": 0, "d_in_box": 0, "no_decay": 0,
+                   "has_valid_token": 0}
     audit = {"n": 10, "max_unit_dev": 2.5e-3, "keys_read_as": ["bf16"], "key_rounding_bound": 4e-3,
-             "beta_min": 0.125, "beta_max": 0.875, "d_min": 0.5, "d_max": 1.75, "share_zero_residual": 0.0125,
-             "share_newton_infeasible": 0.375, "decay": False, "theorem_d7_hypotheses_hold": False,
-             "unit_keys": False, "beta_in_open_unit_interval": True, "d_in_box": False}
-    decayed = {**audit, "decay": True, "unit_keys": True, "d_in_box": True}
-    header, row, row2 = _cells(_audit_table([("A", None, {"assumptions": audit}),
-                                             ("B", None, {"assumptions": decayed})]))
+             "key_norm_tol": 5e-3, "beta_min": 0.125, "beta_max": 0.875, "d_min": 0.5, "d_max": 1.75,
+             "share_zero_residual": 0.0125, "share_newton_infeasible": 0.375, "decay": False,
+             "streams": 12, "hypotheses_hold": 7,
+             "hypotheses_failed": {**none_failed, "unit_keys": 3, "d_in_box": 4, "has_valid_token": 1}}
+    decayed = {**audit, "decay": True, "hypotheses_hold": 0, "hypotheses_failed": {**none_failed, "no_decay": 12}}
+    clean = {**audit, "hypotheses_hold": 12, "hypotheses_failed": none_failed}
+    header, row, row2, row3 = _cells(_audit_table([("A", None, {"assumptions": audit}),
+                                                   ("B", None, {"assumptions": decayed}),
+                                                   ("C", None, {"assumptions": clean})]))
     assert dict(zip(header, row)) == {
-        "model": "A", "max abs(‖k‖² − 1)": "2.5e-03", "keys read as": "bf16 (rounding alone: ≤ 4.0e-03)",
+        "model": "A", "max abs(‖k‖² − 1)": "2.5e-03", "keys read as (unit within)": "bf16 (5.0e-03)",
         "β range": "[0.125, 0.875]", "d range": "[0.500, 1.750]", "zero residuals": "1.25 %",
-        "β < 1/d_max": "37.5 %", "state decay": "no", "Thm D.7 hypotheses": "do not hold: keys not unit, d outside the box"}
-    assert row2[-2:] == ["yes", "do not hold: state decays"]
+        "β < 1/d_max": "37.5 %", "state decay": "no", "Thm D.7 hypotheses hold (streams)": "7 / 12",
+        "failed (streams)": "keys not unit: 3, d outside the box: 4, no valid token: 1"}
+    assert row2[-3:] == ["yes", "0 / 12", "state decays: 12"]
+    assert row3[-2:] == ["12 / 12", "none"]
+    # A summary written before the audit counted streams: no count is made up.
+    old = {k: v for k, v in audit.items() if k not in ("streams", "hypotheses_hold", "hypotheses_failed")}
+    assert _cells(_audit_table([("D", None, {"assumptions": old})]))[1][-2:] == ["–", "–"]
 
     c = {"problems": 8, "eps_diag_mean": 0.01234, "eps_at_ones_mean": 0.04321, "eps_at_final_d_mean": 0.02468,
          "regret_mean": -0.125, "share_newton_infeasible_mean": 0.0625, "share_newton_feasible": 0.75,
@@ -411,6 +423,123 @@ def test_audit_and_theorem_tables_print_each_statistic_in_its_unit():
     assert dict(zip(header, row)) == {
         "model": "A", "streams": "8", "ε_T^diag (mean)": "0.0123", "ε_T(1)": "0.0432", "ε_T(d_T)": "0.0247",
         "regret R_T(d*)": "-0.125", "β < 1/d_max": "6.2 %", "Newton feasible (R^K / box)": "75.0 % / 25.0 %",
-        "hypotheses hold": "5 / 8", "bound holds": "4 / 5", "min slack": "-0.500"}
+        "hypotheses hold (streams)": "5 / 8", "bound holds": "4 / 5", "min slack": "-0.500"}
     header, row = _cells(_comparator_table([("A", {**c, "hypotheses_hold": 0, "bound_holds": 0})]))
     assert row[header.index("bound holds")] == "–"
+
+
+# ----------------------------------------------------------------- Theorem D.7's hypotheses, per stream
+
+BASE_TOL = 1e-3  # docs/metrics.md: unit within 1e-3 plus the rounding of the dtype the keys were read in
+MANTISSA = {"bfloat16": 8, "float16": 11, "float32": 24, "float64": 53}  # u = 2^-p
+CHECKS = ("unit_keys", "beta_in_open_unit_interval", "d_in_box", "no_decay", "has_valid_token")
+WORDS = {"unit_keys": "keys not unit", "beta_in_open_unit_interval": "β outside (0, 1)",
+         "d_in_box": "d outside the box", "no_decay": "state decays", "has_valid_token": "no valid token"}
+
+
+def _stream_flags(run) -> dict[tuple[int, int, int], dict]:
+    """Each (prompt, layer, head) stream's checks, from residuals.parquet and the manifest alone: valid
+    tokens are finite with loss_before > 0 (--zero-residual drop), keys unit within 1e-3 + (1 + u)² − 1
+    for the dtype the layer's kernel read them in, β in (0, 1) there, no decay; these runs record no d."""
+    c = run["cols"]
+    layers = {int(e["layer"]): e for e in run["manifest"]["layers"]}
+    assert not any(e["has_d"] for e in layers.values())
+    valid = c["finite"].astype(bool) & (c["loss_before"] > 0)
+    keys = np.stack([c["prompt"], c["layer"], c["head"]], 1).astype(np.int64)
+    flags = {}
+    for key in sorted({tuple(int(x) for x in k) for k in keys}):
+        rows = np.all(keys == key, axis=1) & valid
+        entry = layers[key[1]]
+        tol = BASE_TOL + ((1 + 2.0 ** -MANTISSA[entry["flags"]["qk_read_as"]]) ** 2 - 1)
+        dev = np.abs(c["key_sqnorm"][rows].astype(np.float64) - 1)
+        beta = c["beta"][rows].astype(np.float64)
+        # The table's fp32 key norms can decide the check only away from the tolerance's edge.
+        assert dev.size == 0 or abs(dev.max() - tol) > 1e-5, (key, dev.max(), tol)
+        f = {"unit_keys": bool(np.all(dev <= tol)), "beta_in_open_unit_interval": bool(np.all((beta > 0) & (beta < 1))),
+             "d_in_box": True, "no_decay": not entry["gated"], "has_valid_token": bool(rows.any()), "tol": tol}
+        f["hypotheses_hold"] = all(f[name] for name in CHECKS)
+        flags[key] = f
+    return flags
+
+
+def _counts(flags) -> dict:
+    return {"streams": len(flags), "hypotheses_hold": sum(f["hypotheses_hold"] for f in flags),
+            "hypotheses_failed": {name: sum(not f[name] for f in flags) for name in CHECKS}}
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated", "random"])
+def test_hypotheses_are_one_definition_counted_in_streams(runs, name):
+    """comparator.parquet's checks per stream, summary.json's counts (assumption audit overall, per
+    layer and head; comparator) and both report tables: the same streams, the same definition, equal
+    to the recomputation from the per-token table."""
+    run = runs[name]
+    exp = _stream_flags(run)
+    table = pq.read_table(run["dir"] / "comparator.parquet")
+    c = {k: table.column(k).to_pylist() for k in table.column_names}
+    got = {(p, layer, h): i for i, (p, layer, h) in enumerate(zip(c["prompt"], c["layer"], c["head"]))}
+    assert set(got) == set(exp) and len(got) == table.num_rows
+    for key, i in got.items():
+        for col in ("unit_keys", "beta_in_open_unit_interval", "d_in_box", "no_decay", "hypotheses_hold"):
+            assert c[col][i] == exp[key][col], (key, col)
+        assert (c["n_valid"][i] > 0) == exp[key]["has_valid_token"], key
+        assert c["key_norm_tol"][i] == pytest.approx(exp[key]["tol"], rel=1e-12, abs=0), key
+
+    total = _counts(list(exp.values()))
+    audit, comp = run["summary"]["assumptions"], run["summary"]["comparator"]
+    assert {k: audit[k] for k in total} == total
+    assert comp["problems"] == total["streams"]
+    assert comp["hypotheses_hold"] == total["hypotheses_hold"]
+    assert comp["hypotheses_failed"] == total["hypotheses_failed"]
+    for layer in {k[1] for k in exp}:
+        sub = _counts([f for k, f in exp.items() if k[1] == layer])
+        assert {k: audit["by_layer"][f"{layer:03d}"][k] for k in sub} == sub
+        for head in {k[2] for k in exp if k[1] == layer}:
+            sub = _counts([f for k, f in exp.items() if k[1:] == (layer, head)])
+            assert {k: audit["by_head"][f"{layer:03d}.{head:03d}"][k] for k in sub} == sub
+
+    header, rows = _table_after(run["report"], "Assumption audit")
+    (row,) = rows
+    cells = dict(zip(header, row))
+    hold = f"{total['hypotheses_hold']} / {total['streams']}"
+    assert cells["Thm D.7 hypotheses hold (streams)"] == hold
+    failed = [f"{WORDS[n]}: {total['hypotheses_failed'][n]}" for n in CHECKS if total["hypotheses_failed"][n]]
+    assert cells["failed (streams)"] == (", ".join(failed) or "none")
+    tols = {f["tol"] for f in exp.values()}
+    assert len(tols) == 1 and cells["keys read as (unit within)"].endswith(f"({tols.pop():.1e})")
+    header, rows = _table_after(run["report"], "Comparator gap and Theorem D.7")
+    (row,) = rows
+    assert dict(zip(header, row))["hypotheses hold (streams)"] == hold
+    assert dict(zip(header, row))["streams"] == str(total["streams"])
+
+
+def test_the_runs_cover_holding_and_each_kind_of_failing_stream(runs):
+    """The check above is informative: the trained DeltaNet has streams that hold and streams whose
+    keys are not unit (fp32 keys normalised with an eps), the gated model fails on decay alone."""
+    dn = _counts(list(_stream_flags(runs["deltanet"]).values()))
+    assert 0 < dn["hypotheses_hold"] < dn["streams"] and dn["hypotheses_failed"]["unit_keys"] > 0
+    gated = _counts(list(_stream_flags(runs["gated"]).values()))
+    assert gated["hypotheses_hold"] == 0 and gated["hypotheses_failed"]["no_decay"] == gated["streams"]
+
+
+def test_the_q_geo_guide_is_what_the_runs_show(runs):
+    """The report's guide: without decay q_t = (1 − a_t)² exactly at every valid token (for a gated
+    layer, the post-decay ratio); at random initialisation β ≈ 0.5 and keys are unit, so q_geo ≈ 0.25."""
+    from osdn_diag.report.markdown import EXPECTATION_NOTE
+
+    for name, column in (("deltanet", "residual_ratio"), ("random", "residual_ratio"),
+                         ("gated", "residual_ratio_post")):
+        run = runs[name]
+        assert EXPECTATION_NOTE in run["report"]
+        c = run["cols"]
+        valid = c["finite"].astype(bool) & (c["loss_before"] > 0)
+        q, a = c[column][valid].astype(np.float64), c["write_gain"][valid].astype(np.float64)
+        np.testing.assert_allclose(q, (1 - a) ** 2, rtol=1e-4, atol=1e-6, err_msg=name)
+    c = runs["random"]["cols"]
+    keep = c["finite"].astype(bool)
+    beta, n2 = c["beta"][keep].astype(np.float64), c["key_sqnorm"][keep].astype(np.float64)
+    assert abs(beta.mean() - 0.5) < 0.02 and np.all(np.abs(beta - 0.5) < 0.15)
+    assert np.all(np.abs(n2 - 1) < 0.05)
+    q_geo = _stats(c["residual_ratio"][keep].astype(np.float64))["q_geo"]
+    assert runs["random"]["summary"]["q_geo"] == pytest.approx(q_geo, rel=REL)
+    assert abs(q_geo - 0.25) < 0.01
+    assert "(1 − 0.5)² = 0.25" in EXPECTATION_NOTE

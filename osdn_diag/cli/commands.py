@@ -184,9 +184,6 @@ def _cmd_what_if(args: argparse.Namespace) -> int:
         print("counterfactual: the replayed states follow OSDN's writes, not the model's own")
         report = write_report([args.dir, out], out, ["as captured", "with OSDN d (what-if)"], into_input=True)
     print(f"report: {report}")
-    view = report.parent / "view.html"
-    if view.is_file():
-        print(f"view: {view}")
     return 0
 
 
@@ -205,6 +202,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"\nq: residual ratio per write (lower = stronger contraction); {scored}. "
           f"{time.perf_counter() - start:.0f} s.")
     print(f"report: {report}")
+    view = report.parent / "view.html"
+    if view.is_file():
+        print(f"view: {view}")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 
 __all__ = ["main"]
@@ -14,7 +15,9 @@ def _cmd_prove(args: argparse.Namespace) -> int:
     from .proofs import ledger
 
     results = ledger.run_ledger(progress=not args.quiet)
-    print(ledger.format_table(results))
+    # a terminal gets a table that fits it; a file or a pipe the full widths (one line per cell row)
+    width = None if args.wide or not sys.stdout.isatty() else shutil.get_terminal_size().columns
+    print(ledger.format_table(results, width=width))
     if args.json:
         ledger.write_json(results, args.json)
         print(f"\nledger written to {args.json}")
@@ -382,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prove.add_argument("--json", metavar="FILE", help="also write the ledger as JSON to FILE")
     prove.add_argument("-q", "--quiet", action="store_true", help="no per-claim progress lines")
+    prove.add_argument("--wide", action="store_true",
+                       help="the table at its full width (148 columns) even on a narrower terminal")
     prove.set_defaults(func=_cmd_prove)
 
     run = sub.add_parser("run", help="capture, replay and report, in one go",

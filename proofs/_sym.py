@@ -102,7 +102,7 @@ class Check:
     an identity gets one of its rational constants (a coefficient, an exponent, a ``−1`` of a
     difference) moved by 1, each in turn until one breaks it; a sign is negated (an expression both
     ``≥ 0`` and ``≤ 0`` is a zero in disguise); a nonzero polynomial is evaluated with its symbols at
-    0 (the checker must say "zero" somewhere); an exact relation gets its left side moved past the
+    0 and at 1 (the checker must say "zero" at one of them); an exact relation gets its left side moved past the
     right; a freeness check gets one of the symbols added.
     """
 
@@ -128,7 +128,8 @@ class Check:
         if self.kind in ("positive", "nonnegative"):
             return not all(sp.sympify(-e).is_nonnegative is True for e in self.exprs)
         if self.kind == "nonzero":
-            return all(_vanishes(e.subs({s: 0 for s in e.free_symbols})) for e in self.exprs)
+            return any(all(_vanishes(e.subs(dict.fromkeys(e.free_symbols, point))) for e in self.exprs)
+                       for point in (0, 1))
         if self.kind == "relation":
             from ._evidence import exact_truth
 

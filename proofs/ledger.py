@@ -136,7 +136,7 @@ _SHRINK_ORDER = ("detail", "location", "id", "status")
 def column_widths(width: int | None = None) -> tuple[tuple[str, int], ...]:
     """The table's columns and their widths for a table at most ``width`` characters wide (None: the full
     widths of :data:`_COLUMNS`, 148 characters). Columns give way in :data:`_SHRINK_ORDER` down to
-    :data:`_NARROWEST`; below that the table is as narrow as it gets (62 characters)."""
+    :data:`_NARROWEST`; below that the table is as narrow as it gets (57 characters)."""
     widths = dict(_COLUMNS)
     if width is not None:
         excess = sum(widths.values()) + 2 * (len(widths) - 1) - width

@@ -14,7 +14,10 @@ preconditioner ``d``, ``s = k ⊙ k``, ``n = ‖k‖²``, residual ``u = v − S
 
 A proof here is a derivation: an identity is accepted only when the difference of its two sides
 expands to exactly 0, and an inequality only when the quantity has been rewritten (by a checked
-identity) as an expression whose sign sympy derives from the symbols' declared assumptions.
+identity) as an expression whose sign sympy derives from the symbols' declared assumptions. Each
+step is a :class:`._sym.Check` made by those helpers, which keeps what it decided so that a test can
+perturb it (its negative control: the perturbed step must fail); a value typed in as a step, such as a
+constant ``True``, establishes nothing.
 
 A check returns the evidence it computed (:mod:`._evidence`: derivations with the sizes they ran
 on, counterexamples and witnesses with their exact numbers, conditionals), and the claim's status

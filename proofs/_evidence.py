@@ -33,6 +33,8 @@ from fractions import Fraction
 
 import sympy as sp
 
+from ._sym import Check, sizes_built
+
 __all__ = [
     "EVIDENCE_KINDS",
     "Conditional",
@@ -58,8 +60,9 @@ RELATIONS: dict[str, Callable] = {
 
 
 def is_definitely_true(value: object) -> bool:
-    """True only for Python ``True`` and sympy's ``true`` (not for ``None``, 1, a relation, …)."""
-    return value is True or value is sp.true
+    """True only for Python ``True``, sympy's ``true`` and a :class:`~._sym.Check` that holds (not for
+    ``None``, 1, a relation, …)."""
+    return value is True or value is sp.true or (isinstance(value, Check) and value.ok)
 
 
 def exact_truth(lhs, op: str, rhs) -> bool | None:
@@ -151,8 +154,9 @@ class Derivation:
 
     @property
     def unproved(self) -> list[str]:
-        """The steps that did not evaluate to a definite truth."""
-        return [name for name, ok in self.steps.items() if not is_definitely_true(ok)]
+        """The steps that are not a :class:`~._sym.Check` that holds: a step sympy did not decide, or a
+        value that was never checked (a constant ``True``, a Python comparison)."""
+        return [name for name, ok in self.steps.items() if not (isinstance(ok, Check) and ok.ok)]
 
     @property
     def established(self) -> bool:
@@ -162,7 +166,10 @@ class Derivation:
         """What is missing, in words (empty when established)."""
         if not self.steps:
             return [f"{self.label}: no steps"]
-        return [f"{self.label}: {name}" for name in self.unproved]
+        return [
+            f"{self.label}: {name}" + ("" if isinstance(self.steps[name], Check) else " (not a checked step)")
+            for name in self.unproved
+        ]
 
     def record(self) -> dict:
         return {
@@ -180,15 +187,26 @@ def derive(label: str, steps_of: Callable[..., Mapping[str, object]], **grid: It
 
     ``grid`` maps each size's name to the values to cover, e.g. ``derive("…", f, K=range(1, 5), V=(1, 2))``
     calls ``f(K=1, V=1)``, …, ``f(K=4, V=2)``; each step's name is prefixed with its point
-    (``"K=2, V=1: …"``). The recorded sizes are the values iterated, so a smaller grid records less.
+    (``"K=2, V=1: …"``). The recorded sizes are those the steps *built*: a value ``K = 3`` is recorded
+    only if at every point with ``K = 3`` some vector, matrix or indexed family of that size was made
+    (:func:`~._sym.sizes_built`), so a proof that is asked for K = 3 but builds K = 1 records less.
     """
-    sizes = _sizes(grid)
+    asked = _sizes(grid)
     steps: dict[str, object] = {}
-    for point in itertools.product(*sizes.values()):
-        where = dict(zip(sizes, point))
+    seen_at: list[tuple[dict, set[int]]] = []
+    for point in itertools.product(*asked.values()):
+        where = dict(zip(asked, point))
         prefix = ", ".join(f"{name}={value}" for name, value in where.items())
-        for name, ok in steps_of(**where).items():
+        with sizes_built() as seen:
+            produced = steps_of(**where)
+        seen_at.append((where, seen))
+        for name, ok in produced.items():
             steps[f"{prefix}: {name}" if prefix else name] = ok
+    sizes = {}
+    for name, values in asked.items():
+        ran = tuple(v for v in values if all(v in seen for where, seen in seen_at if where[name] == v))
+        if ran:
+            sizes[name] = ran
     return Derivation(label, steps, sizes)
 
 

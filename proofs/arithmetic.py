@@ -22,7 +22,7 @@ import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Counterexample, Derivation, derive, format_sizes
-from ._sym import holds_on, is_nonnegative, is_positive, vanishes
+from ._sym import holds_on, indexed, is_nonnegative, is_positive, vanishes
 
 __all__ = [
     "CLAIMS",
@@ -126,7 +126,7 @@ def check_state_overhead() -> Outcome:
     symbolic_ratio = d_elements(L, H, d_k) / state_elements(L, H, d_k, d_v)
     symbolic = Derivation(
         "symbolic shape",
-        {"d/state = 1/d_v for symbolic L, H, d_k, d_v": vanishes(symbolic_ratio - 1 / d_v)},
+        {"d/state = 1/d_v for symbolic L, H, d_k, d_v": vanishes(symbolic_ratio, 1 / d_v)},
     )
     shapes = [shape_counterexample(name, shape) for name, shape in SHAPES.items()]
     table = [table_counterexample(row, *mib) for row, mib in PAPER_TABLE_MIB.items()]
@@ -162,8 +162,8 @@ GRID = {"K": tuple(range(1, 5))}
 def newton_infeasible_steps(K: int) -> dict[str, bool]:
     beta, c = sp.Symbol("beta", positive=True), sp.Symbol("c", positive=True)
     d_max, w = sp.Symbol("d_max", positive=True), sp.Symbol("w", nonnegative=True)
-    tau = sp.symbols(f"tau_1:{K + 1}", nonnegative=True)
-    s = sp.symbols(f"s_1:{K + 1}", nonnegative=True)
+    tau = indexed("tau", K, nonnegative=True)
+    s = indexed("s", K, nonnegative=True)
     constraints = {c: 1 - beta * d_max, s[-1]: 1 - sum(s[:-1])}
     a = beta * sum((d_max - w * t) * si for t, si in zip(tau, s))
     slack = beta * w * sum(t * si for t, si in zip(tau, s))

@@ -24,7 +24,7 @@ import sympy as sp
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Conditional, Counterexample, Derivation, derive, format_sizes, format_values
 from ._sweep import clamp_drift, supporting
-from ._sym import all_vanish, matrix
+from ._sym import all_vanish, indexed, is_nonzero, matrix, relation, vanishes
 from .wy_chunk import unit_lower_inverse
 
 __all__ = [
@@ -113,15 +113,15 @@ def kda_chunk_output(S, Q, K, Kt, V, beta, A, clamp=None) -> sp.Matrix:
 def _symbols(C: int, dk: int, dv: int, kda: bool = False):
     S = matrix("S", dk, dv) if kda else matrix("S", dv, dk)
     return (S, matrix("q", C, dk), matrix("k", C, dk), matrix("kt", C, dk), matrix("v", C, dv),
-            sp.symbols(f"beta_1:{C + 1}"))
+            indexed("beta", C))
 
 
 def plain_steps(C: int, K: int, V: int) -> dict[str, bool]:
     S, Q, Kk, Kt, Vv, beta = _symbols(C, K, V)
     tokens = token_outputs(S, Q, Kk, Kt, Vv, beta)
     return {
-        "Listing 1 output = token read-outs": all_vanish(plain_chunk_output(S, Q, Kk, Kt, Vv, beta) - tokens),
-        "the symmetric score Q Kᵀ is not": not all_vanish(
+        "Listing 1 output = token read-outs": all_vanish(plain_chunk_output(S, Q, Kk, Kt, Vv, beta), tokens),
+        "the symmetric score Q Kᵀ is not": is_nonzero(
             plain_chunk_output(S, Q, Kk, Kt, Vv, beta, score_key=Kk) - tokens
         ),
     }
@@ -137,16 +137,16 @@ def _unclamp(expr, clamp):
 def clamp_inactive_steps(clamp=LISTING_CLAMP) -> dict[str, bool]:
     """``γ ≥ clamp ⇒ max(γ, clamp) = γ``, with ``γ = clamp + s``, ``s ≥ 0``."""
     s_ = sp.Symbol("s", nonnegative=True)
-    return {"γ ≥ 10⁻⁶ ⇒ γ.clamp_min(10⁻⁶) = γ": sp.Max(clamp + s_, clamp) == clamp + s_}
+    return {"γ ≥ 10⁻⁶ ⇒ γ.clamp_min(10⁻⁶) = γ": vanishes(sp.Max(clamp + s_, clamp, evaluate=False), clamp + s_)}
 
 
 def gated_steps(C: int, K: int, V: int) -> dict[str, bool]:
     S, Q, Kk, Kt, Vv, beta = _symbols(C, K, V)
-    alpha = sp.symbols(f"alpha_1:{C + 1}", positive=True)
+    alpha = indexed("alpha", C, positive=True)
     printed = gated_chunk_output(S, Q, Kk, Kt, Vv, beta, alpha, clamp=LISTING_CLAMP)
     diff = _unclamp(printed, LISTING_CLAMP) - token_outputs(S, Q, Kk, Kt, Vv, beta, alpha)
     return {
-        "Listing 2 as printed has a clamp on every γ_i": sum(1 for _ in printed.atoms(sp.Max)) == C,
+        "Listing 2 as printed has a clamp on every γ_i": relation(sum(1 for _ in printed.atoms(sp.Max)), "=", C),
         "Listing 2 output, γ_i ≥ 10⁻⁶, = gated token read-outs": all_vanish(diff),
     }
 
@@ -157,7 +157,9 @@ def kda_steps(C: int, K: int, V: int) -> dict[str, bool]:
     printed = kda_chunk_output(S, Q, Kk, Kt, Vv, beta, A, clamp=LISTING_CLAMP)
     diff = _unclamp(printed, LISTING_CLAMP) - token_outputs(S, Q, Kk, Kt, Vv, beta, A, kda=True)
     return {
-        "Listing 3 as printed has a clamp on every Γ_ij": sum(1 for _ in printed.atoms(sp.Max)) == C * K,
+        "Listing 3 as printed has a clamp on every Γ_ij": relation(
+            sum(1 for _ in printed.atoms(sp.Max)), "=", C * K
+        ),
         "App. B.2 / Listing 3 output, Γ_ij ≥ 10⁻⁶, = KDA token read-outs": all_vanish(diff),
     }
 

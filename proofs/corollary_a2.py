@@ -28,7 +28,7 @@ import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Witness, derive, format_sizes, format_values
-from ._sym import holds_on, is_positive, vanishes
+from ._sym import holds_on, indexed, is_positive, vanishes
 
 __all__ = ["CLAIMS", "COUNTER_CASES", "GRID", "CounterCase", "descent_steps", "loss_ratio", "write_gain"]
 
@@ -75,9 +75,9 @@ def descent_steps(K: int) -> dict[str, bool]:
     beta, gap = sp.Symbol("beta", positive=True), sp.Symbol("g", positive=True)
     d_min = sp.Symbol("d_min", positive=True)
     w, m = sp.Symbol("w", nonnegative=True), sp.Symbol("m", nonnegative=True)
-    t = sp.symbols(f"t_1:{K + 1}", nonnegative=True)
-    tau = sp.symbols(f"tau_1:{K + 1}", nonnegative=True)
-    s = sp.symbols(f"s_1:{K + 1}", nonnegative=True)
+    t = indexed("t", K, nonnegative=True)
+    tau = indexed("tau", K, nonnegative=True)
+    s = indexed("s", K, nonnegative=True)
     constraints = {
         gap: 1 - beta,
         m: 2 - d_min - w,
@@ -90,7 +90,7 @@ def descent_steps(K: int) -> dict[str, bool]:
     return {
         "a = β d_min + β w Σ t_i s_i on the constraint set": holds_on(a, lower, constraints),
         "2 − a = 2(1 − β) + β(2 − d_max) + β w Σ (1 − t_i) s_i": holds_on(2 - a, upper, constraints),
-        "1 − (1 − a)² = a(2 − a)": vanishes(1 - (1 - a) ** 2 - a * (2 - a)),
+        "1 − (1 − a)² = a(2 − a)": vanishes(1 - (1 - a) ** 2, a * (2 - a)),
         "a > 0": is_positive(lower),
         "2 − a > 0": is_positive(upper),
         "1 − (1 − a)² > 0": is_positive(lower * upper),

@@ -25,7 +25,7 @@ import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Witness, derive, format_sizes
-from ._sym import dot, matrix, vanishes, vector
+from ._sym import all_vanish, dot, indexed, matrix, relation, vanishes, vector
 
 __all__ = ["CLAIMS", "GRID", "SEQUENCE_GRID", "block_keys", "token_steps", "telescoping_steps"]
 
@@ -54,20 +54,18 @@ def token_steps(K: int, V: int) -> dict[str, bool]:
     keys = block_keys(K)
     values = (vector("v", V, real=True), vector("w", V, real=True))
     S, d, beta = matrix("S", V, K, real=True), vector("d", K, real=True), sp.Symbol("beta", real=True)
-    steps = {"keys orthogonal": vanishes(dot(*keys))}
+    steps = {"keys orthogonal": relation(dot(*keys), "=", 0)}
     for c, (k, v) in enumerate(zip(keys, values)):
         other_k, other_v = keys[1 - c], values[1 - c]
         u = v - S * k
         S_new = S + beta * u * d.multiply_elementwise(k).T
         a = beta * dot(d, k.multiply_elementwise(k))
-        steps[f"class {c + 1} write: S'k_other = S k_other"] = all(
-            vanishes(x) for x in (S_new - S) * other_k
-        )
+        steps[f"class {c + 1} write: S'k_other = S k_other"] = all_vanish(S_new * other_k, S * other_k)
         steps[f"class {c + 1} write: F_other(S') = F_other(S)"] = vanishes(
-            _loss(S_new, other_k, other_v) - _loss(S, other_k, other_v)
+            _loss(S_new, other_k, other_v), _loss(S, other_k, other_v)
         )
         steps[f"class {c + 1} write: F_own(S') = (1 − a)² F_own(S)"] = vanishes(
-            _loss(S_new, k, v) - (1 - a) ** 2 * _loss(S, k, v)
+            _loss(S_new, k, v), (1 - a) ** 2 * _loss(S, k, v)
         )
     return steps
 
@@ -76,7 +74,7 @@ def telescoping_steps(T: int) -> dict[str, bool]:
     """For every class sequence of length T over 2 classes in which both occur: chaining the per-token
     rules gives ``Π_c F_c(S_T) = Π_t q_t Π_c F_c(S_0)`` and, with ``F_c(S_0) > 0``, the corollary."""
     F0 = sp.symbols("F_1 F_2", positive=True)  # F_c(S_0) > 0: the hypothesis the ratio needs
-    q = sp.symbols(f"q_1:{T + 1}", nonnegative=True)
+    q = indexed("q", T, nonnegative=True)
     steps = {}
     for sequence in itertools.product((0, 1), repeat=T):
         if set(sequence) != {0, 1}:
@@ -86,10 +84,10 @@ def telescoping_steps(T: int) -> dict[str, bool]:
             F[c] = q[t] * F[c]  # own class contracts by q_t; the other is unchanged
         name = "".join(str(c + 1) for c in sequence)
         steps[f"classes {name}: Π_c F_c(S_T) = Π_t q_t · Π_c F_c(S_0)"] = vanishes(
-            F[0] * F[1] - sp.Mul(*q) * F0[0] * F0[1]
+            F[0] * F[1], sp.Mul(*q) * F0[0] * F0[1]
         )
         steps[f"classes {name}: Π_c F_c(S_T)/F_c(S_0) = Π_t q_t"] = vanishes(
-            F[0] / F0[0] * F[1] / F0[1] - sp.Mul(*q)
+            F[0] / F0[0] * F[1] / F0[1], sp.Mul(*q)
         )
     return steps
 

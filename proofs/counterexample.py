@@ -17,7 +17,7 @@ import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Derivation, format_sizes
-from ._sym import vanishes
+from ._sym import all_of, holds_on, relation, vanishes
 
 __all__ = ["CLAIMS", "REPLAY_STEPS", "exact_write", "replay", "token_loss"]
 
@@ -55,15 +55,20 @@ def check_counterexample() -> Outcome:
     induction = Derivation(
         "symbolic t (induction)",
         {
-            "any S: exact write lands on v_t": vanishes(exact_write(S, t) - (-1) ** t),
+            "any S: exact write lands on v_t": vanishes(exact_write(S, t), (-1) ** t),
             "induction: S_{t−1} = (−1)^{t−1} ⇒ S_t = (−1)^t": vanishes(
-                exact_write((-1) ** (t - 1), t) - (-1) ** t
+                exact_write((-1) ** (t - 1), t), (-1) ** t
             ),
-            "f_t(S_t) = 0": vanishes(token_loss((-1) ** t, t)),
-            "f_t(S_{t−1}) = 2 for t ≥ 2": vanishes(token_loss((-1) ** (t - 1), t) - 2),
-            "f_1(S_0) = 1/2": token_loss(0, 1) == sp.Rational(1, 2),
-            "population minimiser S* = 0 (F'' = 1 > 0)": S_star == [0] and sp.diff(F, x, 2) == 1,
-            "F(S*) = 1/2 and F(±1) = 1": F.subs(x, 0) == sp.Rational(1, 2) and F.subs(x, 1) == F.subs(x, -1) == 1,
+            "f_t(S_t) = 0": holds_on(token_loss(S, t), 0, {S: (-1) ** t}),
+            "f_t(S_{t−1}) = 2 for t ≥ 2": vanishes(token_loss((-1) ** (t - 1), t), 2),
+            "f_1(S_0) = 1/2": relation(token_loss(0, 1), "=", sp.Rational(1, 2)),
+            "population minimiser S* = 0 (F'' = 1 > 0)": all_of([
+                relation(len(S_star), "=", 1), relation(S_star[0], "=", 0), relation(sp.diff(F, x, 2), "=", 1)
+            ]),
+            "F(S*) = 1/2 and F(±1) = 1": all_of([
+                relation(F.subs(x, 0), "=", sp.Rational(1, 2)), relation(F.subs(x, 1), "=", 1),
+                relation(F.subs(x, -1), "=", 1),
+            ]),
         },
         sizes={"K": 1, "V": 1},
     )
@@ -71,10 +76,10 @@ def check_counterexample() -> Outcome:
     replayed = Derivation(
         "explicit replay",
         {
-            f"t={i}: S_t = (−1)^t, f_t(S_t) = 0 < f_t(S_(t−1)), |S_t − S*| = 1": S_t == (-1) ** i
-            and after == 0
-            and before > 0
-            and abs(S_t - 0) == 1
+            f"t={i}: S_t = (−1)^t, f_t(S_t) = 0 < f_t(S_(t−1)), |S_t − S*| = 1": all_of([
+                relation(S_t, "=", (-1) ** i), relation(after, "=", 0), relation(before, ">", 0),
+                relation(abs(S_t - 0), "=", 1),
+            ])
             for i, (S_t, before, after) in enumerate(rows, 1)
         },
         sizes={"K": 1, "V": 1, "t": tuple(range(1, len(rows) + 1))},

@@ -52,10 +52,10 @@ def ungated_steps(K: int, V: int) -> dict[str, bool]:
     return {
         "∇f(S) = −u pᵀ": all_vanish(grad + u * p.T),
         "⟨u kᵀ, −∇f(S)⟩ = ‖u‖²⟨k, p⟩": vanishes(
-            sum((u * k.T).multiply_elementwise(-grad)) - (u.T * u)[0] * (k.T * p)[0]
+            sum((u * k.T).multiply_elementwise(-grad)), (u.T * u)[0] * (k.T * p)[0]
         ),
         "S'p − v = −(1 − a) u": all_vanish(S1 * p - v + (1 - a) * u),
-        "f(S') = (1 − a)² f(S)": vanishes(_f(S1, p, v) - (1 - a) ** 2 * _f(S, p, v)),
+        "f(S') = (1 − a)² f(S)": vanishes(_f(S1, p, v), (1 - a) ** 2 * _f(S, p, v)),
     }
 
 
@@ -70,8 +70,8 @@ def gated_steps(K: int, V: int) -> dict[str, bool]:
     w_decayed = alpha * u + (1 - alpha) * v
     return {
         "S'p − v = −(α − a) u − (1 − α) v": all_vanish(S1 * p - v + w_after),
-        "f(S') = ½‖(α − a) u + (1 − α) v‖²": vanishes(_f(S1, p, v) - (w_after.T * w_after)[0] / 2),
-        "f(αS) = ½‖α u + (1 − α) v‖²": vanishes(_f(alpha * S, p, v) - (w_decayed.T * w_decayed)[0] / 2),
+        "f(S') = ½‖(α − a) u + (1 − α) v‖²": vanishes(_f(S1, p, v), (w_after.T * w_after)[0] / 2),
+        "f(αS) = ½‖α u + (1 − α) v‖²": vanishes(_f(alpha * S, p, v), (w_decayed.T * w_decayed)[0] / 2),
     }
 
 

@@ -27,7 +27,7 @@ import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Witness, derive, format_sizes
-from ._sym import all_vanish, matrix, vanishes, vector
+from ._sym import all_vanish, indexed, matrix, vanishes, vector
 
 __all__ = ["CLAIMS", "GRID", "micro_steps", "token_steps"]
 
@@ -53,7 +53,7 @@ def token_steps(n: int, K: int, V: int) -> dict[str, bool]:
     alpha = sp.Symbol("alpha", real=True)
     keys = [vector(f"k{j}_", K, real=True) for j in range(n)]
     values = [vector(f"v{j}_", V, real=True) for j in range(n)]
-    betas = [sp.Symbol(f"beta{j}", real=True) for j in range(n)]
+    betas = indexed("beta", n, real=True)
     states = micro_steps(S, alpha, keys, values, betas)
     steps: dict[str, bool] = {}
     before, after, gains = [], [], []
@@ -66,9 +66,9 @@ def token_steps(n: int, K: int, V: int) -> dict[str, bool]:
         steps[f"micro-step {j}: S_j k_j − v_j = −(1 − a_j)(v_j − S_(j−1) k_j)"] = all_vanish(
             states[j + 1] * k - v + (1 - a) * (v - states[j] * k)
         )
-        steps[f"micro-step {j}: f_j(S_j) = (1 − a_j)² f_j(S_(j−1))"] = vanishes(fa - (1 - a) ** 2 * fb)
+        steps[f"micro-step {j}: f_j(S_j) = (1 − a_j)² f_j(S_(j−1))"] = vanishes(fa, (1 - a) ** 2 * fb)
     steps["token: Π_j f_j(S_j) = Π_j (1 − a_j)² · Π_j f_j(S_(j−1))"] = vanishes(
-        sp.Mul(*after) - sp.Mul(*gains) * sp.Mul(*before)
+        sp.Mul(*after), sp.Mul(*gains) * sp.Mul(*before)
     )
     return steps
 

@@ -46,9 +46,9 @@ def write_steps(K: int, V: int) -> dict[str, bool]:
         {S[i, j]: Sbar[i, j] for i in range(V) for j in range(K)}, simultaneous=True)
     return {
         "∇f(S̄) = −u (b⊙k)ᵀ": all_vanish(grad + u * bk.T),
-        "⟨u kᵀ, −∇f(S̄)⟩ = ‖u‖²⟨b, k⊙k⟩": vanishes(sum((u * k.T).multiply_elementwise(-grad)) - (u.T * u)[0] * a),
+        "⟨u kᵀ, −∇f(S̄)⟩ = ‖u‖²⟨b, k⊙k⟩": vanishes(sum((u * k.T).multiply_elementwise(-grad)), (u.T * u)[0] * a),
         "S'(b⊙k) − w⊙v = −(1 − a) u": all_vanish(S1 * bk - wv + (1 - a) * u),
-        "f(S') = (1 − a)² f(S̄)": vanishes(_loss(S1, bk, wv) - (1 - a) ** 2 * _loss(Sbar, bk, wv)),
+        "f(S') = (1 − a)² f(S̄)": vanishes(_loss(S1, bk, wv), (1 - a) ** 2 * _loss(Sbar, bk, wv)),
     }
 
 
@@ -56,7 +56,7 @@ def kda_steps(K: int, V: int) -> dict[str, bool]:
     """(b): scalar gates b = w = β·1 scale the loss by β²."""
     S, v, k = matrix("S", V, K, real=True), vector("v", V, real=True), vector("k", K, real=True)
     beta = sp.Symbol("beta", real=True)
-    return {"f(S) = β² ½‖Sk − v‖²": vanishes(_loss(S, beta * k, beta * v) - beta**2 * _loss(S, k, v))}
+    return {"f(S) = β² ½‖Sk − v‖²": vanishes(_loss(S, beta * k, beta * v), beta**2 * _loss(S, k, v))}
 
 
 def check() -> Outcome:

@@ -57,11 +57,11 @@ def one_token_steps(K: int, V: int) -> dict[str, bool]:
     a, bm = x["a"], x["beta"] * x["mu"]
     empty = {s: 0 for s in x["M"]}
     return {
-        "S'k − v = (1 − a)e − βμ Mk": all_vanish(after - closed),
+        "S'k − v = (1 − a)e − βμ Mk": all_vanish(after, closed),
         "‖S'k − v‖² = (1 − a)²‖e‖² − 2(1 − a)βμ⟨e, Mk⟩ + β²μ²‖Mk‖²": vanishes(
-            err2 - ((1 - a) ** 2 * e2 - 2 * (1 - a) * bm * em + bm**2 * m2)),
+            err2, (1 - a) ** 2 * e2 - 2 * (1 - a) * bm * em + bm**2 * m2),
         "M = 0: ‖S'k − v‖² = (1 − a)²‖e‖² (Lemma 4.1)": vanishes(
-            err2.subs(empty, simultaneous=True) - (1 - a) ** 2 * e2),
+            err2.subs(empty, simultaneous=True), (1 - a) ** 2 * e2),
     }
 
 

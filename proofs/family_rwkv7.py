@@ -43,7 +43,7 @@ def one_token_steps(K: int, V: int) -> dict[str, bool]:
     c_b, c_k = dot(b, kh), dot(k, kh)
     after = S_new * kh - v
     steps = {
-        "S'κ̂ − v = (1 − c_b)Sκ̂ − (1 − c_k)v (no decay)": all_vanish(after - ((1 - c_b) * S * kh - (1 - c_k) * v)),
+        "S'κ̂ − v = (1 − c_b)Sκ̂ − (1 − c_k)v (no decay)": all_vanish(after, (1 - c_b) * S * kh - (1 - c_k) * v),
     }
     # c_k = c_b: the write key is b plus a part z orthogonal to κ̂ (its last coordinate solved for).
     z = vector("z", K, real=True)
@@ -53,12 +53,12 @@ def one_token_steps(K: int, V: int) -> dict[str, bool]:
         k_eq = b + z
         at = {k[i]: k_eq[i] for i in range(K)}
         after_eq = after.subs(at, simultaneous=True)
-        steps["c_k = c_b: S'κ̂ − v = (1 − c_b)(Sκ̂ − v)"] = all_vanish(after_eq - (1 - c_b) * (S * kh - v))
+        steps["c_k = c_b: S'κ̂ − v = (1 − c_b)(Sκ̂ − v)"] = all_vanish(after_eq, (1 - c_b) * (S * kh - v))
         steps["c_k = c_b: ‖S'κ̂ − v‖² = (1 − c_b)²‖Sκ̂ − v‖² (Lemma 4.1)"] = vanishes(
-            dot(after_eq, after_eq) - (1 - c_b) ** 2 * dot(S * kh - v, S * kh - v))
+            dot(after_eq, after_eq), (1 - c_b) ** 2 * dot(S * kh - v, S * kh - v))
     else:  # K = 1: c_k = c_b means k = b
         after_eq = after.subs(k[0], b[0])
-        steps["c_k = c_b: S'κ̂ − v = (1 − c_b)(Sκ̂ − v)"] = all_vanish(after_eq - (1 - c_b) * (S * kh - v))
+        steps["c_k = c_b: S'κ̂ − v = (1 − c_b)(Sκ̂ − v)"] = all_vanish(after_eq, (1 - c_b) * (S * kh - v))
     return steps
 
 

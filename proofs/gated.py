@@ -44,11 +44,11 @@ def post_gate_steps(K: int, V: int) -> dict[str, bool]:
     r = S_new * k - v
     return {
         "S(α(I − βk k̃ᵀ)) + βv k̃ᵀ = S̄ + βe k̃ᵀ": all_vanish(
-            S * (alpha * (sp.eye(K) - beta * k * kt.T)) + beta * v * kt.T - S_new
+            S * (alpha * (sp.eye(K) - beta * k * kt.T)) + beta * v * kt.T, S_new
         ),
         "S'k − v = −(1 − a)e": all_vanish(r + (1 - a) * e),
-        "f(S') = (1 − a)² f(S̄)": vanishes(dot(r, r) - (1 - a) ** 2 * dot(e, e)),
-        "e = αu + (1 − α)v": all_vanish(e - (alpha * u + (1 - alpha) * v)),
+        "f(S') = (1 − a)² f(S̄)": vanishes(dot(r, r), (1 - a) ** 2 * dot(e, e)),
+        "e = αu + (1 − α)v": all_vanish(e, alpha * u + (1 - alpha) * v),
         "S'k − v = −(1 − a)(αu + (1 − α)v)": all_vanish(r + (1 - a) * (alpha * u + (1 - alpha) * v)),
     }
 
@@ -98,9 +98,9 @@ def fixed_point_steps(K: int) -> dict[str, bool]:
     a = beta * dot(d, s)
     step = phase1_step(d, s, n_bar, beta, eta, 1) - d
     return {
-        "step = (ηβ/n̄)(1 − a)s": all_vanish(step - eta * beta / n_bar * (1 - a) * s),
+        "step = (ηβ/n̄)(1 − a)s": all_vanish(step, eta * beta / n_bar * (1 - a) * s),
         "‖step‖² = c²(1 − a)²‖s‖²": vanishes(
-            dot(step, step).subs(eta, c * n_bar / beta) - c**2 * (1 - a) ** 2 * dot(s, s)
+            dot(step, step).subs(eta, c * n_bar / beta), c**2 * (1 - a) ** 2 * dot(s, s)
         ),
         "c²‖s‖² > 0, so ‖step‖ = 0 ⇔ a = 1": is_positive(c**2 * ss),
     }

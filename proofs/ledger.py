@@ -128,15 +128,32 @@ def run_ledger(progress: bool = True, claims: Sequence[Claim] | None = None) -> 
 # --- table ----------------------------------------------------------------------------------------
 
 _COLUMNS = (("id", 34), ("location", 24), ("status", 14), ("detail", 70))
+#: the narrowest each column gets when the table must fit a terminal, and the order they give way in
+_NARROWEST = {"id": 14, "location": 10, "status": 11, "detail": 16}
+_SHRINK_ORDER = ("detail", "location", "id", "status")
 
 
-def _cells(result: ClaimResult) -> list[list[str]]:
+def column_widths(width: int | None = None) -> tuple[tuple[str, int], ...]:
+    """The table's columns and their widths for a table at most ``width`` characters wide (None: the full
+    widths of :data:`_COLUMNS`, 148 characters). Columns give way in :data:`_SHRINK_ORDER` down to
+    :data:`_NARROWEST`; below that the table is as narrow as it gets (57 characters)."""
+    widths = dict(_COLUMNS)
+    if width is not None:
+        excess = sum(widths.values()) + 2 * (len(widths) - 1) - width
+        for name in _SHRINK_ORDER:
+            cut = max(0, min(excess, widths[name] - _NARROWEST[name]))
+            widths[name] -= cut
+            excess -= cut
+    return tuple(widths.items())
+
+
+def _cells(result: ClaimResult, columns=_COLUMNS) -> list[list[str]]:
     mark = "ok" if result.as_expected else f"!! expected {result.claim.expected}"
     detail = result.outcome.detail
     if result.outcome.condition:
         detail += f" CONDITION: {result.outcome.condition}"
     texts = (result.claim.id, result.claim.location, f"{result.outcome.status} {mark}", detail)
-    return [textwrap.wrap(text, width) or [""] for text, (_, width) in zip(texts, _COLUMNS)]
+    return [textwrap.wrap(text, width) or [""] for text, (_, width) in zip(texts, columns)]
 
 
 def _counts(results: Sequence[ClaimResult], source: str | None = None) -> Counter:
@@ -161,18 +178,25 @@ def _summary(results: Sequence[ClaimResult]) -> str:
     return f"{line} — {tail} ({total:.1f} s)"
 
 
-def format_table(results: Sequence[ClaimResult]) -> str:
-    """Fixed-width table (cells wrapped), one block per claim, then the summary line."""
-    header = "  ".join(name.ljust(width) for name, width in _COLUMNS).rstrip()
-    rule = "  ".join("-" * width for _, width in _COLUMNS)
+def format_table(results: Sequence[ClaimResult], width: int | None = None) -> str:
+    """Fixed-width table (cells wrapped), one block per claim, then the summary line.
+
+    ``width``: the most characters a line may take (a terminal's width; :func:`column_widths` says how
+    the columns give way, and the summary is wrapped to it too); None: the full widths, the summary on
+    one line (for a file or a pipe).
+    """
+    columns = column_widths(width)
+    header = "  ".join(name.ljust(w) for name, w in columns).rstrip()
+    rule = "  ".join("-" * w for _, w in columns)
     lines = [header, rule]
     for result in results:
-        cells = _cells(result)
+        cells = _cells(result, columns)
         for row in range(max(len(c) for c in cells)):
-            parts = [(c[row] if row < len(c) else "").ljust(w) for c, (_, w) in zip(cells, _COLUMNS)]
+            parts = [(c[row] if row < len(c) else "").ljust(w) for c, (_, w) in zip(cells, columns)]
             lines.append("  ".join(parts).rstrip())
         lines.append("")
-    lines.append(_summary(results))
+    summary = _summary(results)
+    lines += [summary] if width is None else textwrap.wrap(summary, max(width, len(rule)))
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ import sympy as sp
 
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Witness, derive, format_sizes
+from ._sym import built, indexed, is_nonzero
 
 __all__ = ["CLAIMS", "GRID", "least_squares_gap", "overdetermined_steps", "supporting_sweep"]
 
@@ -32,15 +33,16 @@ GRID = {"K": (1, 2, 3)}
 def overdetermined_steps(K: int) -> dict[str, bool]:
     """``det[A | 1]`` for ``T = K + 1`` unit-key tokens is not the zero polynomial."""
     T = K + 1
-    beta = sp.symbols(f"beta_1:{T + 1}", positive=True)
+    beta = indexed("beta", T, positive=True)
     rows = []
     for t in range(T):
         s = list(sp.symbols(f"s{t + 1}_1:{K}", nonnegative=True)) if K > 1 else []
         s.append(1 - sum(s))  # s on the simplex: Σ_i s_i = ‖k‖² = 1
-        rows.append([beta[t] * x for x in s] + [1])
-    det = sp.expand(sp.Matrix(rows).det())
+        rows.append([beta[t] * x for x in s])
+    A = built(sp.Matrix(rows))  # T × K
+    det = sp.expand(A.row_join(sp.ones(T, 1)).det())
     return {
-        f"T = K + 1 = {T} equations: det[A | 1] is a nonzero polynomial": det != 0 and det.is_polynomial(),
+        f"T = K + 1 = {T} equations: det[A | 1] is a nonzero polynomial": is_nonzero(det),
     }
 
 

@@ -13,6 +13,7 @@ from fractions import Fraction
 
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Counterexample, Derivation, Witness
+from ._sym import all_of, relation
 
 __all__ = [
     "CLAIMS",
@@ -151,10 +152,10 @@ def check_headlines() -> Outcome:
         change = _percent_change(before, after)
         numbers[what] = float(change)
         steps[f"{what} ({source}): {before} → {after} is {float(change):+.2f} %, printed {printed:+d} %"] = (
-            round_half_up(change, 0) == printed
+            relation(round_half_up(change, 0), "=", printed)
         )
     ratio_19 = _percent_change("0.432", "0.265") / _percent_change("0.537", "0.433")
-    steps["'nearly doubles the 19–21 %': 1.3B reduction / 340M OSDN reduction ≥ 1.8"] = ratio_19 >= F(18, 10)
+    steps["'nearly doubles the 19–21 %': 1.3B reduction / 340M OSDN reduction ≥ 1.8"] = relation(ratio_19, ">=", F(18, 10))
     numbers["ratio_1.3B_to_340M_OSDN"] = float(ratio_19)
     return conclude(
         "Each headline percentage is the relative change of the printed table values, rounded: +32 % "
@@ -180,12 +181,16 @@ def check_table_1() -> Outcome:
             row = _row(TABLE_16[model])
             source = (row[6], row[2], row[5])
         steps[f"{model}: all/single/repeated equal Table {'7' if model in TABLE_7 else '16'}"] = (
-            (F(overall), F(single), F(repeated)) == source
+            all_of(relation(F(x), "=", y) for x, y in zip((overall, single, repeated), source))
         )
         if delta is not None:
             base = TABLE_1[BASELINE[model]]
-            steps[f"{model}: Δrep = {delta} = repeated − baseline repeated"] = F(repeated) - F(base[2]) == F(delta)
-            steps[f"{model}: tok/s Δ {tok} % equals Table 19/20"] = F(tok) == F(TABLE_19_20[model][2])
+            steps[f"{model}: Δrep = {delta} = repeated − baseline repeated"] = relation(
+                F(repeated) - F(base[2]), "=", F(delta)
+            )
+            steps[f"{model}: tok/s Δ {tok} % equals Table 19/20"] = relation(
+                F(tok), "=", F(TABLE_19_20[model][2])
+            )
     return conclude(
         "Table 1's recall columns are Table 7's (340M) and Table 16's (1.3B) exactly; every Δrep is the "
         "repeated average minus its matched baseline's; every tok/s Δ is Table 19/20's.",
@@ -201,7 +206,7 @@ def check_throughput() -> Outcome:
     worst = F(0)
     for model, (tok, decode, printed) in TABLE_19_20.items():
         prefill = F(TOKENS_PER_RUN * 1000) / F(tok) - F(decode)
-        steps[f"{model}: implied prefill ms = 2176·1000/tok_s − decode ms = {float(prefill):.1f} > 0"] = prefill > 0
+        steps[f"{model}: implied prefill ms = 2176·1000/tok_s − decode ms = {float(prefill):.1f} > 0"] = relation(prefill, ">", 0)
         numbers[f"{model}: implied prefill ms"] = float(prefill)
         if printed is not None:
             base = TABLE_19_20[BASELINE[model]][0]
@@ -209,10 +214,10 @@ def check_throughput() -> Outcome:
             worst = max(worst, abs(change))
             numbers[f"{model}: delta percent"] = float(change)
             steps[f"{model}: Δ = {float(change):+.3f} % rounds to the printed {printed} %"] = (
-                round_half_up(change, 1) == F(printed)
+                relation(round_half_up(change, 1), "=", F(printed))
             )
-    steps["every printed 340M Δ lies within ±5.5 %"] = all(
-        abs(F(p)) <= F(55, 10) for m, (_, _, p) in TABLE_19_20.items() if p is not None and "1.3B" not in m
+    steps["every printed 340M Δ lies within ±5.5 %"] = all_of(
+        relation(abs(F(p)), "<=", F(55, 10)) for m, (_, _, p) in TABLE_19_20.items() if p is not None and "1.3B" not in m
     )
     numbers["largest exact 340M delta percent"] = float(worst)
     oskda = _percent_change("761.1", "803.0")
@@ -243,7 +248,7 @@ def check_averages() -> Outcome:
         }
         for what, gap in checks.items():
             worst = max(worst, abs(gap))
-            steps[f"Table 7, {model}: {what} (off by {float(gap):+.4f})"] = abs(gap) <= _ROUNDING
+            steps[f"Table 7, {model}: {what} (off by {float(gap):+.4f})"] = relation(abs(gap), "<=", _ROUNDING)
     for model, text in TABLE_16.items():
         x = _row(text)
         checks = {
@@ -253,7 +258,7 @@ def check_averages() -> Outcome:
         }
         for what, gap in checks.items():
             worst = max(worst, abs(gap))
-            steps[f"Table 16, {model}: {what} (off by {float(gap):+.4f})"] = abs(gap) <= _ROUNDING
+            steps[f"Table 16, {model}: {what} (off by {float(gap):+.4f})"] = relation(abs(gap), "<=", _ROUNDING)
     numbers["largest_gap"] = float(worst)
     return conclude(
         "Every average of Table 7 (nine 340M rows) and Table 16 (the 1.3B pair) equals the mean of its "

@@ -50,11 +50,11 @@ def proximal_steps(K: int) -> dict[str, bool]:
     c = eta * beta**2 / n
     sherman_morrison = (sp.eye(K) - c * s * s.T / (1 + c * dot(s, s))) * rhs
     return {
-        "Φ(D) − Φ(D̂) = ‖D − D̂‖²/(2η)": vanishes(phi(D) - phi(best) - gap),
+        "Φ(D) − Φ(D̂) = ‖D − D̂‖²/(2η)": vanishes(phi(D) - phi(best), gap),
         "‖D − D̂‖²/(2η) ≥ 0": is_nonnegative(gap.subs(dict(zip(D - best, vector("w", K, real=True))))),
-        "D̂ = Eq. (7) with n̄ = n": all_vanish(best - apf_step(d, s, n, beta, eta, r)),
-        "implicit: η∇Ψ(D) = (I + ηβ²/n ssᵀ)D − (r ⊙ d + ηβ/n s)": all_vanish(eta * psi_grad - (system * D - rhs)),
-        "implicit: Sherman–Morrison solves it": all_vanish(system * sherman_morrison - rhs),
+        "D̂ = Eq. (7) with n̄ = n": all_vanish(best, apf_step(d, s, n, beta, eta, r)),
+        "implicit: η∇Ψ(D) = (I + ηβ²/n ssᵀ)D − (r ⊙ d + ηβ/n s)": all_vanish(eta * psi_grad, system * D - rhs),
+        "implicit: Sherman–Morrison solves it": all_vanish(system * sherman_morrison, rhs),
     }
 
 

@@ -46,7 +46,7 @@ import sympy as sp
 from ._claims import Claim, Outcome, conclude
 from ._evidence import Derivation, Witness, derive, format_sizes, format_values
 from ._inequalities import am_gm_steps, power_monotone_steps
-from ._sym import all_vanish, holds_on, is_nonnegative, matrix, vanishes, vector
+from ._sym import all_of, all_vanish, built, free_of, holds_on, indexed, is_nonnegative, matrix, relation, vanishes, vector
 
 __all__ = [
     "CLAIMS",
@@ -126,7 +126,7 @@ def quadratic(S: sp.Matrix, Sigma: sp.Matrix, C: sp.Matrix, c0) -> sp.Expr:
 
 def _symmetric(name: str, K: int) -> sp.Matrix:
     """A symmetric ``K × K`` matrix of real symbols (entry ``ij`` with ``i ≤ j``)."""
-    return sp.Matrix(K, K, lambda i, j: sp.Symbol(f"{name}_{min(i, j) + 1}{max(i, j) + 1}", real=True))
+    return built(sp.Matrix(K, K, lambda i, j: sp.Symbol(f"{name}_{min(i, j) + 1}{max(i, j) + 1}", real=True)))
 
 
 def _vec(X: sp.Matrix) -> list:
@@ -146,13 +146,13 @@ def property_steps(K: int, V: int) -> dict[str, bool]:
     x = sp.Matrix(_vec(X))
     spread = sum((_sq(X * k) for k in pop.keys), sp.Integer(0)) / pop.m
     return {
-        "f(S) = ½tr(SΣSᵀ) − tr(SCᵀ) + ½E‖v‖²": vanishes(f - quadratic(S, pop.Sigma, pop.C, pop.c0)),
+        "f(S) = ½tr(SΣSᵀ) − tr(SCᵀ) + ½E‖v‖²": vanishes(f, quadratic(S, pop.Sigma, pop.C, pop.c0)),
         "∇f(S) = SΣ − C": all_vanish(
-            sp.Matrix(V, K, lambda a, b: sp.diff(f, S[a, b])) - pop.gradient(S)
+            sp.Matrix(V, K, lambda a, b: sp.diff(f, S[a, b])), pop.gradient(S)
         ),
-        "∇²f = Σ ⊗ I_V (column-wise vec)": all_vanish(H - sp.kronecker_product(pop.Sigma, sp.eye(V))),
-        "∇²f free of S (third derivatives vanish)": not (H.free_symbols & set(S)),
-        "vec(X)ᵀ(Σ ⊗ I_V)vec(X) = E‖Xk‖²": vanishes((x.T * H * x)[0] - spread),
+        "∇²f = Σ ⊗ I_V (column-wise vec)": all_vanish(H, sp.kronecker_product(pop.Sigma, sp.eye(V))),
+        "∇²f free of S (third derivatives vanish)": free_of(H, S),
+        "vec(X)ᵀ(Σ ⊗ I_V)vec(X) = E‖Xk‖²": vanishes((x.T * H * x)[0], spread),
         "E‖Xk‖² ≥ 0": is_nonnegative(spread),
     }
 
@@ -160,10 +160,10 @@ def property_steps(K: int, V: int) -> dict[str, bool]:
 def spectrum_steps(K: int, V: int) -> dict[str, bool]:
     """``det(λI − Σ ⊗ I_V) = det(λI − Σ)^V`` for a symmetric symbolic Σ: same eigenvalues, so L = λ_max(Σ)."""
     Sigma, lam = _symmetric("sigma", K), sp.Symbol("lambda")
-    H = sp.kronecker_product(Sigma, sp.eye(V))
+    H = built(sp.kronecker_product(Sigma, built(sp.eye(V))))
     return {
         "charpoly(Σ ⊗ I_V) = charpoly(Σ)^V": vanishes(
-            H.charpoly(lam).as_expr() - Sigma.charpoly(lam).as_expr() ** V
+            H.charpoly(lam).as_expr(), Sigma.charpoly(lam).as_expr() ** V
         )
     }
 
@@ -188,13 +188,14 @@ def eigenbasis_steps(K: int, V: int) -> dict[str, bool]:
     mu, delta = sp.Symbol("mu", nonnegative=True), sp.Symbol("delta", nonnegative=True)  # λ = μ, L = μ + δ
     L = mu + delta
     return {
-        "QᵀQ = I": all_vanish(Q.T * Q - sp.eye(2)),
-        "‖W‖² = Σ‖Wq_i‖²": vanishes(_sq(W) - sum(cols)),
-        "tr(WΣWᵀ) = Σ λ_i‖Wq_i‖²": vanishes(_tr(W * Sigma * W.T) - lam1 * cols[0] - lam2 * cols[1]),
-        "‖WΣ‖² = tr(WΣ²Wᵀ) = Σ λ_i²‖Wq_i‖²": vanishes(_sq(W * Sigma) - lam1**2 * cols[0] - lam2**2 * cols[1]),
-        "0 ≤ λ ≤ L: L² − λ² = δ(δ + 2μ) ≥ 0": vanishes(L**2 - mu**2 - delta * (delta + 2 * mu))
-        and is_nonnegative(delta * (delta + 2 * mu)),
-        "0 ≤ λ ≤ L: λ(L − λ) = μδ ≥ 0": vanishes(mu * (L - mu) - mu * delta) and is_nonnegative(mu * delta),
+        "QᵀQ = I": all_vanish(Q.T * Q, sp.eye(2)),
+        "‖W‖² = Σ‖Wq_i‖²": vanishes(_sq(W), sum(cols)),
+        "tr(WΣWᵀ) = Σ λ_i‖Wq_i‖²": vanishes(_tr(W * Sigma * W.T) - lam1 * cols[0], lam2 * cols[1]),
+        "‖WΣ‖² = tr(WΣ²Wᵀ) = Σ λ_i²‖Wq_i‖²": vanishes(_sq(W * Sigma) - lam1**2 * cols[0], lam2**2 * cols[1]),
+        "0 ≤ λ ≤ L: L² − λ² = δ(δ + 2μ) ≥ 0": all_of([
+            vanishes(L**2 - mu**2, delta * (delta + 2 * mu)), is_nonnegative(delta * (delta + 2 * mu))
+        ]),
+        "0 ≤ λ ≤ L: λ(L − λ) = μδ ≥ 0": all_of([vanishes(mu * (L - mu), mu * delta), is_nonnegative(mu * delta)]),
     }
 
 
@@ -218,12 +219,13 @@ def convexity_steps(K: int, V: int) -> dict[str, bool]:
     spread = sum((_sq(Z * k) for k in pop.keys), sp.Integer(0)) / pop.m
     return {
         "f(S + Δ) = f(S) + tr(∇f(S)ᵀΔ) + ½tr(ΔΣΔᵀ)": vanishes(
-            f(S + Delta) - f(S) - _tr(grad.T * Delta) - _tr(Delta * Sigma * Delta.T) / 2
+            f(S + Delta) - f(S) - _tr(grad.T * Delta), _tr(Delta * Sigma * Delta.T) / 2
         ),
-        "numerator along D + τE has degree ≤ 2 in τ": line.degree() <= 2,
-        "its curvature is tr(GEΣEᵀGᵀ), free of D": vanishes(curvature - _tr(G * E * Sigma * E.T * G.T))
-        and not (curvature.free_symbols & set(D)),
-        "tr(ZΣZᵀ) = E‖Zk‖² ≥ 0": vanishes(_tr(Z * pop.Sigma * Z.T) - spread) and is_nonnegative(spread),
+        "numerator along D + τE has degree ≤ 2 in τ": relation(line.degree(), "<=", 2),
+        "its curvature is tr(GEΣEᵀGᵀ), free of D": all_of([
+            vanishes(curvature, _tr(G * E * Sigma * E.T * G.T)), free_of(curvature, D)
+        ]),
+        "tr(ZΣZᵀ) = E‖Zk‖² ≥ 0": all_of([vanishes(_tr(Z * pop.Sigma * Z.T), spread), is_nonnegative(spread)]),
     }
 
 
@@ -238,13 +240,11 @@ def noncommutative_steps() -> dict[str, bool]:
     grad = S * Sig - A * Sig  # ∇f(S) = SΣ − C with C = AΣ
     s_plus = S - grad * P
     return {
-        "∇f(S) = (S − A)Σ": vanishes(sp.expand(grad - (S - A) * Sig)),
-        "(S − ∇f(S)Σ† − A)Σ = 0": sp.expand(sp.expand((s_plus - A) * Sig).subs(penrose)) == 0,
-        "∇f(S − ∇f(S)Σ†) = 0": sp.expand(sp.expand(s_plus * Sig - A * Sig).subs(penrose)) == 0,
-        "gᵀH†g = tr(WΣΣ†ΣWᵀ) = tr(WΣWᵀ)": sp.expand(
-            sp.expand((S - A) * Sig * P * Sig * Wt).subs(penrose) - (S - A) * Sig * Wt
-        )
-        == 0,
+        "∇f(S) = (S − A)Σ": vanishes(grad, (S - A) * Sig),
+        "(S − ∇f(S)Σ† − A)Σ = 0": vanishes((s_plus - A) * Sig, after=penrose),
+        "∇f(S − ∇f(S)Σ†) = 0": vanishes(s_plus * Sig, A * Sig, after=penrose),
+        "gᵀH†g = tr(WΣΣ†ΣWᵀ) = tr(WΣWᵀ)": vanishes((S - A) * Sig * P * Sig * Wt, (S - A) * Sig * Wt,
+                                                   after=penrose),
     }
 
 
@@ -258,17 +258,16 @@ def minimiser_steps(K: int, V: int) -> dict[str, bool]:
     along = [(k.T * n)[0] for k in pop.keys]
     return {
         "f(X) − f(A) = ½tr((X − A)Σ(X − A)ᵀ) when C = AΣ": vanishes(
-            f(X) - f(A) - _tr((X - A) * Sigma * (X - A).T) / 2
+            f(X) - f(A), _tr((X - A) * Sigma * (X - A).T) / 2
         ),
         "(Σ ⊗ I_V)(P ⊗ I_V)(Σ ⊗ I_V) = (ΣPΣ) ⊗ I_V": all_vanish(
-            sp.kronecker_product(Sigma * P * Sigma, sp.eye(V))
-            - sp.kronecker_product(Sigma, sp.eye(V))
+            sp.kronecker_product(Sigma * P * Sigma, sp.eye(V)), sp.kronecker_product(Sigma, sp.eye(V))
             * sp.kronecker_product(P, sp.eye(V))
             * sp.kronecker_product(Sigma, sp.eye(V))
         ),
-        "range: nᵀΣn = E(kᵀn)²": vanishes((n.T * pop.Sigma * n)[0] - sum(x**2 for x in along) / pop.m),
+        "range: nᵀΣn = E(kᵀn)²": vanishes((n.T * pop.Sigma * n)[0], sum(x**2 for x in along) / pop.m),
         "range: C n = E[v (kᵀn)]": all_vanish(
-            pop.C * n - sum((v * x for v, x in zip(pop.values, along)), sp.zeros(V, 1)) / pop.m
+            pop.C * n, sum((v * x for v, x in zip(pop.values, along)), sp.zeros(V, 1)) / pop.m
         ),
     }
 
@@ -342,8 +341,8 @@ def global_minimiser_steps(K: int, V: int) -> dict[str, bool]:
     f_S = sp.Symbol("f_S", real=True)
     h = lambda value: (value - f_S) / g2  # noqa: E731
     return {
-        "h(D) − h(D⋆) = (f(S − gD) − f(A))/‖g‖²": vanishes(h(f(X)) - h(f(A)) - (f(X) - f(A)) / g2),
-        "f(X) − f(A) = (1/2m)Σ_i‖(X − A)k_i‖² when C = AΣ": vanishes(f(X) - f(A) - squares),
+        "h(D) − h(D⋆) = (f(S − gD) − f(A))/‖g‖²": vanishes(h(f(X)) - h(f(A)), (f(X) - f(A)) / g2),
+        "f(X) − f(A) = (1/2m)Σ_i‖(X − A)k_i‖² when C = AΣ": vanishes(f(X) - f(A), squares),
         "(1/2m)Σ_i‖(X − A)k_i‖²/‖g‖² ≥ 0": is_nonnegative(squares / g2),
     }
 
@@ -359,7 +358,7 @@ def rayleigh_steps(rayleigh=2) -> dict[str, bool]:
     L = mu + delta
     excess, g2 = (L * a + mu * b) / 2, L**2 * a + mu**2 * b
     return {
-        f"{rayleigh}L(f(S) − f*) − ‖g‖² = μδ‖Wq_2‖²": vanishes(rayleigh * L * excess - g2 - mu * delta * b),
+        f"{rayleigh}L(f(S) − f*) − ‖g‖² = μδ‖Wq_2‖²": vanishes(rayleigh * L * excess - g2, mu * delta * b),
         "μδ‖Wq_2‖² ≥ 0": is_nonnegative(mu * delta * b),
     }
 
@@ -378,10 +377,10 @@ def chain_steps(T: int, rayleigh=2) -> dict[str, bool]:
     ``c = rayleigh`` is rewritten, by an identity in those coordinates, as ``e_{t+1}·μδb_t/(G_t e_t) ≥ 0``;
     for ``c ≠ 2`` the identity is false (the negative control).
     """
-    e = sp.symbols(f"e_1:{T + 1}", positive=True) + (sp.Symbol(f"e_{T + 1}", nonnegative=True),)
-    G = sp.symbols(f"G_1:{T + 1}", positive=True)
-    a = sp.symbols(f"a_1:{T + 1}", nonnegative=True)
-    b = sp.symbols(f"b_1:{T + 1}", nonnegative=True)
+    e = indexed("e", T, positive=True) + (sp.Symbol(f"e_{T + 1}", nonnegative=True),)
+    G = indexed("G", T, positive=True)
+    a = indexed("a", T, nonnegative=True)
+    b = indexed("b", T, nonnegative=True)
     mu, delta = sp.Symbol("mu", nonnegative=True), sp.Symbol("delta", nonnegative=True)
     L = mu + delta
     steps: dict[str, bool] = {}
@@ -390,8 +389,8 @@ def chain_steps(T: int, rayleigh=2) -> dict[str, bool]:
         h_t, h_star = (e[t + 1] - e[t]) / G[t], -e[t] / G[t]  # h_t(D_t), h_t(D⋆)
         gap, r = h_t - h_star, e[t + 1] / e[t]
         ratios.append(r)
-        steps[f"t={t + 1}: r_t = 1 − h_t(D_t)/h_t(D⋆)"] = vanishes(r - (1 - h_t / h_star))
-        steps[f"t={t + 1}: r_t = (h_t(D_t) − h_t(D⋆))/|h_t(D⋆)|"] = vanishes(r - gap / (-h_star))
+        steps[f"t={t + 1}: r_t = 1 − h_t(D_t)/h_t(D⋆)"] = vanishes(r, 1 - h_t / h_star)
+        steps[f"t={t + 1}: r_t = (h_t(D_t) − h_t(D⋆))/|h_t(D⋆)|"] = vanishes(r, gap / (-h_star))
         sign_form = e[t + 1] * mu * delta * b[t] / (G[t] * e[t])
         # e_t and G_t written through the eigenbasis coordinates of step t (L = μ + δ)
         coords = {e[t]: (L * a[t] + mu * b[t]) / 2, G[t]: L**2 * a[t] + mu**2 * b[t]}
@@ -400,7 +399,7 @@ def chain_steps(T: int, rayleigh=2) -> dict[str, bool]:
         )
         steps[f"t={t + 1}: e_{{t+1}}·μδ‖W_tq_2‖²/(‖g_t‖²(f(S_t) − f*)) ≥ 0"] = is_nonnegative(sign_form)
         steps[f"t={t + 1}: r_t ≥ 0 (f(S_{{t+1}}) ≥ f*)"] = is_nonnegative(r)
-    steps["Π r_t = (f(S_{T+1}) − f*)/(f(S_1) − f*)"] = vanishes(sp.Mul(*ratios) - e[T] / e[0])
+    steps["Π r_t = (f(S_{T+1}) − f*)/(f(S_1) − f*)"] = vanishes(sp.Mul(*ratios), e[T] / e[0])
     return steps
 
 

@@ -47,10 +47,10 @@ def write_steps(K: int, V: int) -> dict[str, bool]:
     preconditioned = S - beta * grad * sp.diag(*d)
     return {
         "∇f(S) = −u kᵀ": all_vanish(grad + u * k.T),
-        "kᵀ diag(d) = (d ⊙ k)ᵀ": all_vanish(k.T * sp.diag(*d) - kt.T),
-        "S − β∇f(S)D = S + β u (d ⊙ k)ᵀ": all_vanish(preconditioned - (S + beta * u * kt.T)),
+        "kᵀ diag(d) = (d ⊙ k)ᵀ": all_vanish(k.T * sp.diag(*d), kt.T),
+        "S − β∇f(S)D = S + β u (d ⊙ k)ᵀ": all_vanish(preconditioned, S + beta * u * kt.T),
         "Eq. (5): = S(I − β k k̃ᵀ) + β v k̃ᵀ": all_vanish(
-            preconditioned - (S * (sp.eye(K) - beta * k * kt.T) + beta * v * kt.T)
+            preconditioned, S * (sp.eye(K) - beta * k * kt.T) + beta * v * kt.T
         ),
     }
 
@@ -63,8 +63,8 @@ def noncommutative_steps() -> dict[str, bool]:
     kt_T = kT * D  # (d ⊙ k)ᵀ = kᵀ D for diagonal D
     step = S - beta * (-u * kT) * D
     return {
-        "S − β(−u kᵀ)D = S + β u (kᵀD)": sp.expand(step - (S + beta * u * kt_T)) == 0,
-        "= S(I − β k k̃ᵀ) + β v k̃ᵀ": sp.expand(step - (S * (1 - beta * k * kt_T) + beta * v * kt_T)) == 0,
+        "S − β(−u kᵀ)D = S + β u (kᵀD)": vanishes(step, S + beta * u * kt_T),
+        "= S(I − β k k̃ᵀ) + β v k̃ᵀ": vanishes(step, S * (1 - beta * k * kt_T) + beta * v * kt_T),
     }
 
 
@@ -83,22 +83,20 @@ def backward_steps(K: int) -> dict[str, bool]:
     L = sp.Function("L")
     generic = L(*kt, *k)
     steps = {
-        "∂k̃/∂d = diag(k)": all_vanish(kt.jacobian(d) - sp.diag(*k)),
-        "∂k̃/∂k = diag(d)": all_vanish(kt.jacobian(k) - sp.diag(*d)),
+        "∂k̃/∂d = diag(k)": all_vanish(kt.jacobian(d), sp.diag(*k)),
+        "∂k̃/∂k = diag(d)": all_vanish(kt.jacobian(k), sp.diag(*d)),
     }
     for i in range(K):
         dL_dkt = sp.diff(loss, x[i]).subs(at, simultaneous=True)
         direct = sp.diff(loss, k[i]).subs(at, simultaneous=True)
         steps[f"polynomial ℒ: ∂ℒ/∂d_{i + 1} = k_{i + 1} ∂ℒ/∂k̃_{i + 1}"] = vanishes(
-            sp.diff(total, d[i]) - k[i] * dL_dkt
+            sp.diff(total, d[i]), k[i] * dL_dkt
         )
         steps[f"polynomial ℒ: ∂ℒ/∂k_{i + 1} = direct + d_{i + 1} ∂ℒ/∂k̃_{i + 1}"] = vanishes(
-            sp.diff(total, k[i]) - direct - d[i] * dL_dkt
+            sp.diff(total, k[i]) - direct, d[i] * dL_dkt
         )
         partial = sp.diff(L(*x, *k), x[i]).subs(at, simultaneous=True)
-        steps[f"any ℒ: ∂ℒ/∂d_{i + 1} = k_{i + 1} ∂ℒ/∂k̃_{i + 1}"] = sp.simplify(
-            sp.diff(generic, d[i]) - k[i] * partial
-        ) == 0
+        steps[f"any ℒ: ∂ℒ/∂d_{i + 1} = k_{i + 1} ∂ℒ/∂k̃_{i + 1}"] = vanishes(sp.diff(generic, d[i]), k[i] * partial)
     return steps
 
 

@@ -32,7 +32,7 @@ import sympy as sp
 from ._claims import Claim, Outcome, conclude
 from ._evidence import derive, format_sizes, format_values
 from ._sweep import supporting
-from ._sym import all_vanish, matrix
+from ._sym import all_vanish, indexed, matrix
 
 __all__ = [
     "CLAIMS",
@@ -122,7 +122,7 @@ def kda_chunk_state(S, K, Kt, V, beta, A) -> sp.Matrix:
 
 def _chunk_symbols(C: int, dk: int, dv: int, kda: bool = False):
     S = matrix("S", dk, dv) if kda else matrix("S", dv, dk)
-    return S, matrix("k", C, dk), matrix("kt", C, dk), matrix("v", C, dv), sp.symbols(f"beta_1:{C + 1}")
+    return S, matrix("k", C, dk), matrix("kt", C, dk), matrix("v", C, dv), indexed("beta", C)
 
 
 def plain_steps(C: int, K: int = 2, V: int = 2) -> dict[str, bool]:
@@ -137,9 +137,9 @@ def plain_steps(C: int, K: int = 2, V: int = 2) -> dict[str, bool]:
         P = P * (sp.eye(dk) - beta[i] * _row(K, i) * _row(Kt, i).T)
     chunk_minus_tokens = chunk_state(S, K, Kt, V, beta) - token_state(S, K, Kt, V, beta)
     return {
-        "T(I + A) = I": all_vanish(T * L - sp.eye(C)),
+        "T(I + A) = I": all_vanish(T * L, sp.eye(C)),
         "Eq. 11 state = token recurrence": all_vanish(chunk_minus_tokens),
-        "Eq. 10 Π(I − β k k̃ᵀ) = I − WᵀK̃": all_vanish(P - (sp.eye(dk) - (T * B * K).T * Kt)),
+        "Eq. 10 Π(I − β k k̃ᵀ) = I − WᵀK̃": all_vanish(P, sp.eye(dk) - (T * B * K).T * Kt),
     }
 
 
@@ -147,7 +147,7 @@ def gated_steps(C: int, K: int = 2, V: int = 1) -> dict[str, bool]:
     """Eq. 15 for one chunk of C tokens; ``K``, ``V``: the key and value sizes."""
     dk, dv = K, V
     S, K, Kt, V, beta = _chunk_symbols(C, dk, dv)  # from here on K, V are the stacked C×· matrices
-    alpha = sp.symbols(f"alpha_1:{C + 1}", positive=True)
+    alpha = indexed("alpha", C, positive=True)
     diff = gated_chunk_state(S, K, Kt, V, beta, alpha) - token_state(S, K, Kt, V, beta, alpha)
     return {"Eq. 15 state = gated token recurrence": all_vanish(diff)}
 

@@ -51,11 +51,11 @@ def limit_steps() -> dict[str, bool]:
     h = (f(S_new) - f(S)) / (eps**2 * k**2)
     eq18 = surrogate_closed_form(a, k**2)
     return {
-        "ratio = (1 − a)² for every u ≠ 0": vanishes(ratio - (1 - a) ** 2),
-        "lim_{u→0} ratio = (1 − a)²": vanishes(sp.limit(ratio, eps, 0) - (1 - a) ** 2),
-        "h = Eq. (18) for every u ≠ 0": vanishes(h - eq18),
-        "lim_{u→0} h = Eq. (18)": vanishes(sp.limit(h, eps, 0) - eq18),
-        "Eq. (18) = a(a − 2)/(2n): zero only at a ∈ {0, 2}": vanishes(eq18 - a * (a - 2) / (2 * k**2)),
+        "ratio = (1 − a)² for every u ≠ 0": vanishes(ratio, (1 - a) ** 2),
+        "lim_{u→0} ratio = (1 − a)²": vanishes(sp.limit(ratio, eps, 0), (1 - a) ** 2),
+        "h = Eq. (18) for every u ≠ 0": vanishes(h, eq18),
+        "lim_{u→0} h = Eq. (18)": vanishes(sp.limit(h, eps, 0), eq18),
+        "Eq. (18) = a(a − 2)/(2n): zero only at a ∈ {0, 2}": vanishes(eq18, a * (a - 2) / (2 * k**2)),
     }
 
 
@@ -86,7 +86,7 @@ def subset_steps(T: int, K: int = _K) -> dict[str, bool]:
             eps = sum((1 - z.gain(t, z.d)) ** 2 for t in kept) / (2 * size)
             regret = sum(z.h(t, z.traj[t]) - z.h(t, z.d) for t in kept)
             name = "{" + ", ".join(str(t + 1) for t in kept) + "}"
-            steps[f"kept {name}: mean q = 2ε + 2R/T'"] = vanishes(2 * eps + 2 * regret / size - mean_q)
+            steps[f"kept {name}: mean q = 2ε + 2R/T'"] = vanishes(2 * eps + 2 * regret / size, mean_q)
     return steps
 
 

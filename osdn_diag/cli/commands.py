@@ -4,6 +4,7 @@ binds each to its subcommand): the heavy imports happen here, inside the command
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 
 
@@ -11,7 +12,9 @@ def _cmd_prove(args: argparse.Namespace) -> int:
     from ..proofs import ledger
 
     results = ledger.run_ledger(progress=not args.quiet)
-    print(ledger.format_table(results))
+    # a terminal gets a table that fits it; a file or a pipe the full widths (one line per cell row)
+    width = None if args.wide or not sys.stdout.isatty() else shutil.get_terminal_size().columns
+    print(ledger.format_table(results, width=width))
     if args.json:
         ledger.write_json(results, args.json)
         print(f"\nledger written to {args.json}")

@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prove.add_argument("--json", metavar="FILE", help="also write the ledger as JSON to FILE")
     prove.add_argument("-q", "--quiet", action="store_true", help="no per-claim progress lines")
+    prove.add_argument("--wide", action="store_true",
+                       help="the table at its full width (148 columns) even on a narrower terminal")
     prove.set_defaults(func=commands._cmd_prove)
 
     run = sub.add_parser("run", help="capture, replay and report, in one go",

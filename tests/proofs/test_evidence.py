@@ -19,21 +19,24 @@ from osdn_diag.proofs._evidence import (
     exact_truth,
     format_sizes,
 )
+from osdn_diag.proofs._sym import Check, all_vanish, built, is_positive, relation, vanishes, vector
 
 X = sp.Symbol("x", real=True)  # no sign assumption: ``x > 0`` is undecided
+#: a step that holds, as the proofs' helpers make it (a bare True is not a checked step)
+OK = vanishes((X + 1) ** 2, X**2 + 2 * X + 1)
 
 
 def _piece(kind: str, ok: bool):
     """One piece of evidence of ``kind``, established or not."""
     if kind == "derivation":
-        return Derivation("d", {"step": True if ok else None})
+        return Derivation("d", {"step": OK if ok else None})
     if kind == "witness":
         return Witness("w", 2, ">", 1 if ok else 3)
     if kind == "counterexample":
         return Counterexample("c", 2, "<=", 1 if ok else 3)
     return Conditional(
         "h",
-        [Derivation("under", {"step": True})],
+        [Derivation("under", {"step": OK})],
         [Counterexample("without", 2, "<=", 1 if ok else 3)],
     )
 
@@ -73,7 +76,7 @@ def test_status_follows_the_evidence(pieces):
 def test_a_counterexample_is_never_verified():
     counter = Counterexample("claimed ratio ≤ 1/2000", sp.Rational(1, 128), "<=", sp.Rational(1, 2000))
     assert counter.established
-    support = [Derivation("d", {"s": True}), Witness("w", 1, "=", 1)]
+    support = [Derivation("d", {"s": OK}), Witness("w", 1, "=", 1)]
     for extra in itertools.chain.from_iterable(itertools.combinations(support, n) for n in range(3)):
         assert Outcome("d", [*extra, counter]).status == "refuted"
         assert Outcome("d", [counter, *extra]).status == "refuted"
@@ -84,11 +87,11 @@ def test_a_counterexample_is_never_verified():
 
 
 def test_a_status_cannot_be_typed_in():
-    outcome = Outcome("d", [Derivation("p", {"s": True})])
+    outcome = Outcome("d", [Derivation("p", {"s": OK})])
     with pytest.raises(dataclasses.FrozenInstanceError):
         outcome.status = "refuted"  # type: ignore[misc]
     with pytest.raises(TypeError):
-        Outcome("d", [Derivation("p", {"s": True})], status="refuted")  # type: ignore[call-arg]
+        Outcome("d", [Derivation("p", {"s": OK})], status="refuted")  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="cannot be given"):
         Outcome("verified", "because")
 
@@ -97,21 +100,30 @@ def test_a_status_cannot_be_typed_in():
     "unknown", [None, X > 0, 1, "yes", sp.Symbol("b")], ids=["None", "relation", "one", "str", "symbol"]
 )
 def test_only_a_definite_truth_establishes_a_step(unknown):
-    proof = Derivation("p", {"known": True, "unknown": unknown})
+    proof = Derivation("p", {"known": OK, "unknown": unknown})
     assert not proof.established and proof.unproved == ["unknown"]
     outcome = conclude("claimed", [proof])
     assert outcome.status == "failed" and "p: unknown" in outcome.detail
 
 
-def test_sympy_true_and_python_true_count():
-    assert Derivation("p", {"a": True, "b": sp.true, "c": sp.Rational(1, 3) < 1}).established
+def test_only_a_check_that_holds_establishes_a_derivation_step():
+    """A derivation step is a Check made by the sympy helpers: True, sympy's true or a comparison typed in
+    as the step's value is not a checked step (it could not fail), and a Check that does not hold is not
+    established either."""
+    assert Derivation("p", {"a": OK, "b": is_positive(X**2 + 1)}).established
+    for constant in (True, sp.true, sp.Rational(1, 3) < 1, 1):
+        proof = Derivation("p", {"a": OK, "constant": constant})
+        assert not proof.established and proof.unproved == ["constant"]
+        assert "(not a checked step)" in conclude("d", [proof]).detail
+    assert not Derivation("p", {"a": is_positive(X)}).established  # x > 0 undecided: ok is False
+    assert isinstance(OK, Check) and OK.ok
 
 
 def test_a_derivation_with_no_steps_establishes_nothing():
     assert not Derivation("p", {}).established
     assert conclude("d", []).status == "failed"
     with pytest.raises(ValueError, match="positive ints"):  # an empty grid covers nothing
-        derive("p", lambda K: {"s": True}, K=())
+        derive("p", lambda K: {"s": OK}, K=())
 
 
 @pytest.mark.parametrize(
@@ -155,19 +167,40 @@ def test_derive_records_the_grid_it_ran():
 
     def steps(K, V):
         calls.append((K, V))
-        return {"s": True}
+        k, v = vector("k", K), vector("v", V)
+        return {"s": all_vanish((v * k.T) * k, v * (k.T * k)[0])}
 
     proof = derive("p", steps, K=range(1, 4), V=(2,))
     assert calls == [(1, 2), (2, 2), (3, 2)]
     assert proof.sizes == {"K": (1, 2, 3), "V": (2,)}
     assert list(proof.steps) == ["K=1, V=2: s", "K=2, V=2: s", "K=3, V=2: s"]
-    assert derive("q", lambda: {"s": True}).sizes == {}
+    assert derive("q", lambda: {"s": OK}).sizes == {}
     with pytest.raises(ValueError, match="positive ints"):
         derive("p", steps, K=(0, 1), V=(1,))
 
 
+def test_derive_records_the_sizes_the_steps_built():
+    """A proof asked for K = 1..4 that builds its vectors at K = 1 whatever it is given records K = 1 only:
+    the sizes come from what the vectors, matrices and indexed families were built with."""
+
+    def weakened(K, V):
+        k, v = vector("k", 1), vector("v", V)  # ignores K
+        return {"s": all_vanish((v * k.T) * k, v * (k.T * k)[0])}
+
+    proof = derive("p", weakened, K=range(1, 5), V=(1, 2))
+    # K = 2 is built at (K, V) = (2, 2) only through V, not at (2, 1): not recorded
+    assert proof.established and proof.sizes == {"K": (1,), "V": (1, 2)}
+    proof = derive("p", weakened, K=range(1, 5), V=(1,))
+    assert proof.sizes == {"K": (1,), "V": (1,)}
+    # a size no object is built with is not recorded at all; built() records a matrix assembled by hand
+    assert derive("p", lambda K: {"s": OK}, K=(2, 3)).sizes == {}
+    assert derive("p", lambda K: {"s": OK, "m": relation(built(sp.ones(K, 1)).rows, "=", K)}, K=(2, 3)).sizes == {
+        "K": (2, 3)
+    }
+
+
 def test_a_conditional_needs_both_sides():
-    under, without = Derivation("u", {"s": True}), Counterexample("w", 1, "<=", 0)
+    under, without = Derivation("u", {"s": OK}), Counterexample("w", 1, "<=", 0)
     assert Conditional("h", [under], [without]).established
     assert not Conditional("h", [under], []).established
     assert not Conditional("h", [], [without]).established

@@ -9,7 +9,10 @@ import pytest
 
 from osdn_diag.cli import main
 from osdn_diag.proofs import ledger
+import sympy as sp
+
 from osdn_diag.proofs._evidence import Conditional, Counterexample, Derivation
+from osdn_diag.proofs._sym import vanishes
 from osdn_diag.proofs.ledger import Claim, Outcome
 
 FIELDS = {
@@ -27,7 +30,7 @@ def _claim(claim_id: str, check, expected: str = "verified") -> Claim:
 
 
 def _verified(detail: str = "fine") -> Outcome:
-    return Outcome(detail, [Derivation("trivial", {"1 = 1": True})])
+    return Outcome(detail, [Derivation("trivial", {"1 = 1": vanishes(sp.Integer(1), 1)})])
 
 
 def _refuted(detail: str = "wrong status") -> Outcome:
@@ -134,6 +137,47 @@ def test_claim_and_outcome_validate_status():
     with pytest.raises(TypeError):
         Outcome("x", ["verified"])
     with pytest.raises(ValueError):
-        Conditional("", [Derivation("d", {"s": True})], [Counterexample("c", 1, "<=", 0)])  # states no condition
+        Conditional("", [Derivation("d", {"s": vanishes(sp.Integer(1), 1)})], [Counterexample("c", 1, "<=", 0)])  # states no condition
     with pytest.raises(ValueError):
         _claim("x", lambda: None, expected="failed")
+
+
+# --- the table fits the terminal ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", [57, 80, 100, 147])
+def test_table_fits_the_width_it_is_given(results, width):
+    text = ledger.format_table(results, width=width)
+    assert max(len(line) for line in text.splitlines()) <= width
+    # nothing is lost: each claim's cells, wrapped to their columns, hold its id and detail whole, and the
+    # summary's words are all there
+    columns = ledger.column_widths(width)
+    for r in results:
+        id_cell, _, status_cell, detail_cell = ledger._cells(r, columns)
+        assert "".join(id_cell) == r.claim.id and " ".join(status_cell).startswith(r.outcome.status)
+        detail = r.outcome.detail + (f" CONDITION: {r.outcome.condition}" if r.outcome.condition else "")
+        assert "".join("".join(detail_cell).split()) == "".join(detail.split())
+    assert " ".join(text.split()).endswith(" ".join(ledger._summary(results).split()))
+
+
+def test_table_full_width_without_a_width(results):
+    lines = ledger.format_table(results).splitlines()
+    assert len(lines[1]) == sum(w for _, w in ledger._COLUMNS) + 2 * (len(ledger._COLUMNS) - 1) == 148
+    assert lines[-1].startswith(f"{sum(r.outcome.status == 'verified' for r in results)} verified")
+    assert ledger.column_widths(None) == ledger._COLUMNS
+    assert ledger.column_widths(200) == ledger._COLUMNS  # a wide terminal changes nothing
+    assert sum(w for _, w in ledger.column_widths(10)) + 6 == 57  # the narrowest it gets
+
+
+@pytest.mark.parametrize("tty, wide, expected", [(True, False, 80), (True, True, None), (False, False, None)])
+def test_cli_prove_fits_a_terminal_unless_wide_or_piped(monkeypatch, capsys, tty, wide, expected):
+    seen = []
+    monkeypatch.setattr(ledger, "run_ledger", lambda progress=True: [ledger.evaluate(_claim("ok", _verified))])
+    real = ledger.format_table
+    monkeypatch.setattr(ledger, "format_table", lambda results, width=None: seen.append(width) or real(results, width))
+    monkeypatch.setattr("sys.stdout.isatty", lambda: tty)
+    monkeypatch.setattr("shutil.get_terminal_size", lambda fallback=(80, 24): os.terminal_size((80, 24)))
+    assert main(["prove", "-q"] + (["--wide"] if wide else [])) == 0
+    assert seen == [expected]
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= (80 if expected else 148)

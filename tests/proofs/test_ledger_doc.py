@@ -7,10 +7,12 @@ import unicodedata
 from pathlib import Path
 
 import pytest
+import sympy as sp
 
 from osdn_diag.proofs import inconsistencies, ledger, ledger_doc
 from osdn_diag.proofs._claims import Claim, Outcome
 from osdn_diag.proofs._evidence import Derivation
+from osdn_diag.proofs._sym import vanishes
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "ledger.md"
 
@@ -54,14 +56,14 @@ def test_quotes_are_verbatim_from_the_paper():
 
 def test_main_writes_the_document(monkeypatch, tmp_path, capsys):
     claim = Claim(id="only", location="Sec. 0", statement="s", method="m", expected="verified",
-                  check=lambda: Outcome("d", [Derivation("p", {"1 = 1": True}, sizes={"K": (1, 2)})]), quote="q")
+                  check=lambda: Outcome("d", [Derivation("p", {"1 = 1": vanishes(sp.Integer(1), 1)}, sizes={"K": (1, 2)})]), quote="q")
     monkeypatch.setattr(ledger, "CLAIMS", [claim])
     path = tmp_path / "ledger.md"
     assert ledger_doc.main([str(path)]) == 0
     text = path.read_text(encoding="utf-8")
     assert "**1 claims: 1 verified, 0 refuted, 0 conditional.**" in text and "K ∈ {1, 2}, 1 steps" in text
     bad = Claim(id="bad", location="l", statement="s", method="m", expected="refuted",
-                check=lambda: Outcome("d", [Derivation("p", {"1 = 1": True})]))
+                check=lambda: Outcome("d", [Derivation("p", {"1 = 1": vanishes(sp.Integer(1), 1)})]))
     monkeypatch.setattr(ledger, "CLAIMS", [bad])
     assert ledger_doc.main([str(tmp_path / "other.md")]) == 1
     assert not (tmp_path / "other.md").exists()

@@ -370,3 +370,53 @@ def test_text_names_the_recorded_sizes(claims, claim):
         if kind.endswith("derivation"):
             missing = set(piece["sizes"]) - mentioned
             assert not missing, f"{piece['label']}: the text never names {sorted(missing)}"
+
+
+# --- the verdicts that are not "verified", with their reasons ------------------------------------------
+
+#: per claim that is not verified: (status, condition, the relations its counterexamples evaluate false,
+#: those nested in a conditional's "without" included). Written from the ledger as reviewed: a refuted
+#: claim turned into a verified one — its counterexamples recast, its expected status changed with them —
+#: or a conditional whose hypothesis is dropped fails here. Every other claim must be verified.
+VERDICTS = {
+    "app-a5-apf-proximal-form": ("conditional", "‖k_t‖² ≥ ε, so that max(‖k_t‖², ε) = ‖k_t‖²",
+                                 ["64023999997/64000000000 = 16023999997/16000000000"]),
+    "thm-d7-zero-residual-convention": ("refuted", None, ["1 <= 0"] * 8),
+    "thm-5.2-super-geometric": ("conditional", "u_t ≠ 0 at every token", ["oo <= 0"]),
+    "d4-h-zero-extension-continuous": ("refuted", None, ["-3/8 = 0"]),
+    "chunk-output-listing-2": ("conditional", "every cumulative decay of the chunk ≥ 10⁻⁶ (the listing's "
+                               "clamp_min(1e-6) inactive)", ["20000019/400000000 = 20000001/40000000"]),
+    "chunk-output-app-b2": ("conditional", "every cumulative decay of the chunk ≥ 10⁻⁶ (the listing's "
+                            "clamp_min(1e-6) inactive)", ["20000019/400000000 = 20000001/40000000"]),
+    "app-c-osgdn-fixed-point": ("conditional", "no preconditioner retention (ρ_t^d = 1) and a gated Newton point "
+                                "inside the box [d_min, d_max]^K", ["3/7 = 1", "1/2 = 1"]),
+    "app-b-vs-listing-1-normaliser": ("conditional", "unit keys (‖k_t‖² = 1, so max(‖k_t‖², ε) = 1)",
+                                      ["501/2000 = 201/800"]),
+    "app-l-vs-eq-12-normaliser": ("conditional", "unit keys (‖k_t‖² = 1, so max(‖k_t‖², ε) = 1)",
+                                  ["4009/16000 = 2009/8000"]),
+    "app-l-state-overhead": ("refuted", None, [
+        "1/128 <= 1/2000", "1/128 <= 1/2000", "1/256 <= 1/2000", "1/128 <= 1/2000",
+        "47/6000 <= 1/2000", "31/7875 <= 1/2000", "9/1150 <= 1/2000", "47/6000 <= 1/2000",
+    ]),
+    "app-l-diagonal-mib-text": ("refuted", None, ["9/200 = 47/1000"]),
+    "momentum-writes-contract": ("refuted", None, ["9/4 < 1"]),
+    "rwkv7-writes-contract": ("refuted", None, ["4 < 1"]),
+}
+
+
+def _counter_relations(evidence: list[dict]) -> list[str]:
+    out = []
+    for piece in evidence:
+        if piece["kind"] == "counterexample":
+            out.append(piece["relation"])
+        elif piece["kind"] == "conditional":
+            out += [w["relation"] for w in piece["without"]]
+    return out
+
+
+def test_verdicts_and_their_reasons(claims):
+    for claim_id, record in claims.items():
+        expected = VERDICTS.get(claim_id, ("verified", None, []))
+        got = (record["status"], record["condition"], _counter_relations(record["evidence"]))
+        assert got == expected, claim_id
+        assert record["expected"] == expected[0], claim_id

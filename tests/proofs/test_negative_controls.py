@@ -1,18 +1,23 @@
-"""Every proof step must be able to fail: a perturbed constant, passed through the proof's own parameter,
-turns its verdict to ``failed``; and the proofs that run are those of the tree whose ``osdn_diag`` is
-imported.
+"""Every proof step must be able to fail: each step of every claim is a :class:`Check` whose own
+perturbation (:meth:`Check.can_fail`) makes it fail; a perturbed constant, passed through the proof's own
+parameter, turns its verdict to ``failed``; and the proofs that run are those of the tree whose
+``osdn_diag`` is imported.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import sympy as sp
 
 import osdn_diag
-from osdn_diag.proofs import comparator_gap, theorem_d5
+from osdn_diag.proofs import comparator_gap, ledger, theorem_d5
+from osdn_diag.proofs._evidence import Conditional, Derivation
+from osdn_diag.proofs._sym import Check, all_vanish, holds_on, is_nonnegative, is_nonzero, relation, vanishes
 
 PROOFS = Path(__file__).resolve().parents[2] / "proofs"
 
@@ -35,8 +40,8 @@ def test_proofs_come_from_the_imported_tree():
 @pytest.mark.parametrize("T", [1, 2])
 def test_chain_steps_fail_with_constant_L(T):
     good, bad = theorem_d5.chain_steps(T), theorem_d5.chain_steps(T, rayleigh=1)
-    assert all(v is True for v in good.values()), good
-    failed = [name for name, v in bad.items() if v is not True]
+    assert all(v.ok for v in good.values()), good
+    failed = [name for name, v in bad.items() if not v.ok]
     assert len(failed) == T and all("1L·gap − r_t" in name for name in failed), failed
 
 
@@ -65,9 +70,9 @@ def test_rayleigh_step_by_hand():
 
 @pytest.mark.parametrize("T,K", [(1, 1), (2, 2)])
 def test_box_gap_steps_fail_with_the_wrong_sign(T, K):
-    assert all(v is True for v in comparator_gap.box_gap_steps(T, K).values())
+    assert all(v.ok for v in comparator_gap.box_gap_steps(T, K).values())
     bad = comparator_gap.box_gap_steps(T, K, box_sign=-1)
-    assert [v is True for v in bad.values()] == [False, True]  # the identity fails, the square sum stays
+    assert [v.ok for v in bad.values()] == [False, True]  # the identity fails, the square sum stays
 
 
 def test_decomposition_verdict_flips_with_the_box_gap_sign():
@@ -138,3 +143,55 @@ def test_no_step_is_a_constant(tmp_path):
     assert len(_constant_steps(planted)) == 3
     found = [hit for path in sorted(PROOFS.glob("*.py")) for hit in _constant_steps(path)]
     assert not found, found
+
+
+# --- every step of every claim: a Check, and its negative control fails ----------------------------
+
+
+def _derivations(evidence):
+    for piece in evidence:
+        if isinstance(piece, Derivation):
+            yield piece
+        elif isinstance(piece, Conditional):
+            yield from _derivations(piece.under)
+
+
+def _family(name: str) -> str:
+    """A step's name without its grid point (``"K=2, V=1: H s = λ s"`` → ``"H s = λ s"``)."""
+    return re.sub(r"^(\w+=\d+, )*\w+=\d+: ", "", name)
+
+
+@pytest.mark.parametrize("index", range(len(ledger.CLAIMS)), ids=[c.id for c in ledger.CLAIMS])
+def test_every_step_is_a_check_whose_perturbation_fails(ledger_results, index):
+    """Each step of the claim is a Check that holds, and for every step (over its grid: a K = 1 instance
+    may be 0 = 0 where K = 2 is not) the step's own perturbation is not established."""
+    result = ledger_results[index]
+    families: dict[tuple[str, str], list[Check]] = {}
+    for proof in _derivations(result.outcome.evidence):
+        for name, step in proof.steps.items():
+            assert isinstance(step, Check) and step.ok, f"{proof.label}: {name}"
+            families.setdefault((proof.label, _family(name)), []).append(step)
+    cannot_fail = [key for key, steps in families.items() if not any(s.can_fail() for s in steps)]
+    assert not cannot_fail, cannot_fail
+
+
+def test_a_check_that_cannot_fail_is_recognised():
+    x, y = sp.symbols("x y", real=True)
+    zero = sp.Symbol("z", nonnegative=True, nonpositive=True)  # a zero in disguise
+    assert vanishes((x + y) ** 2, x**2 + 2 * x * y + y**2).can_fail()
+    assert not vanishes(x - x).can_fail()  # 0 = 0: nothing to perturb
+    assert vanishes(x, x).can_fail()  # x = x has sides: x = 2x fails
+    assert is_nonnegative(x**2).can_fail() and not is_nonnegative(zero).can_fail()
+    assert is_nonnegative(zero).ok  # the disguise passes the step itself, not its control
+    assert holds_on(x**2 - 1, 0, {x: 1}).can_fail()  # (x² − 2 at x = 1 is not 0)
+    assert is_nonzero(sp.Matrix([[x, 1], [1, x]]).det()).can_fail()
+    assert relation(sp.Rational(1, 3), "<", 1).can_fail() and relation(-sp.oo, "=", -sp.oo).can_fail()
+    assert all_vanish(sp.Matrix([x * y]), sp.Matrix([y * x])).can_fail()
+
+
+def test_a_step_replaced_by_a_constant_fails_its_claim(monkeypatch):
+    steps = theorem_d5.rayleigh_steps()
+    name = next(iter(steps))
+    monkeypatch.setattr(theorem_d5, "rayleigh_steps", lambda rayleigh=2: {**steps, name: True})
+    outcome = theorem_d5.check_lemma_d3()
+    assert outcome.status == "failed" and "(not a checked step)" in outcome.detail

@@ -46,7 +46,9 @@ def _tiny(seed: int = 0):
 
     torch.manual_seed(seed)
     cfg = OSDNConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, vocab_size=VOCAB, intermediate_size=64,
-                     fuse_cross_entropy=False, eta=0.03, tie_word_embeddings=True)
+                     fuse_cross_entropy=False, eta=0.03, tie_word_embeddings=True,
+                     # torch norms and no convolution: fewer interpreted Triton kernels, a faster test
+                     use_short_conv=False, fuse_norm=False, fuse_swiglu=False)
     return AutoModelForCausalLM.from_config(cfg)
 
 
@@ -62,7 +64,7 @@ def _kernels(model):
     return osdn_diag.capture(model, kernels="reference", sink=lambda call: None)
 
 
-def _train(tmp: Path | None, *, monitor: bool, steps: int = STEPS, save: Path | None = None, plant=None):
+def _train(tmp: Path | None, *, monitor: bool, steps: int = STEPS, every: int = EVERY, save: Path | None = None):
     """Train the tiny model; returns (model, optimizer, monitor or None, per-step checks)."""
     from osdn_diag.monitor import Monitor
 
@@ -73,12 +75,11 @@ def _train(tmp: Path | None, *, monitor: bool, steps: int = STEPS, save: Path | 
     model.get_input_embeddings().register_forward_hook(_dropout)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mon = Monitor(model, PROBE, every=EVERY, out=tmp, name="tiny-osdn") if monitor else None
-    if plant is not None:
-        plant(mon)
+    mon = Monitor(model, PROBE, every=every, out=tmp, name="tiny-osdn") if monitor else None
     modes = []
     for step in range(1, steps + 1):
-        ids = (torch.randint(0, VOCAB, (2, 16)) + random.randrange(VOCAB) + int(np.random.randint(VOCAB))) % VOCAB
+        shift = torch.tensor([random.randrange(VOCAB) for _ in range(16)]) + torch.from_numpy(np.random.randint(VOCAB, size=16))
+        ids = (torch.randint(0, VOCAB, (2, 16)) + shift) % VOCAB
         with _kernels(model):
             loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
@@ -184,48 +185,58 @@ def _weights(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+@pytest.fixture(scope="module")
+def two_steps():
+    """The weights after two steps without a monitor (the planted variants probe after each)."""
+    return _weights(_train(None, monitor=False, steps=2)[0])
+
+
+DRAW = {"torch": lambda: torch.rand(1), "python": random.random, "numpy": np.random.rand}
+
+
+def _drawing_replay(monkeypatch, draws):
+    """Make the probe's replay draw from the global generators (inside the monitor's save/restore)."""
+    import osdn_diag
+
+    real = osdn_diag.replay
+
+    def replay(*args, **kwargs):
+        for name in draws:
+            DRAW[name]()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(osdn_diag, "replay", replay)
+
+
 @pytest.mark.parametrize("bug", ["torch", "python", "numpy", "eval-mode"])
-def test_the_comparison_sees_a_monitor_that_disturbs_training(trained, bug, monkeypatch):
+def test_the_comparison_sees_a_monitor_that_disturbs_training(two_steps, bug, monkeypatch):
     """A planted bug — a probe that draws from a generator and does not restore it, or leaves the model
     in eval mode — changes the weights: the bitwise comparison above would fail."""
     import osdn_diag.monitor as monitor
 
-    _, _, _, _, _, bare, _ = trained
-    draw = {"torch": lambda: torch.rand(1), "python": random.random, "numpy": np.random.rand}
-    original = monitor.Monitor._capture_replay
+    if bug == "eval-mode":
+        original = monitor.Monitor._capture_replay
 
-    def planted(self, model, device):
-        out = original(self, model, device)
-        if bug == "eval-mode":
+        def planted(self, model, device):
+            out = original(self, model, device)
             model.eval()
-        else:
-            draw[bug]()
-        return out
+            return out
 
-    monkeypatch.setattr(monitor.Monitor, "_capture_replay", planted)
-    if bug != "eval-mode":
+        monkeypatch.setattr(monitor.Monitor, "_capture_replay", planted)
+    else:
+        _drawing_replay(monkeypatch, [bug])
         monkeypatch.setattr(monitor, "_restore_rng", lambda states: None)
-    model, _, mon, _ = _train(None, monitor=True, steps=EVERY + 1)
-    short, _, _, _ = _train(None, monitor=False, steps=EVERY + 1)
-    assert mon.probes == 1
-    assert not torch.equal(_weights(model), _weights(short))
+    model, _, mon, _ = _train(None, monitor=True, steps=2, every=1)
+    assert mon.probes == 2
+    assert not torch.equal(_weights(model), two_steps)
 
 
-def test_the_restored_generators_make_a_probe_that_draws_harmless(monkeypatch):
+def test_the_restored_generators_make_a_probe_that_draws_harmless(two_steps, monkeypatch):
     """The same draws with the monitor's own restore in place leave training bitwise unchanged."""
-    import osdn_diag.monitor as monitor
-
-    original = monitor.Monitor._capture_replay
-
-    def drawing(self, model, device):
-        torch.rand(1), random.random(), np.random.rand()
-        return original(self, model, device)
-
-    monkeypatch.setattr(monitor.Monitor, "_capture_replay", drawing)
-    model, _, mon, _ = _train(None, monitor=True, steps=EVERY + 1)
-    short, _, _, _ = _train(None, monitor=False, steps=EVERY + 1)
-    assert mon.probes == 1
-    assert torch.equal(_weights(model), _weights(short))
+    _drawing_replay(monkeypatch, list(DRAW))
+    model, _, mon, _ = _train(None, monitor=True, steps=2, every=1)
+    assert mon.probes == 2
+    assert torch.equal(_weights(model), two_steps)
 
 
 def test_monitor_parquet_holds_the_rows_and_a_resumed_step_replaces_its_rows(trained):

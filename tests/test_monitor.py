@@ -374,7 +374,7 @@ def main(rank):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     mon = Monitor(ddp, t.PROBE, every=2, out={out!r})
     got = []
-    for step in range(1, 5):
+    for step in range(1, 3):
         ids = torch.arange(32).reshape(2, 16) * (step + rank) % t.VOCAB
         with t._kernels(ddp):
             loss = ddp(input_ids=ids, labels=ids).loss
@@ -403,9 +403,9 @@ def test_under_ddp_rank_0_probes_and_writes_and_rank_1_skips(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     res = {r["rank"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
-    assert res[0]["probed"] == [False, True, False, True]
-    assert res[1]["probed"] == [False] * 4
+    assert res[0]["probed"] == [False, True]
+    assert res[1]["probed"] == [False, False]
     assert res[0]["same"] and res[1]["same"]  # the replicas stayed in step
     import osdn_diag.monitor as monitor
 
-    assert sorted(set(monitor.read(tmp_path / "out").column("step").to_pylist())) == [2, 4]
+    assert sorted(set(monitor.read(tmp_path / "out").column("step").to_pylist())) == [2]

@@ -66,26 +66,47 @@ BASE_ARCHS = ("deltanet", "osdn", "osdn-apf", "gated-deltanet", "osgdn")
 
 # ----------------------------------------------------------------------------------------------- prepare
 def prepare(a: argparse.Namespace) -> dict:
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if a.vocab > 32768:  # heldout.safetensors holds the ids as int16
         raise SystemExit(f"argument --vocab: the held-out tokens are stored as int16; expected --vocab <= 32768, "
                          f"got {a.vocab}")
     root = corpus.stdlib_root() if a.stdlib is None else Path(a.stdlib)
     docs = corpus.stdlib_documents(root)
+    data = Path(a.data)
+    info = {
+        "source": "the Python standard library's .py files (site-packages excluded)",
+        "license": "PSF License Version 2 (the Python Software Foundation License)",
+        "python": sys.version.split()[0],
+        "stdlib": str(root),
+        **write_corpus(docs, data, a.vocab),
+    }
+    atomic_write_text(data / "corpus.json", json.dumps(info, indent=2) + "\n")
+    if a.ship:
+        dest = corpus.CORPUS_DIR
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "heldout.safetensors", "corpus.json"):
+            shutil.copy2(data / name, dest / name)
+    print(json.dumps(info, indent=2))
+    return info
+
+
+def write_corpus(docs: dict[str, list[tuple[str, str]]], data: Path, vocab: int) -> dict:
+    """Train the tokenizer on ``docs["train"]`` (``(path, text)`` pairs) and write ``data/``'s tokenizer,
+    ``train.bin`` and ``heldout.safetensors``; returns corpus.json's fields that describe them."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=a.vocab, special_tokens=[corpus.END_OF_TEXT], show_progress=False,
+        vocab_size=vocab, special_tokens=[corpus.END_OF_TEXT], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator((text for _, text in docs["train"]), trainer)
     eot = tok.token_to_id(corpus.END_OF_TEXT)
     assert eot == 0, eot
 
-    data = Path(a.data)
+    data = Path(data)
     data.mkdir(parents=True, exist_ok=True)
     tok.save(str(data / "tokenizer.json"))
     # The class name every transformers release resolves (4.x and 5.x alike), no code of ours.
@@ -111,11 +132,7 @@ def prepare(a: argparse.Namespace) -> dict:
     for split in ("train", "heldout"):
         for rel, text in docs[split]:
             digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
-    info = {
-        "source": "the Python standard library's .py files (site-packages excluded)",
-        "license": "PSF License Version 2 (the Python Software Foundation License)",
-        "python": sys.version.split()[0],
-        "stdlib": str(root),
+    return {
         "sha256": digest.hexdigest(),
         "split": f"held out: files whose path's sha256 starts with a byte < {corpus.HELDOUT_BYTE}",
         "files": {split: len(docs[split]) for split in docs},
@@ -127,14 +144,6 @@ def prepare(a: argparse.Namespace) -> dict:
         "heldout_tokens": int(offsets[-1]),
         "heldout_documents": len(held),
     }
-    atomic_write_text(data / "corpus.json", json.dumps(info, indent=2) + "\n")
-    if a.ship:
-        dest = corpus.CORPUS_DIR
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "heldout.safetensors", "corpus.json"):
-            shutil.copy2(data / name, dest / name)
-    print(json.dumps(info, indent=2))
-    return info
 
 
 # ------------------------------------------------------------------------------------------------- train

@@ -220,7 +220,7 @@ def test_train_writes_bf16_checkpoints_that_load_with_their_tokenizer(trained, p
     out, results, _ = trained
     _, _, data, info = prepared
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [*(f"lm-{name}" for name, _, _ in ARCHS.values()), "train_summary.json"])  # nothing half-written
+        [*(f"lm-{name}" for name, _, _ in ARCHS.values()), "monitor.parquet", "train_summary.json"])  # nothing half-written
     for name, cls, eta in ARCHS.values():
         d = out / f"lm-{name}"
         loaded = load_model(str(d))

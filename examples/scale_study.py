@@ -13,7 +13,10 @@ as the built-in corpus is (:func:`osdn_diag.prompts.corpus.split_of`), files who
 earlier one dropped. ``corpus.json`` records each source's directory, version, licence as its metadata
 states it, file and character counts; a package that is not installed is left out and listed as such.
 The tokenizer and files are those of ``examples/train_lm.py prepare`` (byte-level BPE, ``--vocab``
-4096).
+4096). With Python 3.11.7, transformers 5.25.0, sympy 1.14.0, numpy 2.4.6, scipy 1.17.1, networkx 3.6.1
+and fla 0.6.0 it read 8,232 train and 439 held-out files (145 M and 8.4 M characters): 45.8 M train
+tokens (train.bin 92 MB) and 2.69 M held-out, in about 20 minutes on two busy CPU cores (most of it
+the tokenizer's training).
 
 ``train`` trains ``deltanet`` and ``osdn`` at ``--eta`` (the paper's 0.003), plus one OSDN model per
 ``--sweep`` step size, on the same batches in the same order with the same optimiser and schedule

@@ -19,8 +19,12 @@ optimiser, schedule and seed, all stopping at the same step. An OSDN architectur
 size, ``osdn:ETA``; ``osdn`` alone takes ``--eta``. Every ``--eval-every`` steps each model's
 held-out loss is measured on fixed windows of the held-out split, once as written (*single*) and once
 with the window repeated before it (*twice*: the loss on the second copy, the same target tokens after
-the context was seen once). ``OUT/lm-<arch>/`` receives a bf16 Hugging Face checkpoint with the
-tokenizer, ``train_log.jsonl`` and a model card; ``OUT/train_summary.json`` the final numbers.
+the context was seen once). Every ``--monitor-every`` steps (and at the last step) :mod:`osdn_diag.monitor`
+probes each model on the first ``--monitor-windows`` of those windows: q_geo and q_arith by layer and the
+preconditioner's d, in fp32, appended to ``OUT/monitor.parquet``; its share of the training time is
+printed. ``OUT/lm-<arch>/`` receives a bf16 Hugging Face checkpoint with the tokenizer,
+``train_log.jsonl``, its own ``monitor.parquet`` and a model card (with q_geo by step);
+``OUT/train_summary.json`` the final numbers.
 
 ``ship`` copies the checkpoints into ``osdn_diag/builtin/`` as the package's built-in language
 models: ``lm-deltanet``, ``lm-osdn`` (``--paper-eta``), ``lm-osdn-tuned`` (the OSDN step size of
@@ -48,6 +52,7 @@ import torch
 from tqdm import tqdm
 
 from osdn_diag.capture.store import atomic_write_text
+from osdn_diag.monitor import Monitor
 from osdn_diag.prompts import corpus
 
 # The MQAR script beside this one: its CPU stand-in for the kernels and its d statistics serve here too.
@@ -61,26 +66,47 @@ BASE_ARCHS = ("deltanet", "osdn", "osdn-apf", "gated-deltanet", "osgdn")
 
 # ----------------------------------------------------------------------------------------------- prepare
 def prepare(a: argparse.Namespace) -> dict:
-    from safetensors.numpy import save_file
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if a.vocab > 32768:  # heldout.safetensors holds the ids as int16
         raise SystemExit(f"argument --vocab: the held-out tokens are stored as int16; expected --vocab <= 32768, "
                          f"got {a.vocab}")
     root = corpus.stdlib_root() if a.stdlib is None else Path(a.stdlib)
     docs = corpus.stdlib_documents(root)
+    data = Path(a.data)
+    info = {
+        "source": "the Python standard library's .py files (site-packages excluded)",
+        "license": "PSF License Version 2 (the Python Software Foundation License)",
+        "python": sys.version.split()[0],
+        "stdlib": str(root),
+        **write_corpus(docs, data, a.vocab),
+    }
+    atomic_write_text(data / "corpus.json", json.dumps(info, indent=2) + "\n")
+    if a.ship:
+        dest = corpus.CORPUS_DIR
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "heldout.safetensors", "corpus.json"):
+            shutil.copy2(data / name, dest / name)
+    print(json.dumps(info, indent=2))
+    return info
+
+
+def write_corpus(docs: dict[str, list[tuple[str, str]]], data: Path, vocab: int) -> dict:
+    """Train the tokenizer on ``docs["train"]`` (``(path, text)`` pairs) and write ``data/``'s tokenizer,
+    ``train.bin`` and ``heldout.safetensors``; returns corpus.json's fields that describe them."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=a.vocab, special_tokens=[corpus.END_OF_TEXT], show_progress=False,
+        vocab_size=vocab, special_tokens=[corpus.END_OF_TEXT], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator((text for _, text in docs["train"]), trainer)
     eot = tok.token_to_id(corpus.END_OF_TEXT)
     assert eot == 0, eot
 
-    data = Path(a.data)
+    data = Path(data)
     data.mkdir(parents=True, exist_ok=True)
     tok.save(str(data / "tokenizer.json"))
     # The class name every transformers release resolves (4.x and 5.x alike), no code of ours.
@@ -106,11 +132,7 @@ def prepare(a: argparse.Namespace) -> dict:
     for split in ("train", "heldout"):
         for rel, text in docs[split]:
             digest.update(rel.encode() + b"\0" + text.encode() + b"\0")
-    info = {
-        "source": "the Python standard library's .py files (site-packages excluded)",
-        "license": "PSF License Version 2 (the Python Software Foundation License)",
-        "python": sys.version.split()[0],
-        "stdlib": str(root),
+    return {
         "sha256": digest.hexdigest(),
         "split": f"held out: files whose path's sha256 starts with a byte < {corpus.HELDOUT_BYTE}",
         "files": {split: len(docs[split]) for split in docs},
@@ -122,14 +144,6 @@ def prepare(a: argparse.Namespace) -> dict:
         "heldout_tokens": int(offsets[-1]),
         "heldout_documents": len(held),
     }
-    atomic_write_text(data / "corpus.json", json.dumps(info, indent=2) + "\n")
-    if a.ship:
-        dest = corpus.CORPUS_DIR
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "heldout.safetensors", "corpus.json"):
-            shutil.copy2(data / name, dest / name)
-    print(json.dumps(info, indent=2))
-    return info
 
 
 # ------------------------------------------------------------------------------------------------- train
@@ -205,7 +219,8 @@ def heldout_nll(model, windows: torch.Tensor, amp, batch: int = 16) -> tuple[flo
     return sums[0] / count, sums[1] / count
 
 
-def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str, seq: int) -> None:
+def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str, seq: int,
+                    monitor: Monitor | None = None) -> None:
     """Write one checkpoint directory whole or not at all (a hidden sibling renamed at the end)."""
     partial = target.with_name(f".{target.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -216,6 +231,10 @@ def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str,
     (partial / "train_log.jsonl").write_text("".join(json.dumps(row) + "\n" for row in log))
     (partial / "README.md").write_text(card)
     (partial / "task.json").write_text(json.dumps({"suite": "lm-heldout", "length": seq}, indent=2) + "\n")
+    if monitor is not None and monitor.rows:
+        import pyarrow.parquet as pq
+
+        pq.write_table(monitor.table(), partial / "monitor.parquet")
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
 
@@ -233,6 +252,18 @@ def model_card(name: str, config, a, res: dict, info: dict, command: str, lockst
     )
     curve = "\n".join(f"| {r['step']} | {r['heldout_nll']:.4f} | {math.exp(r['heldout_nll']):.2f} | "
                       f"{r['heldout_nll_twice']:.4f} |" for r in res["evals"])
+    mon = res.get("monitor")
+    contraction = "" if not mon or not mon["q_by_step"] else (
+        f"\n## Contraction during training\n\n"
+        f"q_geo and q_arith of every write (all layers and heads) on {a.monitor_windows} held-out windows of "
+        f"{a.seq} tokens, measured every {a.monitor_every} steps by `osdn_diag.monitor` on the training "
+        f"weights (fp32 replay; the checkpoint here holds them rounded to bf16). Per layer, and the "
+        f"preconditioner's d, in `monitor.parquet` beside the weights; "
+        f"`osdn_diag.plot.training(\"monitor.parquet\")` draws q_geo against step. The probes took "
+        f"{100 * mon['fraction']:.2f} % of the training time.\n\n"
+        f"| step | q_geo | q_arith |\n|---|---|---|\n"
+        + "\n".join(f"| {r['step']} | {r['q_geo']:.4f} | {r['q_arith']:.4f} |" for r in mon["q_by_step"]) + "\n"
+    )
     return (
         f"# {name}\n\n"
         f"A {a.layers}-layer, hidden-{a.hidden}, {a.heads}-head `{fields['model_type']}` language model trained from "
@@ -260,6 +291,7 @@ def model_card(name: str, config, a, res: dict, info: dict, command: str, lockst
         f"Final: perplexity {math.exp(res['heldout_nll']):.2f} single, {math.exp(res['heldout_nll_twice']):.2f} "
         f"twice.\n\n"
         f"{d_line}"
+        f"{contraction}"
         f"\n## Made by\n\n```\npython examples/train_lm.py prepare --data {a.data}\n{command}\n```\n"
     )
 
@@ -280,6 +312,9 @@ def train(a: argparse.Namespace) -> dict:
     names = [n for n, _, _ in specs]
     if len(set(names)) != len(names):
         raise SystemExit("argument --arch: an architecture is named twice")
+    if a.monitor_every < 0 or a.monitor_windows < 1:
+        raise SystemExit("argument --monitor-every/--monitor-windows: expected --monitor-every >= 0 (0: off) "
+                         "and --monitor-windows >= 1")
 
     from osdn_diag.runtime import prepare as prepare_device
 
@@ -310,6 +345,12 @@ def train(a: argparse.Namespace) -> dict:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    monitors = {}
+    if a.monitor_every:
+        probe = windows[:a.monitor_windows]
+        for n, model in models.items():  # one file for all models, a `model` column apart
+            monitors[n] = Monitor(model, probe, every=a.monitor_every, out=out / "monitor.parquet",
+                                  name=f"lm-{n}", autocast=torch.bfloat16 if on_gpu else None)
     logs = {n: [] for n in names}
     evals = {n: [] for n in names}
     gen = torch.Generator().manual_seed(a.seed)
@@ -356,6 +397,9 @@ def train(a: argparse.Namespace) -> dict:
                     raise FloatingPointError(f"{n}: non-finite training loss {value} at step {step}")
                 logs[n].append({"step": step, "lr": lr, "loss": value, "seconds": time.perf_counter() - start})
             bar.set_postfix({n: f"{float(v):.3f}" for n, v in loss_val.items()})
+        for mon in monitors.values():
+            if mon.step(step) is None and last:
+                mon.probe(step)
         if step % a.eval_every == 0 or last:
             evaluate()
     bar.close()
@@ -378,9 +422,16 @@ def train(a: argparse.Namespace) -> dict:
         }
         if base in ("osdn", "osdn-apf", "osgdn"):
             res["d"] = d_statistics(model, windows[:8], amp, a.d_min, a.d_max)
+        mon = monitors.get(name)
+        if mon is not None:
+            o = mon.close(seconds)  # prints the probes' share of the training time
+            res["monitor"] = {"every": a.monitor_every, "windows": a.monitor_windows, "probes": o["probes"],
+                              "probe_seconds": o["probe_seconds"], "fraction": o["fraction"],
+                              "q_by_step": [{k: r[k] for k in ("step", "q_geo", "q_arith")}
+                                            for r in mon.rows if r["layer"] == -1]}
         results[name] = res
         card = model_card(f"lm-{name}", model.config, a, res, info, command, names)
-        save_checkpoint(out / f"lm-{name}", model, data, logs[name], card, a.seq)
+        save_checkpoint(out / f"lm-{name}", model, data, logs[name], card, a.seq, mon)
         print(json.dumps({k: v for k, v in res.items() if k != "evals"}))
     summary = {"command": command, "corpus": info, "results": results}
     atomic_write_text(out / "train_summary.json", json.dumps(summary, indent=2) + "\n")
@@ -467,6 +518,9 @@ def main(argv=None):
     pt.add_argument("--eval-every", type=int, default=250)
     pt.add_argument("--log-every", type=int, default=25)
     pt.add_argument("--time-each", action="store_true", help="time each model's steps apart (synchronises the GPU)")
+    pt.add_argument("--monitor-every", type=int, default=100,
+                    help="probe q_geo every N steps with osdn_diag.monitor (100; 0: off)")
+    pt.add_argument("--monitor-windows", type=int, default=4, help="held-out windows the monitor probes (4)")
     ps = sub.add_parser("ship", help="copy trained checkpoints into the package as builtin:lm-*")
     ps.add_argument("--runs", required=True)
     ps.add_argument("--to", default=str(corpus.CORPUS_DIR.parent))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .report import plots as _plots
 
-__all__ = ["by_layer", "contraction", "d_trajectory", "eps_vs_q", "layer_head", "q_bars", "retained"]
+__all__ = ["by_layer", "contraction", "d_trajectory", "eps_vs_q", "layer_head", "q_bars", "retained", "training"]
 
 
 def _is_summary(x) -> bool:
@@ -126,3 +126,52 @@ def d_trajectory(runs, head: tuple[int, int] | None = None, ax=None, channels: i
     if ax is not None:
         raise ValueError(f"argument 'ax': {len(series)} runs have a d, a panel each; leave ax out")
     return _plots.plot_d_trajectories(series, channels=channels)
+
+
+def _monitor_table(source):
+    """A monitor's rows as a pyarrow table: from a ``monitor.parquet`` (or its directory), a
+    :class:`~osdn_diag.monitor.Monitor` (its ``table()``) or a table already read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if isinstance(source, pa.Table):
+        return source
+    if hasattr(source, "table") and callable(source.table):
+        return source.table()
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        return pq.read_table(path / "monitor.parquet" if path.is_dir() else path)
+    raise TypeError(f"argument 'source': expected a monitor.parquet, its directory, a Monitor or a pyarrow table, "
+                    f"got {type(source).__name__}")
+
+
+def training(source, ax=None, layers: bool = True, metric: str = "q_geo"):
+    """q_geo against training step from :mod:`osdn_diag.monitor`'s rows: a thick line per model (all
+    layers), and with ``layers`` a thin one per layer in the same colour. ``source``: a
+    ``monitor.parquet`` or its directory, a ``Monitor``, a pyarrow table, or a list of these (their rows
+    together, e.g. one file per model). ``metric``: ``"q_geo"``, ``"q_arith"`` or a d statistic."""
+    import pyarrow as pa
+
+    sources = list(source) if isinstance(source, (list, tuple)) else [source]
+    if not sources:
+        raise ValueError("argument 'source': nothing given")
+    table = pa.concat_tables([_monitor_table(s) for s in sources], promote_options="default")
+    if metric not in table.column_names:
+        raise ValueError(f"argument 'metric': expected one of the monitor's columns, got {metric!r}")
+    rows = table.select(["model", "step", "layer", metric]).to_pylist()
+    if not rows:
+        raise ValueError("argument 'source': the monitor recorded no probe yet")
+    fig, ax = _plots._axes(ax, (6.4, 4.0))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for i, model in enumerate(models):
+        mine = [r for r in rows if r["model"] == model and r[metric] is not None]
+        for layer in sorted({r["layer"] for r in mine}):
+            if layer >= 0 and not layers:
+                continue
+            pts = sorted((r["step"], r[metric]) for r in mine if r["layer"] == layer)
+            whole = layer < 0
+            ax.plot([s for s, _ in pts], [v for _, v in pts], color=f"C{i}", lw=2.0 if whole else 0.8,
+                    alpha=1.0 if whole else 0.5, marker="o" if whole else None, ms=3,
+                    label=f"{model}" if whole else (f"{model}, layer {layer}" if len(models) == 1 else None))
+    label = {"q_geo": r"$q_{geo}$", "q_arith": r"$q_{arith}$"}.get(metric, metric)
+    return _plots._finish(fig, ax, xlabel="training step", ylabel=label, title=f"{label} during training")

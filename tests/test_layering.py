@@ -34,7 +34,8 @@ ALLOWED = {
     "plot": {"report", "replay", "capture"},
     "merge": {"capture", "replay", "report", "rundir"},
     "demo": {"catalog", "pipeline", "replay", "report", "rundir", "view"},
-    "view": {"report", "replay", "capture"},  # reads finished runs, as plot does; nothing upstream imports it
+    "view": {"report", "replay", "capture"},
+    "monitor": {"capture", "replay", "metrics"},  # a training loop's probes: capture and replay, in memory  # reads finished runs, as plot does; nothing upstream imports it
 }
 
 #: Imports against the flow, each allowed for the reason given: ``(file, room it imports)``.

@@ -220,7 +220,7 @@ def test_train_writes_bf16_checkpoints_that_load_with_their_tokenizer(trained, p
     out, results, _ = trained
     _, _, data, info = prepared
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [*(f"lm-{name}" for name, _, _ in ARCHS.values()), "train_summary.json"])  # nothing half-written
+        [*(f"lm-{name}" for name, _, _ in ARCHS.values()), "monitor.parquet", "train_summary.json"])  # nothing half-written
     for name, cls, eta in ARCHS.values():
         d = out / f"lm-{name}"
         loaded = load_model(str(d))
@@ -281,6 +281,48 @@ def test_train_summary_log_and_card_agree(trained):
         else:
             assert "preconditioner d" not in card
     assert len(set(map(tuple, steps.values()))) == 1  # lockstep
+
+
+def test_train_monitors_each_model_and_its_card_and_files_agree(trained, prepared):
+    """At the last step (2, below --monitor-every 100) every model is probed once on the first
+    --monitor-windows held-out windows: OUT/monitor.parquet holds each model's rows, the checkpoint its
+    own, the card the whole-model q_geo and q_arith, train_summary.json the overhead."""
+    import pyarrow.parquet as pq
+
+    from osdn_diag.monitor import SCHEMA_FIELDS
+
+    out, results, _ = trained
+    table = pq.read_table(out / "monitor.parquet").to_pylist()
+    assert {r["model"] for r in table} == {f"lm-{name}" for name, _, _ in ARCHS.values()}
+    for name, _, eta in ARCHS.values():
+        mine = [r for r in table if r["model"] == f"lm-{name}"]
+        assert [(r["step"], r["layer"]) for r in mine] == [(2, 0), (2, -1)]  # one layer, and the whole model
+        assert all(math.isfinite(r["q_geo"]) and 0 < r["q_geo"] <= r["q_arith"] for r in mine)
+        assert (mine[0]["d_mean"] is not None) is (eta is not None)
+        own = pq.read_table(out / f"lm-{name}" / "monitor.parquet")
+        assert tuple(own.column_names) == SCHEMA_FIELDS and own.to_pylist() == mine
+        mon = results[name]["monitor"]
+        assert mon["probes"] == 1 and mon["every"] == 100 and 0 < mon["fraction"] < 1
+        whole = mine[-1]
+        assert mon["q_by_step"] == [{"step": 2, "q_geo": whole["q_geo"], "q_arith": whole["q_arith"]}]
+        card = (out / f"lm-{name}" / "README.md").read_text()
+        assert "## Contraction during training" in card
+        assert f"| 2 | {whole['q_geo']:.4f} | {whole['q_arith']:.4f} |" in card
+
+
+def test_train_with_the_monitor_trains_as_without_it(prepared, script, tmp_path):
+    """A probe after every step leaves the training loss and held-out NLL exactly as with none."""
+    _, _, data, _ = prepared
+    base = [*TRAIN_ARGV[:4], "osdn:0.03", *TRAIN_ARGV[7:], "--data", str(data)]
+    runs = {}
+    for every in ("1", "0"):
+        with torch.random.fork_rng():
+            runs[every] = script.main([*base, "--out", str(tmp_path / every), "--monitor-every", every])
+    on, off = runs["1"]["osdn-eta0.03"], runs["0"]["osdn-eta0.03"]
+    assert on["monitor"]["probes"] == 2 and "monitor" not in off
+    assert (on["loss"], on["heldout_nll"], on["heldout_nll_twice"]) == \
+        (off["loss"], off["heldout_nll"], off["heldout_nll_twice"])
+    assert not (tmp_path / "0" / "monitor.parquet").exists()
 
 
 def _eval_windows(data: Path, count: int) -> torch.Tensor:

@@ -1,0 +1,383 @@
+"""Residual contraction across scale: DeltaNet and OSDN trained in lockstep at a chosen size, watched
+by osdn_diag.monitor, resumable across commands.
+
+    python examples/scale_study.py prepare --data data/scale
+    python examples/scale_study.py train --data data/scale --out runs/scale-512 --preset h512 \\
+        --time-budget 540                      # repeat the same command until it prints "done"
+
+``prepare`` builds an offline corpus from Python sources already on the machine: the running
+interpreter's standard library (PSF License) and the installed packages named by ``--packages``
+(default: transformers, sympy, numpy, scipy, networkx, fla — Apache-2.0, BSD, BSD-3-Clause, BSD-3-Clause,
+BSD-3-Clause, MIT), each package's ``.py`` files split into train and held-out by the hash of their path
+as the built-in corpus is (:func:`osdn_diag.prompts.corpus.split_of`), files whose text repeats an
+earlier one dropped. ``corpus.json`` records each source's directory, version, licence as its metadata
+states it, file and character counts; a package that is not installed is left out and listed as such.
+The tokenizer and files are those of ``examples/train_lm.py prepare`` (byte-level BPE, ``--vocab``
+4096). With Python 3.11.7, transformers 5.25.0, sympy 1.14.0, numpy 2.4.6, scipy 1.17.1, networkx 3.6.1
+and fla 0.6.0 it read 8,232 train and 439 held-out files (145 M and 8.4 M characters): 45.8 M train
+tokens (train.bin 92 MB) and 2.69 M held-out, in about 20 minutes on two busy CPU cores (most of it
+the tokenizer's training).
+
+``train`` trains ``deltanet`` and ``osdn`` at ``--eta`` (the paper's 0.003), plus one OSDN model per
+``--sweep`` step size, on the same batches in the same order with the same optimiser and schedule
+(train_lm.py's: AdamW, warm-up, cosine; bf16 autocast on a GPU). A preset fixes the size:
+
+    h256   hidden 256,  4 layers,  4 heads, MLP 512   (the built-in lm-* models)
+    h512   hidden 512,  8 layers,  8 heads, MLP 1024
+    h768  hidden 768, 12 layers, 12 heads, MLP 2048
+    h1024  hidden 1024, 12 layers, 16 heads, MLP 2816
+
+(``--hidden/--layers/--heads/--intermediate`` override a preset's fields). Every ``--monitor-every``
+steps each model is probed on ``--monitor-windows`` held-out windows (``OUT/monitor.parquet``). Every
+``--save-every`` steps, when ``--time-budget`` seconds have passed, and at ``--stop-after`` steps of
+this command, the whole state — every model and optimiser, the batch generator, the logs — goes to
+``OUT/state.pt`` (written atomically); the same command run again resumes from it and continues exactly
+as an uninterrupted run would (the batches, the schedule, the probes). A killed command loses only the
+steps since the last save. At the last step it measures each model's held-out perplexity (single and
+twice, as train_lm.py), q_geo on the held-out windows as written (*single*) and on the second copy of
+each window repeated (*twice*), and writes ``OUT/results.json``:
+
+    {"preset", "config", "parameters", "tokens", "models": {name: {"heldout_ppl", "heldout_ppl_twice",
+     "q_geo_single", "q_geo_twice", "q_arith_single", "d", ...}}, "gap": {"q_geo_single", "q_geo_twice",
+     "heldout_ppl"}}      # gap: OSDN at --eta minus DeltaNet
+
+``--device cpu`` runs the loop with the reference recurrences: only for a smoke test at a tiny size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata as metadata
+import importlib.util
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from osdn_diag.runtime.atomic import atomic_path
+from osdn_diag.capture.store import atomic_write_text
+from osdn_diag.monitor import Monitor
+from osdn_diag.prompts import corpus
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_lm  # noqa: E402
+from train_mqar import d_statistics, kernels  # noqa: E402
+
+PRESETS = {
+    "h256": dict(hidden=256, layers=4, heads=4, intermediate=512),
+    "h512": dict(hidden=512, layers=8, heads=8, intermediate=1024),
+    "h768": dict(hidden=768, layers=12, heads=12, intermediate=2048),
+    "h1024": dict(hidden=1024, layers=12, heads=16, intermediate=2816),
+}
+#: import name -> distribution name (for the version and licence in corpus.json).
+PACKAGES = {"transformers": "transformers", "sympy": "sympy", "numpy": "numpy", "scipy": "scipy",
+            "networkx": "networkx", "fla": "flash-linear-attention"}
+STATE = "state.pt"
+
+
+# ----------------------------------------------------------------------------------------------- prepare
+def _licence(dist: str) -> str:
+    try:
+        meta = metadata.metadata(dist)
+    except metadata.PackageNotFoundError:
+        return "unknown (no distribution metadata)"
+    expr = meta.get("License-Expression")
+    if expr:
+        return expr
+    classifiers = [c.split(" :: ")[-1] for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
+    if classifiers:
+        return "; ".join(classifiers)
+    first = (meta.get("License") or "").strip().splitlines()
+    return first[0][:120] if first else "unknown (not stated in the metadata)"
+
+
+def prepare(a: argparse.Namespace) -> dict:
+    if a.vocab > 32768:
+        raise SystemExit(f"argument --vocab: expected at most 32768 (held-out ids are int16), got {a.vocab}")
+    docs: dict[str, list[tuple[str, str]]] = {"train": [], "heldout": []}
+    seen: set[str] = set()
+    sources = []
+
+    def add(name: str, root: Path, licence: str, version: str) -> None:
+        found = corpus.stdlib_documents(root)
+        counts = {"train": 0, "heldout": 0}
+        chars = 0
+        for split in ("train", "heldout"):
+            for rel, text in found[split]:
+                digest = hashlib.sha256(text.encode()).hexdigest()
+                if digest in seen or not text.strip():  # vendored and generated copies: once
+                    continue
+                seen.add(digest)
+                docs[split].append((f"{name}/{rel}", text))
+                counts[split] += 1
+                chars += len(text)
+        sources.append({"name": name, "directory": str(root), "version": version, "license": licence,
+                        "files": counts, "characters": chars})
+
+    add("stdlib", corpus.stdlib_root(), "PSF License Version 2", sys.version.split()[0])
+    missing = []
+    for name in a.packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            missing.append(name)
+            continue
+        dist = PACKAGES.get(name, name)
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        add(name, Path(list(spec.submodule_search_locations)[0]), _licence(dist), version)
+    data = Path(a.data)
+    info = {"source": "Python source files of the standard library and of installed packages",
+            "sources": sources, "not_installed": missing,
+            **train_lm.write_corpus(docs, data, a.vocab)}
+    atomic_write_text(data / "corpus.json", json.dumps(info, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in info.items() if k != "tokenizer"}, indent=2))
+    return info
+
+
+# ------------------------------------------------------------------------------------------------- train
+def _specs(a) -> list[tuple[str, str, float | None]]:
+    specs = [("deltanet", "deltanet", None), (f"osdn-eta{a.eta:g}", "osdn", a.eta)]
+    specs += [(f"osdn-eta{e:g}", "osdn", e) for e in a.sweep if e != a.eta]
+    return specs
+
+
+def _size(a) -> dict:
+    size = dict(PRESETS[a.preset])
+    for key in size:
+        if getattr(a, key) is not None:
+            size[key] = getattr(a, key)
+    return size
+
+
+def _twice_q(model, windows: torch.Tensor, amp) -> tuple[float, float]:
+    """q_geo and q_arith of the writes on the second copy of each window repeated (``[w, w]``), from
+    the package's capture and fp32 replay (the replay's rows at positions >= the window's length)."""
+    import pyarrow.compute as pc
+
+    import osdn_diag
+    from osdn_diag.metrics.ratios import RatioStats
+
+    seq = windows.shape[1]
+    was = model.training
+    model.eval()
+    stats = RatioStats()
+    try:
+        for chunk in windows.split(4):
+            with torch.no_grad(), amp(), osdn_diag.capture(model) as cap:
+                model(input_ids=torch.cat([chunk, chunk], dim=1))
+            table = osdn_diag.replay(cap, dtype=torch.float32, comparator=False).table
+            keep = pc.and_(pc.greater_equal(table["pos"], seq), table["finite"])
+            q = table.filter(keep)["residual_ratio"].to_numpy(zero_copy_only=False)
+            stats += RatioStats.of(torch.from_numpy(np.asarray(q, dtype=np.float64)))
+    finally:
+        model.train(was)
+    return stats.q_geo, stats.q_arith
+
+
+def _save_state(path: Path, state: dict) -> None:
+    with atomic_path(path, ".pt") as tmp:
+        torch.save(state, tmp)
+
+
+def train(a: argparse.Namespace) -> dict:
+    command = "python examples/scale_study.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    data = Path(a.data)
+    info = corpus.corpus_info(data)
+    size = _size(a)
+    ns = argparse.Namespace(**{**vars(a), **size, "vocab_size": info["vocab_size"]})
+    specs = _specs(a)
+    names = [n for n, _, _ in specs]
+
+    from osdn_diag.runtime import prepare as prepare_device
+
+    device = prepare_device(a.device)
+    import osdn_diag.models  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    on_gpu = device.type == "cuda"
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else nullcontext
+    stream = torch.from_numpy(np.fromfile(data / "train.bin", dtype="<u2").astype(np.int64))
+    windows = train_lm.eval_windows(data, a.seq, a.eval_windows).to(device)
+
+    models, opts = {}, {}
+    for name, base, eta in specs:
+        torch.manual_seed(a.seed)
+        models[name] = AutoModelForCausalLM.from_config(train_lm.build_config(base, eta, ns)).to(device).train()
+        params = dict(models[name].named_parameters())
+        decay = [p for n, p in params.items() if p.dim() >= 2 and "d0" not in n and "embed" not in n]
+        rest = [p for n, p in params.items() if not (p.dim() >= 2 and "d0" not in n and "embed" not in n)]
+        opts[name] = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
+                                        {"params": rest, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < a.warmup:
+            return a.lr * (step + 1) / a.warmup
+        t = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
+        return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(a.seed)
+    step, elapsed, logs = 0, 0.0, {n: [] for n in names}
+    state_path = out / STATE
+    if state_path.exists():
+        state = torch.load(state_path, map_location=device, weights_only=True)
+        if state["names"] != names or state["size"] != size or state["steps"] != a.steps:
+            raise SystemExit(f"{state_path}: saved by a run of other models, size or --steps "
+                             f"({state['names']}, {state['size']}, {state['steps']} steps); choose another --out")
+        for n in names:
+            models[n].load_state_dict(state["models"][n])
+            opts[n].load_state_dict(state["optimizers"][n])
+        gen.set_state(state["generator"])
+        step, elapsed, logs = state["step"], state["elapsed"], state["logs"]
+        print(f"[scale] resumed {out} at step {step} of {a.steps}", file=sys.stderr)
+    monitors = {n: Monitor(m, windows[:a.monitor_windows], every=a.monitor_every, out=out / "monitor.parquet",
+                           name=n, autocast=torch.bfloat16 if on_gpu else None)
+                for n, m in models.items()} if a.monitor_every else {}
+
+    def save() -> None:
+        _save_state(state_path, {
+            "names": names, "size": size, "steps": a.steps, "step": step,
+            "elapsed": elapsed + time.perf_counter() - start, "logs": logs, "generator": gen.get_state(),
+            "models": {n: m.state_dict() for n, m in models.items()},
+            "optimizers": {n: o.state_dict() for n, o in opts.items()},
+        })
+
+    start = time.perf_counter()
+    done_here = 0
+    loss = {}
+    while step < a.steps:
+        starts = torch.randint(0, len(stream) - a.seq - 1, (a.batch,), generator=gen)
+        batch = torch.stack([stream[s:s + a.seq] for s in starts.tolist()]).to(device)
+        lr = lr_at(step)
+        for n, model in models.items():
+            for group in opts[n].param_groups:
+                group["lr"] = lr
+            with amp(), kernels(model):
+                out_loss = model(input_ids=batch, labels=batch).loss
+            opts[n].zero_grad(set_to_none=True)
+            out_loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opts[n].step()
+            loss[n] = out_loss.detach()
+        step += 1
+        done_here += 1
+        for mon in monitors.values():
+            if mon.step(step) is None and step == a.steps:
+                mon.probe(step)
+        if step % a.log_every == 0 or step == a.steps:
+            now = elapsed + time.perf_counter() - start
+            for n in names:
+                value = float(loss[n])
+                if not math.isfinite(value):
+                    raise FloatingPointError(f"{n}: non-finite training loss {value} at step {step}")
+                logs[n].append({"step": step, "lr": lr, "loss": value, "seconds": now})
+            rate = (time.perf_counter() - start) / done_here
+            print(f"[scale] step {step}/{a.steps}: " + ", ".join(f"{n} {float(v):.3f}" for n, v in loss.items())
+                  + f"; {rate:.3f} s/step, about {rate * (a.steps - step) / 60:.1f} min to go", file=sys.stderr)
+        if step == a.steps:
+            break
+        over = a.time_budget is not None and time.perf_counter() - start > a.time_budget
+        stop = a.stop_after is not None and done_here >= a.stop_after
+        if over or stop or (a.save_every and step % a.save_every == 0):
+            save()
+        if over or stop:
+            print(f"[scale] saved at step {step} of {a.steps}; run the same command again to go on",
+                  file=sys.stderr)
+            return {"step": step, "done": False}
+    save()
+    seconds = elapsed + time.perf_counter() - start
+
+    params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
+    results = {}
+    for (name, base, eta), model in zip(specs, models.values()):
+        single, twice = train_lm.heldout_nll(model, windows, amp)
+        q_twice, qa_twice = _twice_q(model, windows[:a.monitor_windows], amp)
+        whole = [r for r in (monitors[name].rows if monitors else []) if r["layer"] == -1 and r["step"] == step]
+        if not whole:  # no monitor on this run: measure the single copy here
+            probe = Monitor(model, windows[:a.monitor_windows], name=name, autocast=torch.bfloat16 if on_gpu else None)
+            whole = [r for r in probe.probe(step) if r["layer"] == -1]
+        res = {"arch": base, "eta": eta, "parameters": params[name],
+               "loss": float(loss[name]) if loss else logs[name][-1]["loss"],
+               "heldout_nll": single, "heldout_nll_twice": twice,
+               "heldout_ppl": math.exp(single), "heldout_ppl_twice": math.exp(twice),
+               "q_geo_single": whole[0]["q_geo"], "q_arith_single": whole[0]["q_arith"],
+               "q_geo_twice": q_twice, "q_arith_twice": qa_twice}
+        if base == "osdn":
+            res["d"] = d_statistics(model, windows[:8], amp, a.d_min, a.d_max)
+        if monitors:
+            res["monitor"] = monitors[name].overhead(seconds)
+        results[name] = res
+    paper = results[f"osdn-eta{a.eta:g}"]
+    delta = results["deltanet"]
+    summary = {
+        "command": command, "preset": a.preset, "config": size, "seq": a.seq, "batch": a.batch, "steps": step,
+        "tokens": step * a.batch * a.seq, "seconds": seconds,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu", "corpus": {
+            k: info[k] for k in ("sources", "train_tokens", "heldout_tokens", "vocab_size") if k in info},
+        "models": results,
+        "gap": {"q_geo_single": paper["q_geo_single"] - delta["q_geo_single"],
+                "q_geo_twice": paper["q_geo_twice"] - delta["q_geo_twice"],
+                "heldout_ppl": paper["heldout_ppl"] - delta["heldout_ppl"]},
+    }
+    atomic_write_text(out / "results.json", json.dumps(summary, indent=2) + "\n")
+    for n, r in results.items():
+        print(f"[scale] {n}: {r['parameters'] / 1e6:.1f} M parameters, held-out perplexity {r['heldout_ppl']:.3f} "
+              f"(twice {r['heldout_ppl_twice']:.3f}), q_geo {r['q_geo_single']:.4f} (twice {r['q_geo_twice']:.4f})")
+    print(f"[scale] done: {out / 'results.json'}")
+    return {"step": step, "done": True, **summary}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pp = sub.add_parser("prepare", help="build the offline corpus, tokenizer and token files")
+    pp.add_argument("--data", required=True)
+    pp.add_argument("--vocab", type=int, default=4096)
+    pp.add_argument("--packages", nargs="*", default=list(PACKAGES),
+                    help="installed packages whose .py files join the standard library's")
+    pt = sub.add_parser("train", help="train DeltaNet and OSDN in lockstep (resumable)")
+    pt.add_argument("--data", required=True)
+    pt.add_argument("--out", required=True)
+    pt.add_argument("--preset", choices=sorted(PRESETS), default="h256")
+    for key in ("hidden", "layers", "heads", "intermediate"):
+        pt.add_argument(f"--{key}", type=int, default=None, help="overrides the preset's")
+    pt.add_argument("--eta", type=float, default=0.003, help="OSDN step size (paper: 0.003)")
+    pt.add_argument("--sweep", type=float, nargs="*", default=[], help="more OSDN step sizes, in lockstep")
+    pt.add_argument("--device", default=None)
+    pt.add_argument("--d-min", type=float, default=0.5)
+    pt.add_argument("--d-max", type=float, default=2.0)
+    pt.add_argument("--seq", type=int, default=512)
+    pt.add_argument("--batch", type=int, default=32)
+    pt.add_argument("--steps", type=int, default=3000)
+    pt.add_argument("--lr", type=float, default=3e-3)
+    pt.add_argument("--weight-decay", type=float, default=0.1)
+    pt.add_argument("--warmup", type=int, default=100)
+    pt.add_argument("--min-lr-ratio", type=float, default=0.1)
+    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--eval-windows", type=int, default=32)
+    pt.add_argument("--monitor-every", type=int, default=100, help="probe every N steps (0: off)")
+    pt.add_argument("--monitor-windows", type=int, default=4)
+    pt.add_argument("--log-every", type=int, default=50)
+    pt.add_argument("--save-every", type=int, default=500, help="save the state every N steps (0: only on stop)")
+    pt.add_argument("--time-budget", type=float, default=None,
+                    help="seconds of training in this command; then save and stop")
+    pt.add_argument("--stop-after", type=int, default=None, help="steps in this command; then save and stop")
+    a = p.parse_args(argv)
+    if a.command == "train" and (a.steps < 1 or a.monitor_every < 0 or a.monitor_windows < 1):
+        p.error("expected --steps >= 1, --monitor-every >= 0 and --monitor-windows >= 1")
+    return {"prepare": prepare, "train": train}[a.command](a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""examples/scale_study.py on the CPU at a tiny size: ``prepare`` records its sources, and a ``train``
+stopped after 2 of 4 steps and run again ends exactly where an uninterrupted run ends (weights,
+optimiser state, monitor rows, results.json)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from osdn_diag.prompts import corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+SEQ = 32
+TINY = ["train", "--device", "cpu", "--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "64",
+        "--seq", str(SEQ), "--batch", "2", "--steps", "4", "--warmup", "1", "--lr", "0.01", "--eval-windows", "2",
+        "--monitor-every", "2", "--monitor-windows", "1", "--log-every", "1", "--save-every", "0"]
+
+
+def _load(name: str):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        spec = importlib.util.spec_from_file_location(f"{name}_under_test", ROOT / "examples" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+
+@pytest.fixture(scope="module")
+def script():
+    return _load("scale_study")
+
+
+def _library(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def _source(i: int) -> str:
+    return "\n".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(40))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, script):
+    base = tmp_path_factory.mktemp("scale")
+    lib, pkgs = base / "lib", base / "pkgs"
+    names = ["mod1.py", "mod2.py", "mod3.py", "pkg/sub1.py", "mod28.py", "pkg/sub6.py"]
+    _library(lib, {rel: _source(i) for i, rel in enumerate(names)})
+    # An installed package: its files join the corpus (one is a copy of a library file: kept once).
+    _library(pkgs / "fakepkg", {"__init__.py": _source(50), "core.py": _source(51), "copy.py": _source(0)})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(corpus, "stdlib_root", lambda: lib)
+        mp.syspath_prepend(str(pkgs))
+        info = script.main(["prepare", "--data", str(base / "data"), "--vocab", "300",
+                            "--packages", "fakepkg", "no_such_package_here"])
+    return base / "data", info
+
+
+def test_prepare_records_each_source_and_what_is_missing(data):
+    path, info = data
+    assert info == json.loads((path / "corpus.json").read_text())
+    by_name = {s["name"]: s for s in info["sources"]}
+    assert set(by_name) == {"stdlib", "fakepkg"}
+    assert info["not_installed"] == ["no_such_package_here"]
+    assert sum(by_name["stdlib"]["files"].values()) == 6
+    assert sum(by_name["fakepkg"]["files"].values()) == 2  # copy.py repeats mod1.py's text: dropped
+    assert by_name["fakepkg"]["characters"] == len(_source(50)) + len(_source(51))
+    assert info["files"] == {split: sum(s["files"][split] for s in info["sources"]) for split in ("train", "heldout")}
+    assert info["heldout_documents"] >= 1 and info["train_tokens"] > 0
+
+
+def _run(script, argv):
+    with torch.random.fork_rng():
+        return script.main(argv)
+
+
+def test_a_stopped_and_resumed_run_ends_as_an_uninterrupted_one(data, script, tmp_path, fla_interpreter):
+    import pyarrow.parquet as pq
+
+    path, _ = data
+    whole = _run(script, [*TINY, "--data", str(path), "--out", str(tmp_path / "whole")])
+    first = _run(script, [*TINY, "--data", str(path), "--out", str(tmp_path / "parts"), "--stop-after", "2"])
+    assert first == {"step": 2, "done": False}
+    assert not (tmp_path / "parts" / "results.json").exists()
+    second = _run(script, [*TINY, "--data", str(path), "--out", str(tmp_path / "parts")])
+    assert whole["done"] and second["done"] and second["steps"] == whole["steps"] == 4
+
+    a = torch.load(tmp_path / "whole" / "state.pt", weights_only=True)
+    b = torch.load(tmp_path / "parts" / "state.pt", weights_only=True)
+    assert a["step"] == b["step"] == 4
+    for name in a["models"]:
+        for key, value in a["models"][name].items():
+            assert torch.equal(value, b["models"][name][key]), (name, key)
+    assert torch.equal(a["generator"], b["generator"])
+    for name, res in whole["models"].items():
+        other = second["models"][name]
+        for key in ("loss", "heldout_nll", "heldout_nll_twice", "q_geo_single", "q_geo_twice", "q_arith_twice"):
+            assert res[key] == other[key], (name, key)
+    assert set(whole["models"]) == {"deltanet", "osdn-eta0.003"}
+    assert whole["gap"]["q_geo_single"] == (whole["models"]["osdn-eta0.003"]["q_geo_single"]
+                                            - whole["models"]["deltanet"]["q_geo_single"])
+
+    def rows(run):
+        t = pq.read_table(tmp_path / run / "monitor.parquet").drop(["probe_seconds"]).to_pylist()
+        return sorted(t, key=lambda r: (r["model"], r["step"], r["layer"]))
+
+    assert rows("whole") == rows("parts")
+    assert sorted({r["step"] for r in rows("whole")}) == [2, 4]
+    saved = json.loads((tmp_path / "parts" / "results.json").read_text())
+    assert saved["models"]["deltanet"]["q_geo_twice"] == second["models"]["deltanet"]["q_geo_twice"]
+
+
+def test_resume_refuses_a_state_of_other_models(data, script, tmp_path, fla_interpreter):
+    path, _ = data
+    _run(script, [*TINY, "--data", str(path), "--out", str(tmp_path), "--stop-after", "1", "--monitor-every", "0"])
+    with pytest.raises(SystemExit, match="saved by a run of other models"):
+        _run(script, [*TINY, "--data", str(path), "--out", str(tmp_path), "--sweep", "0.03"])

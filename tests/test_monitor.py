@@ -1,0 +1,411 @@
+"""osdn_diag.monitor on the CPU: a tiny OSDN language model trained 20 steps, probed every 5.
+
+* Each probe's rows equal an independent measurement of the checkpoint saved at that step: the
+  checkpoint loaded from disk into a fresh model, captured and replayed on the same batch (per layer
+  q_geo, q_arith and n from the replay summary, d statistics recomputed here with numpy from the
+  captured d), and for one step ``osdn-diag run`` of the checkpoint itself.
+* The monitor does not disturb training: the trained weights and the optimizer state are bitwise
+  equal with and without it. The loop draws its batches from torch's, Python's and numpy's global
+  generators and the model drops out 10 % of its embeddings in train mode, so a monitor that consumed
+  a random number or left a module in eval mode would change the weights; the planted variants below
+  show that the comparison sees each.
+* ``monitor.parquet``: its schema, the atomic rewrite, the replacement of a probed step on resume.
+* The transformers ``Trainer`` callback: the scalars reach the Trainer's loggers (``on_log`` of every
+  callback and ``state.log_history``) and the file.
+* DDP (gloo, two processes on the CPU): rank 0 probes and writes, rank 1 does neither, training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 64
+STEPS, EVERY = 20, 5
+PROBE = torch.arange(2 * 24).reshape(2, 24) * 7 % VOCAB  # fixed held-out batch [2, 24]
+
+pytestmark = pytest.mark.usefixtures("fla_interpreter")
+
+
+def _tiny(seed: int = 0):
+    import osdn_diag.models  # noqa: F401  (registers OSDN with transformers)
+    from transformers import AutoModelForCausalLM
+
+    from osdn_diag.models import OSDNConfig
+
+    torch.manual_seed(seed)
+    cfg = OSDNConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, vocab_size=VOCAB, intermediate_size=64,
+                     fuse_cross_entropy=False, eta=0.03, tie_word_embeddings=True,
+                     # torch norms and no convolution: fewer interpreted Triton kernels, a faster test
+                     use_short_conv=False, fuse_norm=False, fuse_swiglu=False)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def _dropout(module, inputs, output):
+    # Train-mode-dependent and random: a monitor that leaves eval mode or moves a generator shows.
+    return torch.nn.functional.dropout(output, 0.1, module.training)
+
+
+def _kernels(model):
+    """The differentiable reference recurrence for the training forward on the CPU (records dropped)."""
+    import osdn_diag
+
+    return osdn_diag.capture(model, kernels="reference", sink=lambda call: None)
+
+
+def _train(tmp: Path | None, *, monitor: bool, steps: int = STEPS, every: int = EVERY, save: Path | None = None):
+    """Train the tiny model; returns (model, optimizer, monitor or None, per-step checks)."""
+    from osdn_diag.monitor import Monitor
+
+    torch.manual_seed(1)
+    random.seed(1)
+    np.random.seed(1)
+    model = _tiny()
+    model.get_input_embeddings().register_forward_hook(_dropout)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = Monitor(model, PROBE, every=every, out=tmp, name="tiny-osdn") if monitor else None
+    modes = []
+    for step in range(1, steps + 1):
+        shift = torch.tensor([random.randrange(VOCAB) for _ in range(16)]) + torch.from_numpy(np.random.randint(VOCAB, size=16))
+        ids = (torch.randint(0, VOCAB, (2, 16)) + shift) % VOCAB
+        with _kernels(model):
+            loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if mon is not None:
+            mon.step(step)
+            modes.append((all(m.training for m in model.modules()), torch.is_grad_enabled()))
+        if save is not None and step % EVERY == 0:
+            model.save_pretrained(save / f"step{step}")
+    return model, opt, mon, modes
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("monitor")
+    model, opt, mon, modes = _train(tmp / "run", monitor=True, save=tmp / "ckpt")
+    bare, bare_opt, _, _ = _train(None, monitor=False)
+    return tmp, model, opt, mon, modes, bare, bare_opt
+
+
+def _measure(checkpoint: Path):
+    """An independent measurement of a saved checkpoint on the probe batch: loaded from disk into a
+    fresh model, captured and replayed; d statistics computed here from the captured d."""
+    from transformers import AutoModelForCausalLM
+
+    import osdn_diag
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad(), osdn_diag.capture(model) as cap:
+        model(input_ids=PROBE)
+    res = osdn_diag.replay(cap)
+    d = {}
+    for c in cap.calls:
+        d.setdefault(c.layer, []).append(c.d.double().numpy().ravel())
+    return res.summary, {k: np.concatenate(v) for k, v in d.items()}
+
+
+def _close(a, b, rel=1e-5):
+    assert a == a and b == b, (a, b)  # NaN never passes
+    assert abs(a - b) <= rel * max(abs(a), abs(b)), (a, b)
+
+
+def test_each_probe_equals_a_separate_measurement_of_the_checkpoint_saved_at_that_step(trained):
+    tmp, _, _, mon, _, _, _ = trained
+    assert sorted({r["step"] for r in mon.rows}) == [5, 10, 15, 20]
+    for step in (5, 10, 15, 20):
+        summary, d = _measure(tmp / "ckpt" / f"step{step}")
+        rows = {r["layer"]: r for r in mon.rows if r["step"] == step}
+        assert sorted(rows) == [-1, 0, 1]
+        for layer in (0, 1):
+            want = summary["by_layer"][f"{layer:03d}"]
+            for key in ("q_geo", "q_arith"):
+                _close(rows[layer][key], want[key])
+            assert rows[layer]["n"] == want["n"] > 0
+            x = d[layer]
+            _close(rows[layer]["d_mean"], float(x.mean()))
+            _close(rows[layer]["d_std"], float(x.std(ddof=1)))
+            _close(rows[layer]["d_min"], float(x.min()))
+            _close(rows[layer]["d_max"], float(x.max()))
+            assert rows[layer]["d_moved"] == pytest.approx(float((np.abs(x - 1) > 1e-3).mean()), abs=0)
+        all_d = np.concatenate([d[0], d[1]])
+        _close(rows[-1]["q_geo"], summary["q_geo"])
+        _close(rows[-1]["q_arith"], summary["q_arith"])
+        _close(rows[-1]["d_mean"], float(all_d.mean()))
+        assert rows[-1]["n"] == summary["n"]
+    # Training moved the contraction: the probes are not one value repeated.
+    assert len({round(r["q_geo"], 9) for r in mon.rows if r["layer"] == -1}) == 4
+
+
+def test_a_probe_equals_osdn_diag_run_of_that_checkpoint(trained, tmp_path):
+    from osdn_diag import cli
+
+    tmp, _, _, mon, _, _, _ = trained
+    prompts = tmp_path / "probe.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": row.tolist()}) + "\n" for row in PROBE))
+    out = tmp_path / "run"
+    code = cli.main(["run", str(tmp / "ckpt" / "step10"), "--prompts", str(prompts), "--out", str(out),
+                     "--batch-size", "2", "--dtype", "fp32", "--device", "cpu"])
+    assert code in (0, None)
+    summary = json.loads((out / "summary.json").read_text())
+    rows = {r["layer"]: r for r in mon.rows if r["step"] == 10}
+    for layer in (0, 1):
+        _close(rows[layer]["q_geo"], summary["by_layer"][f"{layer:03d}"]["q_geo"])
+        _close(rows[layer]["q_arith"], summary["by_layer"][f"{layer:03d}"]["q_arith"])
+    _close(rows[-1]["q_geo"], summary["q_geo"])
+
+
+def test_training_is_bitwise_the_same_with_and_without_the_monitor(trained):
+    _, model, opt, mon, modes, bare, bare_opt = trained
+    assert mon.probes == 4
+    assert modes == [(True, True)] * STEPS  # every module back in train mode, autograd on
+    a, b = model.state_dict(), bare.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    for sa, sb in zip(opt.state_dict()["state"].values(), bare_opt.state_dict()["state"].values()):
+        for k in sa:
+            assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), k
+
+
+def _weights(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.fixture(scope="module")
+def two_steps():
+    """The weights after two steps without a monitor (the planted variants probe after each)."""
+    return _weights(_train(None, monitor=False, steps=2)[0])
+
+
+DRAW = {"torch": lambda: torch.rand(1), "python": random.random, "numpy": np.random.rand}
+
+
+def _drawing_replay(monkeypatch, draws):
+    """Make the probe's replay draw from the global generators (inside the monitor's save/restore)."""
+    import osdn_diag
+
+    real = osdn_diag.replay
+
+    def replay(*args, **kwargs):
+        for name in draws:
+            DRAW[name]()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(osdn_diag, "replay", replay)
+
+
+@pytest.mark.parametrize("bug", ["torch", "python", "numpy", "eval-mode"])
+def test_the_comparison_sees_a_monitor_that_disturbs_training(two_steps, bug, monkeypatch):
+    """A planted bug — a probe that draws from a generator and does not restore it, or leaves the model
+    in eval mode — changes the weights: the bitwise comparison above would fail."""
+    import osdn_diag.monitor as monitor
+
+    if bug == "eval-mode":
+        original = monitor.Monitor._capture_replay
+
+        def planted(self, model, device):
+            out = original(self, model, device)
+            model.eval()
+            return out
+
+        monkeypatch.setattr(monitor.Monitor, "_capture_replay", planted)
+    else:
+        _drawing_replay(monkeypatch, [bug])
+        monkeypatch.setattr(monitor, "_restore_rng", lambda states: None)
+    model, _, mon, _ = _train(None, monitor=True, steps=2, every=1)
+    assert mon.probes == 2
+    assert not torch.equal(_weights(model), two_steps)
+
+
+def test_the_restored_generators_make_a_probe_that_draws_harmless(two_steps, monkeypatch):
+    """The same draws with the monitor's own restore in place leave training bitwise unchanged."""
+    _drawing_replay(monkeypatch, list(DRAW))
+    model, _, mon, _ = _train(None, monitor=True, steps=2, every=1)
+    assert mon.probes == 2
+    assert torch.equal(_weights(model), two_steps)
+
+
+def test_monitor_parquet_holds_the_rows_and_a_resumed_step_replaces_its_rows(trained):
+    import pyarrow.parquet as pq
+
+    import osdn_diag.monitor as monitor
+
+    tmp, model, _, mon, _, _, _ = trained
+    path = tmp / "run" / "monitor.parquet"
+    table = pq.read_table(path)
+    assert tuple(table.column_names) == monitor.SCHEMA_FIELDS
+    assert table.to_pylist() == mon.table().to_pylist()
+    assert [p.name for p in path.parent.iterdir()] == ["monitor.parquet"]  # no temporary left
+    # A second monitor on the same file (a resumed run) probing step 20 again replaces its rows.
+    again = monitor.Monitor(model, PROBE, every=EVERY, out=path, name="tiny-osdn")
+    again.probe(20)
+    table = monitor.read(tmp / "run")
+    assert table.num_rows == mon.table().num_rows
+    assert sorted(table.column("step").to_pylist()) == sorted(r["step"] for r in mon.rows)
+    fresh = [r for r in table.to_pylist() if r["step"] == 20]
+    old = [r for r in mon.rows if r["step"] == 20]
+    for a, b in zip(sorted(fresh, key=lambda r: r["layer"]), sorted(old, key=lambda r: r["layer"])):
+        assert a["q_geo"] == b["q_geo"]  # the same weights, the same batch: the same value
+
+
+def test_scalars_name_each_layer_and_the_whole_model(trained):
+    _, _, _, mon, _, _, _ = trained
+    rows = [r for r in mon.rows if r["step"] == 5]
+    s = mon.scalars(rows)
+    whole = next(r for r in rows if r["layer"] == -1)
+    assert s["contraction/tiny-osdn/q_geo"] == whole["q_geo"]
+    assert s["contraction/tiny-osdn/q_arith/layer_001"] == next(r for r in rows if r["layer"] == 1)["q_arith"]
+    assert "contraction/tiny-osdn/d_mean/layer_000" in s
+    assert all(isinstance(v, float) and math.isfinite(v) for v in s.values())
+
+
+def test_overhead_is_measured_and_printed(trained, capsys):
+    _, _, _, mon, _, _, _ = trained
+    o = mon.close(total_seconds=1000.0)
+    assert o["probes"] == 4 and 0 < o["probe_seconds"] < 1000 and o["fraction"] == o["probe_seconds"] / 1000
+    assert "4 probes took" in capsys.readouterr().err
+
+
+def test_plot_training_draws_a_line_per_model_and_layer(trained):
+    import osdn_diag.plot as odp
+
+    tmp, _, _, mon, _, _, _ = trained
+    fig = odp.training(tmp / "run")
+    lines = fig.axes[0].get_lines()
+    assert len(lines) == 3  # the whole model and its two layers
+    whole = next(line for line in lines if line.get_label() == "tiny-osdn")
+    assert list(whole.get_xdata()) == [5, 10, 15, 20]
+    assert list(whole.get_ydata()) == [r["q_geo"] for r in sorted(mon.rows, key=lambda r: r["step"])
+                                       if r["layer"] == -1]
+    assert len(odp.training(mon, layers=False).axes[0].get_lines()) == 1
+
+
+def test_arguments_are_checked():
+    from osdn_diag.monitor import Monitor
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="argument 'every'"):
+        Monitor(model, PROBE, every=0)
+    with pytest.raises(ValueError, match="argument 'probe_batch'"):
+        Monitor(model, PROBE.float())
+    with pytest.raises(ValueError, match="argument 'autocast'"):
+        Monitor(model, PROBE, autocast="bf16")
+
+
+def test_the_package_and_the_monitor_import_without_transformers():
+    code = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "transformers" or name.startswith("transformers."):
+                    raise ImportError("blocked")
+        sys.meta_path.insert(0, Block())
+        import osdn_diag, osdn_diag.monitor
+        assert "transformers" not in sys.modules
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_trainer_callback_logs_through_the_trainers_loggers(tmp_path):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import osdn_diag.monitor as monitor
+
+    class KernelsTrainer(Trainer):  # the training forward on the CPU's reference recurrence
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            with _kernels(model):
+                return super().compute_loss(model, inputs, *args, **kwargs)
+
+    class Seen(TrainerCallback):  # stands for TensorBoard, W&B, CSV: what on_log hands every logger
+        logs: list = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    data = [{"input_ids": row, "labels": row} for row in (torch.arange(16 * 8).reshape(8, 16) * 5 % VOCAB)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
+                             logging_steps=100, report_to=[], save_strategy="no", use_cpu=True,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    model = _tiny()
+    seen = Seen()
+    trainer = KernelsTrainer(model=model, args=args, train_dataset=data, callbacks=[seen])
+    cb = monitor.MonitorCallback(trainer, PROBE, every=2, out=tmp_path)
+    trainer.train()
+    rows = cb.monitor.rows
+    assert sorted({r["step"] for r in rows}) == [2, 4]
+    logged = [x for x in seen.logs if "contraction/osdn/q_geo" in x]
+    assert [x["contraction/osdn/q_geo"] for x in logged] == [r["q_geo"] for r in rows if r["layer"] == -1]
+    history = [x for x in trainer.state.log_history if "contraction/osdn/q_geo" in x]
+    assert [x["step"] for x in history] == [2, 4]
+    assert monitor.read(tmp_path).num_rows == len(rows) == 6
+    assert all(m.training for m in model.modules())
+
+
+DDP_SCRIPT = """
+import os, sys, json
+import torch, torch.distributed as dist
+import osdn_diag.models
+sys.path.insert(0, {tests!r})
+import test_monitor as t
+from osdn_diag.monitor import Monitor
+
+def main(rank):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = t._tiny()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mon = Monitor(ddp, t.PROBE, every=2, out={out!r})
+    got = []
+    for step in range(1, 3):
+        ids = torch.arange(32).reshape(2, 16) * (step + rank) % t.VOCAB
+        with t._kernels(ddp):
+            loss = ddp(input_ids=ids, labels=ids).loss
+        opt.zero_grad(); loss.backward(); opt.step()
+        got.append(mon.step(step) is not None)
+    w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ws = [torch.zeros_like(w) for _ in range(2)]
+    dist.all_gather(ws, w)
+    print(json.dumps({{"rank": rank, "probed": got, "same": bool(torch.equal(ws[0], ws[1]))}}), flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(main, nprocs=2)
+"""
+
+
+def test_under_ddp_rank_0_probes_and_writes_and_rank_1_skips(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), port=port, out=str(tmp_path / "out")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = {r["rank"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+    assert res[0]["probed"] == [False, True]
+    assert res[1]["probed"] == [False, False]
+    assert res[0]["same"] and res[1]["same"]  # the replicas stayed in step
+    import osdn_diag.monitor as monitor
+
+    assert sorted(set(monitor.read(tmp_path / "out").column("step").to_pylist())) == [2]

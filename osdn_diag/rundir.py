@@ -71,6 +71,7 @@ __all__ = [
     "check_links",
     "check_output",
     "check_placement",
+    "check_regular",
     "check_table_run_ids",
     "enclosing_runs",
     "existing_run_files",
@@ -124,12 +125,47 @@ def new_run_id() -> str:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    """The sha256 of a file, read in chunks (memory stays at one chunk)."""
+    """The sha256 of a regular file, read in chunks (memory stays at one chunk). Anything else at
+    ``path`` (a FIFO, a device, a socket, a link to one) is refused (:class:`RunDirectoryError`)
+    without waiting for a writer that may never come: it is opened without blocking and checked."""
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RunDirectoryError(_not_regular(path))
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as fh:
+            fd = -1
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+    finally:
+        if fd >= 0:
+            os.close(fd)
     return digest.hexdigest()
+
+
+def _not_regular(path) -> str:
+    return (f"{path}: not a regular file (a FIFO, a device, a socket or a link to one), where osdn-diag "
+            "reads a file it wrote; it is left alone: remove it, and run the command that writes it again")
+
+
+def check_regular(path: str | os.PathLike, *, table: bool = False) -> None:
+    """Refuse (:class:`RunDirectoryError`) ``path`` if something is there that is not a regular file —
+    a FIFO, a device, a socket, a link to one —: a reader would wait on it forever (pyarrow retries an
+    interrupted open, so not even SIGTERM ends the wait) or read without end. With ``table``, a
+    directory of ``*.parquet`` parts is fine if each part is a regular file. Nothing there: fine (the
+    caller says what is missing). Reading follows links as usual."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if table and stat.S_ISDIR(mode):
+        for part in path.glob("*.parquet"):
+            check_regular(part)
+        return
+    if not stat.S_ISREG(mode):
+        raise RunDirectoryError(_not_regular(path))
 
 
 def existing_run_files(out_dir: str | os.PathLike) -> list[str]:
@@ -568,6 +604,7 @@ def table_run_ids(path: Path) -> list[tuple[Path, str | None]]:
     """``(file, run id)`` of a parquet table, a file or a directory of parts."""
     import pyarrow.parquet as pq
 
+    check_regular(path, table=True)
     files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     out = []
     for f in files:

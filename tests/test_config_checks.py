@@ -37,3 +37,19 @@ def test_the_text_config_of_a_multimodal_config_is_checked():
 def test_a_config_that_is_not_an_object_is_refused():
     with pytest.raises(ValueError, match=r"m/config.json is not a JSON object"):
         check_config("m", [1, 2], "m/config.json")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_weights_that_are_not_a_regular_file_are_refused_before_reading(tmp_path, kind):
+    import os
+
+    from osdn_diag.runtime.config_checks import check_model_files
+
+    (tmp_path / "config.json").write_text("{}")
+    weights = tmp_path / "model.safetensors"
+    if kind == "fifo":
+        os.mkfifo(weights)  # a loader would wait on it forever
+    else:
+        weights.symlink_to("/dev/zero")  # read without end
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a regular file"):
+        check_model_files("m", tmp_path)

@@ -147,6 +147,11 @@ def load_model(
         except SafetensorError as err:  # its message names no file
             raise ValueError(f"MODEL {spec!r}: the *.safetensors weights in {directory} are not readable "
                              f"({err}): truncated or damaged; replace them with a complete copy") from err
+        except Exception as err:
+            refused = _build_error(spec, directory, err)
+            if refused is err:
+                raise
+            raise refused from err
         _check_loading_info(spec, directory, info)
         _check_weight_dtypes(spec, directory, file_dtypes, model)
         source = "builtin" if builtin else "hub" if hub is not None else "directory"
@@ -163,6 +168,20 @@ def load_model(
         cfg = {**cfg, "vocab_size": model.get_input_embeddings().num_embeddings}
     return LoadedModel(model=model, spec=spec, source=source, config=cfg, directory=directory, hub=hub,
                        kept_dtypes=kept_dtypes(model, dtype))
+
+
+def _build_error(spec: str, directory: Path, err: Exception) -> Exception:
+    """What ``from_pretrained`` raised while building the model a directory's ``config.json``
+    describes, as the user's error naming that file: the model classes take a config's values as they
+    come, and a value they cannot build from (``num_heads`` not dividing the key width, a negative
+    ``expand_v``, an unknown ``attn_mode``, a huge ``hidden_ratio``) ends in an AssertionError,
+    RuntimeError, TypeError or ImportError deep inside them. The package's own errors and a full disk
+    pass unchanged."""
+    if type(err).__module__.startswith("osdn_diag") or isinstance(err, OSError):
+        return err
+    what = " ".join(str(err).split())[:300] or "no message"
+    return ValueError(f"MODEL {spec!r}: the model that {directory / 'config.json'} describes could not be built "
+                      f"({type(err).__name__}: {what}); repair config.json (use the one saved with the weights)")
 
 
 def _placement(device, device_map) -> dict:

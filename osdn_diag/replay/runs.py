@@ -46,6 +46,10 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, dict]:
             f"nodes' --out (merge_needed); assemble it with `osdn-diag merge {run_dir} NODE_DIR... --out "
             "MERGED` and use MERGED"
         )
+    from ..rundir import check_regular
+
+    for name in ("summary.json", "residuals.parquet", "comparator.parquet", "tokens.parquet"):
+        check_regular(run_dir / name, table=name == "residuals.parquet")
     path = run_dir / "summary.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no summary.json — run `osdn-diag replay {run_dir}` first")

@@ -77,10 +77,21 @@ def tokens_entry(file: dict, text: dict | None) -> dict:
 
 def read_tokens(run_dir: str | os.PathLike, manifest: dict | None = None) -> pa.Table | None:
     """A run's ``tokens.parquet``, or ``None`` where it has none (a run written before it existed).
-    One whose run id is not the manifest's (given ``manifest``) is refused."""
+    One whose run id is not the manifest's (given ``manifest``), or that is missing or differs from the
+    sha256 and size the manifest's ``tokens`` entry records, is refused."""
     import pyarrow.parquet as pq
 
+    from ..rundir import check_regular, verify_files
+
     path = Path(run_dir) / TOKENS
+    check_regular(path)
+    entry = (manifest or {}).get("tokens")
+    if isinstance(entry, dict) and "sha256" in entry:
+        # The file the capture wrote, or the report's token text would be whatever the file now says.
+        problem = verify_files(run_dir, {TOKENS: entry})
+        if problem is not None:
+            raise ValueError(f"{problem.replace('its record says', 'manifest.json records')}: tokens.parquet is "
+                             "not the one the run wrote; run it again")
     if not path.is_file():
         return None
     table = pq.read_table(path)

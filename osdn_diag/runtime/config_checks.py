@@ -76,6 +76,16 @@ def check_model_files(spec: str, directory: Path) -> None:
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"MODEL {spec!r}: expected a Hugging Face model directory with config.json "
                                 "(or random:PRESET)")
+    import stat
+
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            regular = stat.S_ISREG(path.stat().st_mode)
+        except OSError:
+            continue  # a dangling link: the loader names it
+        if not regular:  # a FIFO would be waited on forever, a device read without end
+            raise ValueError(f"MODEL {spec!r}: {path} is not a regular file (a FIFO, a device, a socket or a "
+                             "link to one); replace it with the weights file")
     if not any(directory.glob("*.safetensors")):
         pickles = sorted(p.name for pattern in ("*.bin", "*.pt") for p in directory.glob(pattern))
         hint = f" (found {', '.join(pickles)}: pickled weights are not loaded)" if pickles else ""

@@ -318,3 +318,14 @@ def test_flash_attention_where_transformers_would_fetch_a_hub_kernel_is_refused(
     spec, _ = _remote_code_dir(saved, tmp_path, attn_implementation="flash_attention_2")
     with pytest.raises(ValueError, match="flash_attention_2"):
         load_model(spec)
+
+
+@pytest.mark.parametrize("change", [{"num_heads": 3}, {"expand_v": -1}, {"attn_mode": "evil"},
+                                    {"qk_norm": "evil"}, {"model_type": "llama"}])
+def test_a_config_the_model_cannot_be_built_from_is_refused_naming_it(saved, tmp_path, change):
+    # The model classes assert, or fail deep in torch, on values the size checks let through.
+    shutil.copy(saved / "model.safetensors", tmp_path / "model.safetensors")
+    config = json.loads((saved / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=r"config\.json describes could not be built .*repair config\.json"):
+        load_model(str(tmp_path))

@@ -65,3 +65,53 @@ def test_what_osdn_diag_writes_passes(run):
     check_summary(json.loads((run / "summary.json").read_text()), "s")
     with pytest.raises(SchemaError, match="not a JSON object"):
         check_summary([], "s")
+
+
+def _within(seconds, argv):
+    """``entry(argv)``'s status, or ``None`` if it has not finished after ``seconds`` (a reader waiting
+    on a FIFO: pyarrow retries the interrupted open, so the test cannot signal it out of the wait)."""
+    import threading
+
+    done = []
+    worker = threading.Thread(target=lambda: done.append(entry(argv)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return done[0] if done else None
+
+
+@pytest.mark.parametrize("name", ["comparator.parquet", "residuals.parquet", "tokens.parquet"])
+def test_a_fifo_in_place_of_a_run_file_is_refused_not_waited_on(run, tmp_path, capsys, name):
+    import os
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / name).unlink()
+    os.mkfifo(copy / name)
+    capsys.readouterr()
+    assert _within(60, ["report", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{copy / name}: not a regular file" in err, err
+    assert (copy / name).exists() and not (copy / name).is_file()  # left alone
+
+
+def test_a_device_in_place_of_a_hashed_file_is_refused():
+    from osdn_diag.rundir import RunDirectoryError, sha256_file
+
+    with pytest.raises(RunDirectoryError, match="/dev/zero: not a regular file"):
+        sha256_file("/dev/zero")
+
+
+def test_an_edited_tokens_table_is_refused(run, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    table = pq.read_table(copy / "tokens.parquet")  # the run's id kept, two rows fewer
+    pq.write_table(table.slice(2).replace_schema_metadata(table.schema.metadata), copy / "tokens.parquet")
+    capsys.readouterr()
+    assert entry(["report", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert f"{copy / 'tokens.parquet'}: " in err and "manifest.json records" in err, err
+    (copy / "tokens.parquet").unlink()  # a listed file that is gone is refused too
+    assert entry(["report", str(copy)]) == 2
+    assert f"{copy / 'tokens.parquet'}: missing" in capsys.readouterr().err

@@ -40,3 +40,11 @@ def test_the_guide_runs_top_to_bottom(tmp_path, monkeypatch, fla_interpreter):
     assert (tmp_path / "contraction.png").stat().st_size > 0
     assert ns["new"].shape == (1, 8) and "decode" in ns["gen"].summary["by_phase"]
     assert 0 < run.summary["q_geo"] < 1 and run.per_token().num_rows == 2 * 64
+    # the monitor's probe: the whole model's q_geo is that of a replay of the same batch, captured apart
+    import osdn_diag
+
+    with osdn_diag.capture(ns["model"]) as cap, __import__("torch").no_grad():
+        ns["model"](input_ids=ns["probe"])
+    again = osdn_diag.replay(cap).summary["q_geo"]
+    assert math.isclose(ns["whole"]["q_geo"], again, rel_tol=1e-5)
+    assert (tmp_path / "runs" / "train" / "monitor.parquet").stat().st_size > 0

@@ -52,7 +52,6 @@ import importlib.metadata as metadata
 import importlib.util
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -202,28 +201,14 @@ def train(a: argparse.Namespace) -> dict:
 
     device = prepare_device(a.device)
     import osdn_diag.models  # noqa: F401
-    from transformers import AutoModelForCausalLM
 
     on_gpu = device.type == "cuda"
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else nullcontext
     stream = torch.from_numpy(np.fromfile(data / "train.bin", dtype="<u2").astype(np.int64))
     windows = train_lm.eval_windows(data, a.seq, a.eval_windows).to(device)
 
-    models, opts = {}, {}
-    for name, base, eta in specs:
-        torch.manual_seed(a.seed)
-        models[name] = AutoModelForCausalLM.from_config(train_lm.build_config(base, eta, ns)).to(device).train()
-        params = dict(models[name].named_parameters())
-        decay = [p for n, p in params.items() if p.dim() >= 2 and "d0" not in n and "embed" not in n]
-        rest = [p for n, p in params.items() if not (p.dim() >= 2 and "d0" not in n and "embed" not in n)]
-        opts[name] = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                                        {"params": rest, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95))
-
-    def lr_at(step: int) -> float:
-        if step < a.warmup:
-            return a.lr * (step + 1) / a.warmup
-        t = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
-        return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    models, opts = train_lm.build_models(specs, a, ns, device)
+    lr_at = train_lm.lr_schedule(a)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -163,6 +163,39 @@ def parse_arch(spec: str, default_eta: float) -> tuple[str, str, float | None]:
     return f"{base}-eta{eta}", base, value
 
 
+
+def build_models(specs, a, config_args, device):
+    """The models of ``specs`` (``(name, base, eta)``), each initialised from seed ``a.seed`` (so every
+    architecture starts from the same draw), in train mode, and an AdamW per model: weight decay on
+    matrices other than embeddings and the preconditioner's ``d0``. ``config_args`` sizes the configs
+    (:func:`build_config`)."""
+    import osdn_diag.models  # noqa: F401  (registers the OSDN configs with transformers)
+    from transformers import AutoModelForCausalLM
+
+    models, opts = {}, {}
+    for name, base, eta in specs:
+        torch.manual_seed(a.seed)
+        models[name] = AutoModelForCausalLM.from_config(build_config(base, eta, config_args)).to(device).train()
+        params = dict(models[name].named_parameters())
+        decayed = {n for n, p in params.items() if p.dim() >= 2 and "d0" not in n and "embed" not in n}
+        opts[name] = torch.optim.AdamW(
+            [{"params": [params[n] for n in params if n in decayed], "weight_decay": a.weight_decay},
+             {"params": [params[n] for n in params if n not in decayed], "weight_decay": 0.0}],
+            lr=a.lr, betas=(0.9, 0.95))
+    return models, opts
+
+
+def lr_schedule(a):
+    """Step -> learning rate: linear warm-up over ``a.warmup`` steps, then a cosine to
+    ``a.min_lr_ratio`` of ``a.lr`` at ``a.steps``."""
+    def lr_at(step: int) -> float:
+        if step < a.warmup:
+            return a.lr * (step + 1) / a.warmup
+        t = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
+        return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    return lr_at
+
+
 def build_config(base: str, eta: float | None, a: argparse.Namespace):
     common = dict(
         hidden_size=a.hidden, num_hidden_layers=a.layers, num_heads=a.heads, vocab_size=a.vocab_size,
@@ -320,28 +353,14 @@ def train(a: argparse.Namespace) -> dict:
 
     device = prepare_device(a.device)
     import osdn_diag.models  # noqa: F401  (registers the OSDN configs with transformers)
-    from transformers import AutoModelForCausalLM
 
     on_gpu = device.type == "cuda"
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu else nullcontext
     stream = torch.from_numpy(np.fromfile(data / "train.bin", dtype="<u2").astype(np.int64))
     windows = eval_windows(data, a.seq, a.eval_windows).to(device)
 
-    models, opts = {}, {}
-    for name, base, eta in specs:
-        torch.manual_seed(a.seed)
-        models[name] = AutoModelForCausalLM.from_config(build_config(base, eta, a)).to(device).train()
-        params = dict(models[name].named_parameters())
-        decay = [p for n, p in params.items() if p.dim() >= 2 and "d0" not in n and "embed" not in n]
-        rest = [p for n, p in params.items() if not (p.dim() >= 2 and "d0" not in n and "embed" not in n)]
-        opts[name] = torch.optim.AdamW([{"params": decay, "weight_decay": a.weight_decay},
-                                        {"params": rest, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95))
-
-    def lr_at(step: int) -> float:
-        if step < a.warmup:
-            return a.lr * (step + 1) / a.warmup
-        t = min(1.0, (step - a.warmup) / max(1, a.steps - a.warmup))
-        return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    models, opts = build_models(specs, a, a, device)
+    lr_at = lr_schedule(a)
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -608,10 +608,18 @@ def table_run_ids(path: Path) -> list[tuple[Path, str | None]]:
     files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     out = []
     for f in files:
-        meta = pq.read_schema(f).metadata or {}
+        try:
+            meta = pq.read_schema(f).metadata or {}
+        except (OSError, ValueError):  # a damaged footer (ArrowInvalid is a ValueError): no id to read
+            out.append((f, UNREADABLE))
+            continue
         value = meta.get(RUN_ID_KEY)
         out.append((f, value.decode() if value is not None else None))
     return out
+
+
+#: :func:`table_run_ids`'s id of a file whose schema cannot be read (a damaged file, not another run's).
+UNREADABLE = object()
 
 
 def check_table_run_ids(run_dir: str | os.PathLike, manifest: dict, summary: dict) -> None:
@@ -630,7 +638,8 @@ def check_table_run_ids(run_dir: str | os.PathLike, manifest: dict, summary: dic
     for name in ("residuals.parquet", "comparator.parquet"):
         if (run_dir / name).exists():
             for f, found in table_run_ids(run_dir / name):
-                if found != run_id:
+                # a damaged file is left to the checks that name damage (its sha256, its reader)
+                if found is not UNREADABLE and found != run_id:
                     refuse(f, found)
 
 

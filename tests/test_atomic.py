@@ -134,8 +134,8 @@ def test_replaying_into_a_directory_removes_its_stale_temporaries(tmp_path, monk
         def shards(self):
             raise Stop
 
-    monkeypatch.setattr(pipeline, "CaptureReader", Reader)
-    monkeypatch.setattr(pipeline, "Replayer", lambda *a, **k: None)
+    monkeypatch.setattr(pipeline.replaying, "CaptureReader", Reader)  # where the replay stage looks them up
+    monkeypatch.setattr(pipeline.replaying, "Replayer", lambda *a, **k: None)
     with pytest.raises(Stop):
         pipeline.replay_run(tmp_path / "run", out_dir=tmp_path / "out", progress=False, device="cpu")
     assert not stale.exists()

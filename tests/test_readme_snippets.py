@@ -16,8 +16,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # docs/python-guide.md is one session whose blocks build on each other: tests/test_python_guide.py
-# runs it in order.
-FILES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "python-guide.md")]
+# runs it in order. docs/monitor.md's blocks are training loops and Trainer set-ups around the
+# monitor: tests/test_monitor.py runs the monitor in both, and the guide's section 9 runs a probe.
+SESSIONS = {"python-guide.md", "monitor.md"}
+FILES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in SESSIONS)]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 

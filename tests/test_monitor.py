@@ -402,7 +402,11 @@ def test_under_ddp_rank_0_probes_and_writes_and_rank_1_skips(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    res = {r["rank"]: r for r in (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))}
+    # both ranks print to one pipe, so their lines may interleave: read every object where it starts
+    decoder, found = json.JSONDecoder(), []
+    for start in [i for i in range(len(out.stdout)) if out.stdout.startswith('{"rank"', i)]:
+        found.append(decoder.raw_decode(out.stdout, start)[0])
+    res = {r["rank"]: r for r in found}
     assert res[0]["probed"] == [False, True]
     assert res[1]["probed"] == [False, False]
     assert res[0]["same"] and res[1]["same"]  # the replicas stayed in step

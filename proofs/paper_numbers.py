@@ -12,7 +12,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ._claims import Claim, Outcome, conclude
-from ._evidence import Counterexample, Derivation, Witness
+from ._evidence import Conditional, Counterexample, Derivation, Witness
 from ._sym import all_of, relation
 
 __all__ = [
@@ -274,15 +274,21 @@ def check_averages() -> Outcome:
 
 
 def check_measurements(measurements=F(785 * 10**4), context=2048) -> Outcome:
-    """What the printed count can be tested against: the paper gives no prompt lengths, so only the mean
-    it implies per (prompt, layer, head) triple — which must fit the 2K context of JRT-twice prompts.
-    ``measurements``: the count as printed (7.85 × 10⁶, rounded to three digits; a negative control
-    passes a count the context cannot hold and must get ``failed``)."""
+    """The printed count against the only quantity it depends on that the paper does not give: the
+    prompts' mean length. 48 prompts × 24 layers × 8 heads make 9,216 (prompt, layer, head) triples, so
+    the count holds exactly when the prompts average ``measurements / 9216`` tokens (within the rounding
+    of three printed digits) — a condition, not a fact the paper lets anyone check. What can be checked:
+    that mean fits the 2K context (a count the context cannot hold gets ``failed``: the negative
+    control), and that prompts filling that context — the length of the package's own paper-scale
+    run — would give a count the printed one is not.
+
+    ``measurements``: the count as printed (7.85 × 10⁶); ``context``: App. F's 2K tokens."""
     prompts, layers, heads = 48, 24, 8
     triples = prompts * layers * heads
     half_unit = F(5, 1000) * 10**6  # the rounding of 7.85 × 10⁶
     low, high = (measurements - half_unit) / triples, (measurements + half_unit) / triples
-    witness = Witness(
+    mean = (low + high) / 2
+    fits = Witness(
         "the mean prompt length the count implies fits the 2K context",
         high,
         "<=",
@@ -291,14 +297,30 @@ def check_measurements(measurements=F(785 * 10**4), context=2048) -> Outcome:
                   "mean tokens per prompt, at most": high},
         steps={"the implied mean is positive": low > 0},
     )
+    at_mean = Witness(
+        "prompts of the implied mean length give the printed count, to its three digits",
+        abs(triples * mean - measurements),
+        "<=",
+        half_unit,
+        instance={"mean tokens per prompt": mean, "triples": triples},
+    )
+    full = Counterexample(
+        "prompts filling the 2K context do not give the printed count",
+        abs(triples * context - measurements),
+        "<=",
+        half_unit,
+        instance={"tokens per prompt": context, "triples": triples, "count": triples * context},
+    )
+    condition = (f"the 48 prompts average {float(low):.1f}–{float(high):.1f} tokens (the paper gives no "
+                 "prompt lengths)")
     return conclude(
         f"{float(measurements):.3g} token-layer-head measurements over {prompts} prompts × {layers} layers × "
-        f"{heads} heads = {triples:,} (prompt, layer, head) triples mean {float(measurements / triples):.1f} "
-        f"tokens per prompt (between {float(low):.1f} and {float(high):.1f} given the rounding), within the "
-        f"{context}-token context — the only test the paper allows: it gives no prompt lengths, so the count "
-        "itself is not checked, only that it is possible. The measurements are correlated (every layer and "
-        "head of the same tokens), so they are not 7.85 M independent samples.",
-        [witness],
+        f"{heads} heads = {triples:,} (prompt, layer, head) triples: the count holds exactly when the prompts "
+        f"average {float(low):.1f}–{float(high):.1f} tokens, which fits the {context}-token context; prompts "
+        f"filling the context would give {triples * context / 10**6:.2f} × 10⁶. The paper gives no prompt "
+        "lengths, so the count is consistent with it only under that condition. The measurements are "
+        "correlated (every layer and head of the same tokens), so they are not 7.85 M independent samples.",
+        [Conditional(condition, (fits, at_mean), (full,))],
         numbers={"tokens_per_prompt": float(measurements / triples)},
     )
 
@@ -386,12 +408,12 @@ CLAIMS = [
         id="diagnostic-measurement-count",
         location="Sec. 6.2; Fig. 2(b); App. F 'Mechanism diagnostic'",
         quote="7.85 × 10 6 token-layer-head measurements.",
-        statement="Consistency only: 7.85 × 10⁶ token-layer-head measurements over 48 prompts (16 per "
-        "repeated-recall task), 24 layers and 8 heads is a possible count for prompts within the 2K context. "
-        "The count itself cannot be checked from the paper, which gives no prompt lengths.",
-        method="exact division by 48 · 24 · 8 at both ends of the rounding range of 7.85 × 10⁶, against the "
-        "2,048-token context.",
-        expected="verified",
+        statement="7.85 × 10⁶ token-layer-head measurements over 48 prompts (16 per repeated-recall task), 24 "
+        "layers and 8 heads: the count the diagnostic's prompts give.",
+        method="exact: the count over 48 · 24 · 8 at both ends of the rounding range of 7.85 × 10⁶ gives the "
+        "mean prompt length it needs, checked against the 2,048-token context; prompts filling that "
+        "context as the counterexample.",
+        expected="conditional",
         check=check_measurements,
     ),
     Claim(

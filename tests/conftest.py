@@ -117,6 +117,22 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The slowest files first (``tests/_suite_order.py`` says why)."""
+    from _suite_order import SLOWEST_FILES
+
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    root = config.rootpath
+
+    def order(item) -> int:
+        try:
+            return rank.get(item.path.relative_to(root).as_posix(), len(rank))
+        except ValueError:  # a test outside the repository
+            return len(rank)
+
+    items.sort(key=order)  # stable: the other files, and the tests within a file, keep their order
+
+
 def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 

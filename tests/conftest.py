@@ -117,6 +117,27 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The slowest files first (``tests/_suite_order.py`` says why). Without that file beside this one
+    (this conftest copied alone, as ``tests/test_hypothesis_batches.py`` does) the order is left as is."""
+    listing = Path(__file__).with_name("_suite_order.py")
+    if not listing.is_file():
+        return
+    spec = importlib.util.spec_from_file_location("_suite_order", listing)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rank = {name: i for i, name in enumerate(module.SLOWEST_FILES)}
+    root = config.rootpath
+
+    def order(item) -> int:
+        try:
+            return rank.get(item.path.relative_to(root).as_posix(), len(rank))
+        except ValueError:  # a test outside the repository
+            return len(rank)
+
+    items.sort(key=order)  # stable: the other files, and the tests within a file, keep their order
+
+
 def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 

@@ -76,13 +76,16 @@ def _dev(x, dtype=torch.float32):
 
 CASES = [
     # B, T, H, K, retention, d0, eta, chunk, awkward
-    (2, 70, 2, 16, None, None, 0.5, 32, False),
-    (2, 70, 2, 16, None, None, 0.5, 32, True),
+    (2, 40, 2, 16, None, None, 0.5, 32, False),           # two chunks, the second partial
+    (2, 40, 2, 16, None, None, 0.5, 32, True),
     (1, 100, 1, 12, "head", "shared", 3.0, 16, True),     # K not a power of 2; the clamp busy
     (2, 33, 2, 32, "channel", "per_seq", 1.0, 64, False),  # one partial block
     (1, 130, 2, 16, "head", None, 0.003, 64, False),
     (1, 40, 1, 16, "channel", None, 0.5, 16, True),
-    (1, 1100, 1, 16, "channel", "shared", 0.05, 16, False),  # 69 chunks: the carry scans them in blocks
+    # 67 chunks (the last of 2 tokens): more than the carry's largest block of 64, so it scans them
+    # in two blocks and carries d from one to the next. Chunks of 8 tokens reach that count at a
+    # sequence half as long as chunks of 16 (Triton's interpreter walks every token in Python).
+    (1, 530, 1, 16, "channel", "shared", 0.05, 8, False),
 ]
 
 
@@ -101,8 +104,8 @@ def test_matches_the_sequential_sweep(fla_kernels, B, T, H, K, ret, d0, eta, chu
 
 
 def test_variable_lengths_restart_d(fla_kernels):
-    cu = torch.tensor([0, 5, 5, 47, 100])  # an empty sequence too
-    k, beta, kw = _case(2, 1, 100, 2, 16, ret="channel", d0="per_seq", N=4)
+    cu = torch.tensor([0, 5, 5, 26, 50])  # an empty sequence too; the others cross chunks unaligned
+    k, beta, kw = _case(2, 1, 50, 2, 16, ret="channel", d0="per_seq", N=4)
     ref = osdn_phase1(k, beta, **kw, eta=2.0, cu_seqlens=cu)
     got = _parallel(_dev(k), _dev(beta), retention=_dev(kw["retention"]), d0=_dev(kw["d0"]),
                     eta=2.0, cu_seqlens=cu.to(DEVICE), chunk=16)
@@ -111,7 +114,7 @@ def test_variable_lengths_restart_d(fla_kernels):
 
 @pytest.mark.parametrize("beta_aware", [True, False])
 def test_no_box_and_beta_awareness(fla_kernels, beta_aware):
-    k, beta, _ = _case(3, 2, 50, 1, 16)
+    k, beta, _ = _case(3, 2, 34, 1, 16)  # two chunks and a partial one
     d0 = torch.full((1, 16), 2.5, dtype=F64)  # outside [0.5, 2]: only legal without a box
     kw = dict(d0=d0, eta=1.5, d_min=None, d_max=None, beta_aware=beta_aware)
     ref = osdn_phase1(k, beta, **kw)

@@ -105,9 +105,14 @@ def merge_runs(dirs: list[str | os.PathLike], out: str | os.PathLike, *, overwri
             raise RunDirectoryError(f"{found[0] / name}: its size or sha256 differs from the one {path} "
                                     "records (changed, or of another run); rerun the run")
         where[name] = good[0]
+    recorded = manifest.get("files") or {}
     for name in _COPIED_FROM_RANK0:
         if name != "comparator.parquet" and not (src / name).is_file():
             raise RunDirectoryError(f"{src / name}: missing; rerun the run")
+        if name in recorded and verify_files(src, {name: recorded[name]}) is not None:
+            # Checked here, not only by the report of OUT: an edited summary is never assembled into a run.
+            raise RunDirectoryError(f"{src / name}: its size or sha256 differs from the one {path} records "
+                                    "(changed after the run wrote it); rerun the run")
 
     with output_lock(out):
         # Refused (a run there without --overwrite, a link, a file in capture/ that is not a shard)

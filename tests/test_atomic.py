@@ -198,3 +198,13 @@ def test_with_a_root_no_link_on_the_way_is_followed(tmp_path):
     link_out.symlink_to(run, target_is_directory=True)
     atomic_write_text(link_out / "c.txt", "x", root=link_out)
     assert (run / "c.txt").read_text() == "x"
+
+
+def test_a_directory_where_a_file_goes_is_named_before_anything_is_written(tmp_path):
+    """``plots/q_geo.png`` a directory: refused up front in one line naming it, not a raw
+    ``[Errno 21] ... .tmp.png -> ...`` from the rename after the figure was drawn."""
+    (tmp_path / "q_geo.png").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"q_geo.png: a directory, where osdn-diag writes a file"):
+        with atomic_path(tmp_path / "q_geo.png", root=tmp_path, suffix=".png"):
+            pytest.fail("the writer ran")
+    assert [p.name for p in tmp_path.iterdir()] == ["q_geo.png"]

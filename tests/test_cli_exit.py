@@ -158,3 +158,22 @@ def test_a_reader_that_leaves_ends_nothing(tmp_path):
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 0, err
     assert first.strip() and "Broken pipe" not in err and "Traceback" not in err, err
+
+
+def test_the_end_of_a_command_imports_nothing(tmp_path, monkeypatch, capsys):
+    """A SIGTERM during ``import torch`` left a half-initialised torch; the end of the command then
+    imported osdn_diag.distributed (hence torch) again, and an AttributeError traceback (exit 1)
+    replaced the signal's one line. The end of a command imports nothing: here the module cannot be
+    imported at all, and the command still ends with its own one-line error."""
+    import sys
+
+    from osdn_diag.cli import entry
+
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch.distributed", types.ModuleType("torch.distributed"))  # half there
+    monkeypatch.setitem(sys.modules, "osdn_diag.distributed", None)  # any import of it fails
+    (tmp_path / "manifest.json").write_text('{"run_id": "a", "stages": {"replay": false}}')
+    assert entry(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("osdn-diag: error: ") and "Traceback" not in err, err

@@ -174,3 +174,21 @@ def test_merge_refuses_a_link_in_out(tmp_path):
     with pytest.raises(ValueError, match="ranks: a symbolic link"):
         merge_runs(nodes, out, overwrite=True, report=False)
     assert list(elsewhere.iterdir()) == [] and (out / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["summary.json", "comparator.parquet"])
+def test_a_result_edited_after_the_run_is_refused_before_out_exists(tmp_path, capsys, name):
+    """rank 0's summary.json and comparator.parquet are checked against the sha256 its manifest records
+    before anything is written: an edited summary is never assembled into a run (which only its report
+    would then have refused, naming the merged copy)."""
+    nodes = _nodes(tmp_path)
+    _write(nodes[0] / "comparator.parquet", b"comparator of rank 0")
+    manifest = json.loads((nodes[0] / "manifest.json").read_text())
+    manifest["files"] = {n: _entry((nodes[0] / n).read_bytes()) for n in ("summary.json", "comparator.parquet")}
+    _write(nodes[0] / "manifest.json", json.dumps(manifest).encode())
+    merge_runs(nodes, tmp_path / "whole", report=False)  # as recorded: merged
+    (nodes[0] / name).write_bytes((nodes[0] / name).read_bytes() + b" ")
+    out = tmp_path / "m"
+    err = _one_line(["merge", *map(str, nodes), "--out", str(out)], capsys)
+    assert f"{nodes[0] / name}: its size or sha256 differs" in err, err
+    assert not out.exists()

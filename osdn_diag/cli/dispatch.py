@@ -101,10 +101,12 @@ def _run_command(args: argparse.Namespace) -> int:
 
             restore_torch_compile()
             forget_distributions()
-        if "torch.distributed" in sys.modules:  # else no process group can have been joined
-            from ..distributed import shutdown
-
-            shutdown()
+        # Only osdn_diag.distributed joins a process group. Not imported here: a SIGTERM or Ctrl-C that
+        # stopped `import torch` half way leaves a torch that cannot be imported again (an AttributeError
+        # in place of the one line the signal deserves).
+        joined = sys.modules.get("osdn_diag.distributed")
+        if joined is not None:
+            joined.shutdown()
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

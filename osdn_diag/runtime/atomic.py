@@ -125,6 +125,9 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", *, root: str | os
         else:
             real_directory(root, path.parent)
             refuse_link(path)
+        if path.is_dir() and not path.is_symlink():  # else the rename fails, after the work, as a raw Errno 21
+            raise IsADirectoryError(f"{path}: a directory, where osdn-diag writes a file; move it away, or "
+                                    "choose another --out")
         tmp = _create_temporary(path.parent, path.name, suffix)
         mode = stat.S_IMODE(os.stat(tmp).st_mode)  # 0o666 & ~umask, without changing the process umask
         try:

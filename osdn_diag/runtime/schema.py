@@ -72,6 +72,14 @@ def _file_entry(x) -> bool:
             and x["size"] >= 0)
 
 
+def _tokens_entry(x) -> bool:
+    """The manifest's ``tokens`` entry (``tokens.parquet``'s sha256 and size, what its text came from):
+    an entry without its sha256 would leave the token table unchecked."""
+    return (_file_entry(x) and x.get("file", "tokens.parquet") == "tokens.parquet"
+            and _is_int(x.get("rows", 0)) and isinstance(x.get("text", False), bool)
+            and (x.get("tokenizer") is None or isinstance(x["tokenizer"], dict)))
+
+
 def _ints(x) -> bool:
     return isinstance(x, list) and all(_is_int(i) for i in x)
 
@@ -95,6 +103,14 @@ def check_manifest(manifest, path, again: str = "re-run the command that wrote i
         c.check(manifest, key, _dict, "an object")
     c.check(manifest, "files", _dict, "an object of {file: {sha256, size}}")
     c.each(manifest, "files", _file_entry, "{sha256: string, size: integer}")
+    c.check(manifest, "kernels", lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x),
+            "a list of strings")
+    c.check(manifest.get("model") or {}, "spec", lambda x: isinstance(x, str), "a string", where="model.")
+    c.check(manifest, "layers_skipped", lambda x: isinstance(x, list) and all(
+        isinstance(e, dict) and _is_int(e.get("layer")) and isinstance(e.get("type"), str) for e in x),
+        "a list of {layer: integer, type: string}")
+    c.check(manifest, "tokens", _tokens_entry, "an object {file, sha256: string, size: integer, rows: integer, "
+            "text: true/false, tokenizer: object or null}")
     c.check(manifest, "prompts", lambda x: isinstance(x, list), "a list of prompt entries")
     for i, entry in enumerate(manifest.get("prompts") or ()):
         _check_prompt(c, entry, f"prompts[{i}].")

@@ -367,8 +367,9 @@ import test_monitor as t
 from osdn_diag.monitor import Monitor
 
 def main(rank):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file store, not a TCP port: a port picked free can be taken by another process before
+    # rank 0 binds it, and the ranks then wait for each other forever
+    dist.init_process_group("gloo", init_method="file://" + {store!r}, rank=rank, world_size=2)
     model = t._tiny()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -392,13 +393,9 @@ if __name__ == "__main__":
 
 
 def test_under_ddp_rank_0_probes_and_writes_and_rank_1_skips(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     script = tmp_path / "ddp.py"
-    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), port=port, out=str(tmp_path / "out")))
+    script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), store=str(tmp_path / "store"),
+                                         out=str(tmp_path / "out")))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -208,3 +208,25 @@ def test_a_directory_where_a_file_goes_is_named_before_anything_is_written(tmp_p
         with atomic_path(tmp_path / "q_geo.png", root=tmp_path, suffix=".png"):
             pytest.fail("the writer ran")
     assert [p.name for p in tmp_path.iterdir()] == ["q_geo.png"]
+
+
+@pytest.mark.parametrize("via_link", [False, True])
+@pytest.mark.parametrize("root", [False, True])
+def test_a_fifo_or_device_where_a_file_goes_is_left_alone(tmp_path, via_link, root):
+    """``prove --json /dev/null`` (or ``view --out``, ``OSDN_DIAG_TUNING``'s table, a monitor's file):
+    the rename put a regular file in the place of the device — as root, of ``/dev/null`` itself, which
+    every other process then wrote into. A FIFO stands in for the device here (creating one needs no
+    privilege); ``/dev/stdout`` is a link to one, hence ``via_link``. Refused before the writer runs,
+    naming the path, and the FIFO left as it was (issue 44)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    target = fifo
+    if via_link:
+        target = tmp_path / "out" / "link.json"
+        target.parent.mkdir()
+        target.symlink_to(fifo)
+    with pytest.raises(ValueError, match=r"not a regular file \(a FIFO, a device"):
+        with atomic_path(target, root=tmp_path if root and not via_link else None):
+            pytest.fail("the writer ran")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted([target.name])

@@ -263,3 +263,23 @@ def test_an_environment_fla_cannot_be_interpreted_in_is_one_line(tmp_path):
     lines = [line for line in out.stderr.splitlines() if line.startswith("osdn-diag: error:")]
     assert len(lines) == 1 and "TRITON_INTERPRET=1" in lines[0] and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("via_link", [False, True])
+def test_a_fifo_or_device_given_as_an_output_file_is_one_line(tmp_path, capsys, via_link):
+    """``prove --json /dev/null`` (or ``/dev/stdout``, a FIFO) replaced the device with a regular file
+    after the ledger ran (as root: /dev/null itself); refused up front, naming it, exit 2 (issue 44)."""
+    import stat
+
+    from osdn_diag.cli import entry
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    target = fifo
+    if via_link:
+        target = tmp_path / "stdout"
+        target.symlink_to(fifo)
+    assert entry(["prove", "-q", "--json", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"osdn-diag: error: argument --json {str(target)!r}: not a regular file"), err
+    assert err.count("\n") == 1 and stat.S_ISFIFO(os.lstat(fifo).st_mode)

@@ -60,10 +60,18 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> None:
 
 
 def check_writable_file(path: str | os.PathLike, what: str) -> None:
-    """``path`` names a file that can be written: not a directory, in an existing, writable directory."""
+    """``path`` names a file that can be written: not a directory, nor a FIFO, device or socket (or a link
+    to one), in an existing, writable directory."""
+    from ..runtime.atomic import NotAFileError, refuse_special
+
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{what} {str(path)!r}: is a directory; give a file name")
+    try:  # /dev/null, /dev/stdout, a FIFO: the file is renamed into place, which would replace it
+        refuse_special(path)
+    except NotAFileError:
+        raise UsageError(f"{what} {str(path)!r}: not a regular file (a FIFO, a device, a socket or a link to "
+                         "one), which osdn-diag would replace with its file; give the path of a file") from None
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"{what} {str(path)!r}: the directory {str(parent)!r} does not exist; create it "

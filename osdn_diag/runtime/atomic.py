@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["LinkError", "atomic_path", "atomic_write_text", "is_temporary", "real_directory", "refuse_link",
-           "remove_stale_temporaries"]
+__all__ = ["LinkError", "NotAFileError", "atomic_path", "atomic_write_text", "is_temporary", "real_directory",
+           "refuse_link", "refuse_special", "remove_stale_temporaries"]
 
 # `.NAME.` + 8 random characters + `.tmp`, then the writer's extension if it needs one: what
 # atomic_path creates (hex), and what tempfile.mkstemp created in earlier versions ([a-z0-9_]).
@@ -52,6 +52,25 @@ def refuse_link(path: str | os.PathLike) -> None:
     if os.path.islink(path):
         raise LinkError(f"{path}: a symbolic link, where osdn-diag writes; it never writes through a link "
                         "nor replaces one: remove the link (its target is left alone), or choose another --out")
+
+
+class NotAFileError(ValueError):
+    """A FIFO, a device or a socket (or a link to one) where the package would write a file."""
+
+
+def refuse_special(path: str | os.PathLike) -> None:
+    """Raise :class:`NotAFileError` if ``path`` is, or links to, something that is neither a regular
+    file nor a directory — a FIFO, a device (``/dev/null``), a socket, ``/dev/stdout`` —: the file is
+    written by renaming a temporary over its name, which would put a regular file in the place of the
+    device (as root, of ``/dev/null`` itself) instead of writing to it."""
+    for stat_of in (os.lstat, os.stat):  # the name itself, and what a link there points to
+        try:
+            mode = stat_of(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):  # nothing there (or a dangling link): fine
+            return
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+            raise NotAFileError(f"{path}: not a regular file (a FIFO, a device, a socket or a link to one), where "
+                                "osdn-diag writes a file; it is left alone: give the path of a file")
 
 
 def real_directory(root: str | os.PathLike, directory: str | os.PathLike) -> Path:
@@ -125,6 +144,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", *, root: str | os
         else:
             real_directory(root, path.parent)
             refuse_link(path)
+        refuse_special(path)  # a device, a FIFO: never replaced by the rename
         if path.is_dir() and not path.is_symlink():  # else the rename fails, after the work, as a raw Errno 21
             raise IsADirectoryError(f"{path}: a directory, where osdn-diag writes a file; move it away, or "
                                     "choose another --out")

@@ -167,6 +167,15 @@ def _sigint_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
+def _stop_workers() -> None:
+    """Shut the active workers down (what they have not started is cancelled, what they draw is waited
+    for); the rest of the :func:`figure_workers` block draws here."""
+    global _workers, _worker_count
+    pool, _workers, _worker_count = _workers, None, 0
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def draw(figures: list[Figure]) -> None:
     """Write every figure's PNG and PDF (on the active :func:`figure_workers`, with a single worker
     also here, side by side; else here, in order). An error drawing one figure is raised as it would be here; if the worker
@@ -174,7 +183,6 @@ def draw(figures: list[Figure]) -> None:
     jobs = [(f.plot, f.args, str(t)) for f in figures for t in f.targets()]
     left = range(len(jobs))
     if _workers is not None:
-        from concurrent.futures import wait
         from concurrent.futures.process import BrokenProcessPool
 
         # With one worker (two or three CPUs) this process draws every second file meanwhile, which
@@ -194,10 +202,14 @@ def draw(figures: list[Figure]) -> None:
         except BrokenProcessPool:
             left = [i for i in left if i not in done]  # written again below, each through a temporary file
         except BaseException:
-            # A figure failed (or Ctrl-C): nothing is written after this returns, as when drawn here.
-            for future in futures:
-                future.cancel()
-            wait(futures)
+            # A figure failed (or Ctrl-C, SIGTERM): nothing is written after this returns, as when drawn
+            # here. The pool is shut down: its own thread cancels what no worker has started, and this
+            # waits for what they have (or for the pool to break, where they were killed too). Never by
+            # cancelling the futures from here: when a worker then dies (a SIGTERM to the whole process
+            # group), the executor's thread fails the pending futures one by one, stops with an
+            # InvalidStateError at the first one cancelled here (CPython 3.11), and leaves the running
+            # ones unresolved, so that waiting for them never returned.
+            _stop_workers()
             raise
     for i in left:
         _draw_file(*jobs[i])

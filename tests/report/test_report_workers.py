@@ -268,3 +268,58 @@ def test_workers_of_a_killed_command_exit(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# Ctrl-C (or SIGTERM) while this process draws its share, and the worker then dies, as a signal to
+# the whole process group ends it. Dies is the first figure's argument: drawn here, its len() waits
+# a second (the executor has queued the first files for the worker meanwhile) and is interrupted;
+# unpickled in the worker, it sleeps two seconds and ends the worker.
+_DIES = """
+import os, sys, time
+from pathlib import Path
+from osdn_diag.report.render import Figure, draw, figure_workers
+
+class Call:
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+    def __reduce__(self):
+        return self.fn, self.args
+
+class Dies:
+    def __len__(self):
+        time.sleep(1.0)
+        raise KeyboardInterrupt
+    def __reduce__(self):
+        return os._exit, (Call(len, (Call(time.sleep, 2.0),)),)
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    pairs = [("a", {"q_geo": 0.5, "q_arith": 0.6})]
+    figures = [Figure("plot_q_bars", (Dies(),), out / "dies.png")]
+    figures += [Figure("plot_q_bars", (pairs,), out / f"f{i}.png") for i in range(6)]
+    with figure_workers(1):
+        time.sleep(4.0)  # the worker is up and idle: nothing wakes the executor's thread but its death
+        try:
+            draw(figures)
+        except KeyboardInterrupt:
+            print("raised", flush=True)
+"""
+
+
+def test_a_failed_draw_whose_worker_dies_returns(tmp_path):
+    """The hang seen after a SIGTERM to a `run`'s process group while its report was drawn: this
+    process's share failed (Ctrl-C, SIGTERM), it cancelled the files its worker had not started, and
+    the worker then died; the executor's thread stopped at the first cancelled future (InvalidStateError,
+    CPython 3.11) without failing the file in flight, and draw() waited for it forever. It now raises
+    within seconds (issue 44)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "dies.py"
+    script.write_text(_DIES)
+    try:
+        done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True,
+                              timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("draw() never returned after its worker died")
+    assert done.stdout == "raised\n", done.stderr

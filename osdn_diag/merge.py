@@ -33,6 +33,7 @@ from .rundir import (
     check_file_name,
     finish_stage,
     output_lock,
+    reading_lock,
     prepare_output,
     read_rank_record,
     run_manifest,
@@ -56,6 +57,11 @@ def merge_runs(dirs: list[str | os.PathLike], out: str | os.PathLike, *, overwri
             raise FileNotFoundError(f"{d}: no such directory; give the --out directory of each node")
         if d.resolve() == out.resolve():
             raise RunDirectoryError(f"--out {out}: one of the directories to merge; choose another --out")
+    with reading_lock(*dirs):  # read, checked and copied with no command writing into them meanwhile
+        return _merge(dirs, out, overwrite=overwrite, report=report)
+
+
+def _merge(dirs: list[Path], out: Path, *, overwrite: bool, report: bool) -> Path:
     holders = [d for d in dirs if run_manifest(d) is not None]
     if len(holders) != 1:
         raise RunDirectoryError(

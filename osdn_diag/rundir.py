@@ -84,6 +84,7 @@ __all__ = [
     "prepare_output",
     "rank_record_path",
     "read_rank_record",
+    "reading_lock",
     "write_rank_record",
     "verify_files",
     "remove_rank_records",
@@ -512,6 +513,80 @@ def output_lock(directory: str | os.PathLike) -> Iterator[None]:
                 _rmdir_if_empty(path)
 
 
+@contextmanager
+def reading_lock(*directories: str | os.PathLike) -> Iterator[None]:
+    """Hold a shared lock on each of ``directories`` (runs a command reads but does not write: the
+    runs of a comparison report, what-if's source, the runs of a view, merge's node directories) while
+    the block runs, so that no command writes into them meanwhile (a ``replay`` replacing the tables a
+    report is reading, a ``run --overwrite`` removing the capture a what-if reads): a writer that comes
+    later is refused at once, and a directory a writer holds is refused here at once
+    (:class:`RunDirectoryError`). Readers share the lock with one another. A directory this process
+    already holds is not locked again. Where no lock file can be made (a read-only directory), none
+    is taken: no other command can write there either. The lock file is removed by the last holder."""
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        seen = set()
+        for directory in directories:
+            key = Path(directory).resolve()
+            if key in seen or key in _HELD:
+                continue
+            seen.add(key)
+            fd = _acquire_shared(key / LOCK_FILE, directory)
+            if fd is not None:
+                stack.callback(_release_shared, key / LOCK_FILE, fd)
+        yield
+
+
+def _acquire_shared(path: Path, directory) -> int | None:
+    import fcntl
+
+    while True:
+        try:
+            fd, _ = _open_lock(path)
+        except (PermissionError, OSError) as err:
+            if isinstance(err, RunDirectoryError):
+                raise
+            if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            try:  # read-only: a lock file that is there can still be locked through a read-only descriptor
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise RunDirectoryError(f"{directory} is in use by another osdn-diag command (pid {pid}), which is "
+                                    "writing into it; wait for it to finish") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.lstat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # its holder removed the file before we got the lock: take the new one
+
+
+def _release_shared(path: Path, fd: int) -> None:
+    """Let go of a shared lock; the last holder (the one that can then lock it exclusively) removes the
+    file, as a writer does."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                path.unlink()
+        except OSError:  # gone already, or a read-only directory: left as it is
+            pass
+    except OSError:  # another reader still holds it: it removes the file when it leaves
+        pass
+    finally:
+        os.close(fd)
+
+
 def _acquire(path: Path, directory) -> int:
     import fcntl
 
@@ -520,10 +595,12 @@ def _acquire(path: Path, directory) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
             os.close(fd)
-            raise RunDirectoryError(f"{directory} is in use by another osdn-diag command (pid {pid}); wait "
-                                    "for it to finish") from None
+            # A reader (reading_lock) writes no pid: the file is empty, or holds a killed writer's.
+            who = f"pid {pid}" if pid else "one reading it"
+            raise RunDirectoryError(f"{directory} is in use by another osdn-diag command ({who}); wait for it "
+                                    "to finish") from None
         try:  # lstat: a link put at the name meanwhile is not our file either
             same = os.path.samestat(os.fstat(fd), os.lstat(path))
         except FileNotFoundError:

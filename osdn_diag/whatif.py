@@ -28,6 +28,7 @@ from .rundir import (
     new_run_id,
     out_inside_input,
     output_lock,
+    reading_lock,
     prepare_output,
     run_manifest,
     start_stage,
@@ -93,6 +94,11 @@ def what_if_run(
     and ``run_dir``'s capture opened, before anything is written. ``source_run`` is stored as an
     absolute path (see :func:`source_run` for a what-if output moved with its source)."""
     run_dir = Path(run_dir)
+    with reading_lock(run_dir):  # no command writes into the source while its capture is read
+        return _what_if_locked(run_dir, settings, out_dir=out_dir, overwrite=overwrite, then=then, **replay_kw)
+
+
+def _what_if_locked(run_dir: Path, settings: WhatIf, *, out_dir, overwrite, then, **replay_kw) -> Path:
     reader = CaptureReader(run_dir)  # refuses a run without a usable capture, naming why
     for layer in reader.manifest.get("layers", []):
         family = layer.get("family")

@@ -192,3 +192,22 @@ def test_a_result_edited_after_the_run_is_refused_before_out_exists(tmp_path, ca
     err = _one_line(["merge", *map(str, nodes), "--out", str(out)], capsys)
     assert f"{nodes[0] / name}: its size or sha256 differs" in err, err
     assert not out.exists()
+
+
+def test_a_node_directory_another_command_writes_into_is_refused(tmp_path):
+    """A merge reads and copies the nodes' files while nothing writes into them: a node directory whose
+    lock another command holds (a `run --overwrite` removing its shards, say) is refused at once, and
+    nothing is written; before, its files were checked, then copied as they were being replaced
+    (issue 44)."""
+    from osdn_diag.rundir import RunDirectoryError
+
+    nodes = _nodes(tmp_path)
+    with open(nodes[1] / LOCK_FILE, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242\n")
+        held.flush()
+        with pytest.raises(RunDirectoryError, match=rf"{nodes[1]} is in use by another osdn-diag command \(pid 4242\)"):
+            merge_runs(nodes, tmp_path / "m", report=False)
+    assert not (tmp_path / "m").exists()
+    merge_runs(nodes, tmp_path / "m", report=False)  # once it is free
+    assert not any((node / LOCK_FILE).exists() for node in nodes[:1])

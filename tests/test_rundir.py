@@ -215,3 +215,39 @@ def test_a_run_that_needs_merging_is_never_complete(tmp_path):
     manifest["merge_needed"] = False
     finish_stage(tmp_path, manifest)
     assert json.loads((tmp_path / "manifest.json").read_text())["complete"] is True
+
+
+def test_a_run_being_read_is_not_written_and_a_run_being_written_is_not_read(tmp_path):
+    """`report A B --out CMP`, `view`, `what-if`'s source and `merge`'s nodes are read under a shared
+    lock: a `replay A` (or `run --overwrite`) started meanwhile is refused at once instead of replacing
+    the tables being read (a comparison report then mixed the old summary with the new per-token
+    table), and a reader finds a run being written refused at once too. Readers share the lock; the
+    last one removes the lock file (issue 44)."""
+    import fcntl
+
+    from osdn_diag.rundir import LOCK_FILE, RunDirectoryError, output_lock, reading_lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with reading_lock(run), reading_lock(run, run):  # readers share; one directory twice is one lock
+        with pytest.raises(RunDirectoryError, match=rf"{run} is in use by another osdn-diag command \(one reading it\)"):
+            with output_lock(run):
+                pytest.fail("written while read")
+        assert (run / LOCK_FILE).exists()
+    assert not (run / LOCK_FILE).exists()
+    with open(run / LOCK_FILE, "w") as held:  # a writer in another process
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("4242\n")
+        held.flush()
+        with pytest.raises(RunDirectoryError, match=rf"{run} is in use by another osdn-diag command \(pid 4242\)"):
+            with reading_lock(run):
+                pytest.fail("read while written")
+    with output_lock(run), reading_lock(run):  # what this process writes, it may read
+        pass
+    assert not (run / LOCK_FILE).exists()
+    run.chmod(0o555)  # read-only: no lock file can be made, and none is needed
+    try:
+        with reading_lock(run):
+            pass
+    finally:
+        run.chmod(0o755)

@@ -171,13 +171,13 @@ def _cmd_what_if(args: argparse.Namespace) -> int:
 
     from ..report import write_report
     from ..replay import load_run
-    from ..rundir import output_lock
+    from ..rundir import output_lock, reading_lock
     from ..whatif import WhatIf, what_if_out, what_if_run
 
     settings = WhatIf(eta=args.eta, d_min=args.d_min, d_max=args.d_max, retention=args.retention,
                       beta_aware=args.beta_aware)
     out = what_if_out(args.dir, settings, args.out)
-    with output_lock(out):  # the whole command: replay and report
+    with output_lock(out), reading_lock(args.dir):  # the whole command: replay and report, DIR only read
         what_if_run(
             args.dir, settings, out_dir=out, backend=args.backend,
             dtype=torch.float64 if args.fp64 else torch.float32, device=args.device, progress=not args.quiet,
@@ -273,9 +273,12 @@ def _cmd_view(args: argparse.Namespace) -> int:
     from ..view import write_view
     from .checks import parse_strip_prompts
 
+    from ..rundir import reading_lock
+
     out = args.out or str(Path(args.runs[0]) / "view.html")
     ids = parse_strip_prompts(args.strip_prompts) if args.strip_prompts else None
-    print(f"view: {write_view(args.runs, out, args.labels, strips=args.strips, strip_prompts=ids)}")
+    with reading_lock(*args.runs):  # no command writes into the runs while they are read
+        print(f"view: {write_view(args.runs, out, args.labels, strips=args.strips, strip_prompts=ids)}")
     return 0
 
 

@@ -20,6 +20,7 @@ from ..rundir import (
     finish_stage,
     is_report_dir,
     output_lock,
+    reading_lock,
     remove_report_files,
     run_manifest,
     start_stage,
@@ -709,7 +710,9 @@ def write_report(
     owner = next((i for i, p in enumerate(paths) if p.resolve() == out.resolve()), None)
     _check_out(paths, out, owner, into_input)
     check_links(out, REPORT_FILES)  # before anything is written: a link there is the user's
-    with output_lock(out):
+    # The other runs are read, not written: held against a command writing into them meanwhile (a
+    # replay replacing the tables this report is reading).
+    with output_lock(out), reading_lock(*paths):
         return _write_report(paths, out, owner, labels, d_head)
 
 

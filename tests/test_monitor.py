@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -359,7 +360,7 @@ def test_the_trainer_callback_logs_through_the_trainers_loggers(tmp_path):
 
 
 DDP_SCRIPT = """
-import os, sys, json
+import faulthandler, os, sys, json
 import torch, torch.distributed as dist
 import osdn_diag.models
 sys.path.insert(0, {tests!r})
@@ -367,6 +368,9 @@ import test_monitor as t
 from osdn_diag.monitor import Monitor
 
 def main(rank):
+    # a rank still alive after {stacks_after} s prints every thread's stack and exits: the test then fails
+    # with where it hung (a hung rank once outlived the test's kill of its parent by 47 minutes)
+    faulthandler.dump_traceback_later({stacks_after}, exit=True)
     # a file store, not a TCP port: a port picked free can be taken by another process before
     # rank 0 binds it, and the ranks then wait for each other forever
     dist.init_process_group("gloo", init_method="file://" + {store!r}, rank=rank, world_size=2)
@@ -392,13 +396,34 @@ if __name__ == "__main__":
 """
 
 
+DDP_STACKS_AFTER = 240
+
+
 def test_under_ddp_rank_0_probes_and_writes_and_rank_1_skips(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT.format(tests=str(Path(__file__).parent), store=str(tmp_path / "store"),
-                                         out=str(tmp_path / "out")))
+                                         out=str(tmp_path / "out"), stacks_after=DDP_STACKS_AFTER))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
+    # Its own session, so that a timeout ends the ranks too, not only their parent. Alone it takes
+    # about 25 s on the 2-core machine, about 60 s inside the suite; a rank that has not ended after
+    # DDP_STACKS_AFTER s has hung (both ranks' results printed, one never exited: twice a 900 s wait in
+    # fresh-clone runs), and ends itself printing its stacks, which the failure shows.
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=DDP_STACKS_AFTER + 60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the DDP script ran past {DDP_STACKS_AFTER + 60} s\nstdout:\n{stdout[-2000:]}\n"
+                    f"stderr:\n{stderr[-6000:]}")
+    finally:
+        try:  # a rank left behind by a failure above
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    assert out.returncode == 0, out.stderr[-6000:]
     # both ranks print to one pipe, so their lines may interleave: read every object where it starts
     decoder, found = json.JSONDecoder(), []
     for start in [i for i in range(len(out.stdout)) if out.stdout.startswith('{"rank"', i)]:

@@ -544,9 +544,7 @@ def _acquire_shared(path: Path, directory) -> int | None:
     while True:
         try:
             fd, _ = _open_lock(path)
-        except (PermissionError, OSError) as err:
-            if isinstance(err, RunDirectoryError):
-                raise
+        except OSError as err:
             if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
             try:  # read-only: a lock file that is there can still be locked through a read-only descriptor

@@ -270,10 +270,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_view(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from ..rundir import reading_lock
     from ..view import write_view
     from .checks import parse_strip_prompts
-
-    from ..rundir import reading_lock
 
     out = args.out or str(Path(args.runs[0]) / "view.html")
     ids = parse_strip_prompts(args.strip_prompts) if args.strip_prompts else None

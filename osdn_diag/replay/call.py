@@ -236,9 +236,9 @@ def chunk_applies(args: dict) -> bool:
 
 def triton_replay(args: dict, *, chunked: bool = True):
     """One call's recurrence by a Triton replay: the chunked one where it applies (tensor cores: on an
-    H200, 1.5–1.7× the fused replay's speed at K = 64 and 128, ungated,
-    ``benchmarks/RESULTS.md``), the token-by-token one elsewhere (fp64, wider keys, any gate). Both meet the same contract and the same fidelity check. The
-    result's ``kernel`` attribute names the one that ran."""
+    H200, 1.5–1.7× the fused replay's speed at K = 64 and 128, ungated, ``benchmarks/RESULTS.md``), the
+    token-by-token one elsewhere (fp64, wider keys, any gate). Both meet the same contract and the same
+    fidelity check. The result's ``kernel`` attribute names the one that ran."""
     if chunked and chunk_applies(args):
         from ..ops.replay_chunk import chunk_replay
 

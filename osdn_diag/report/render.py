@@ -128,8 +128,7 @@ def figure_workers(n: int | None = None):
     try:
         yield
     finally:
-        _workers, _worker_count = None, 0
-        pool.shutdown(wait=True, cancel_futures=True)
+        _stop_workers()  # where a failed draw has not already
 
 
 def _start(n: int):

@@ -89,6 +89,7 @@ def test_nested_blocks_start_no_second_pool():
             assert render._workers is outer
         assert render._workers is outer
     assert render._workers is None
+    assert not multiprocessing.active_children()  # the block that started the pool stopped its worker
 
 
 @pytest.mark.parametrize("cpus, expected", [(1, 0), (2, 1), (3, 1), (4, 2), (6, 4), (16, 8), (128, 8)])

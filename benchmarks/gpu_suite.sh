@@ -4,7 +4,9 @@
 #   OUT=/path/to/results bash benchmarks/gpu_suite.sh [step ...]
 #
 # Ends with benchmarks/targets.py: the performance targets beside their measured values.
-# Steps (default: all, in this order): tests, families (fla's further kernel families, bf16), hf_tests (transformers models, bf16), layers, phase1, replay, comparator, capture, e2e,
+# Steps (default: all, in this order): tests (every GPU test not in the next three steps), families (fla's
+# further kernel families, bf16), hf_tests (transformers models, bf16), monitor (training with the
+# monitor, bf16 autocast), layers, phase1, replay, comparator, capture, e2e,
 # e2e_stored, e2e_1b, memory, e2e_hf (realistic transformers-model layer shapes), wall (the paper-scale
 # command as typed, timed from the shell: first run with an empty Triton cache of its own, then warm); and, not in the default list, e2e_ddp (every GPU of the machine under
 # torchrun) and device_map (the 1.3B shape spread over every GPU by --device-map, against the same on one GPU).
@@ -28,7 +30,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/osdn_diag_triton_cache}
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 PY=${PYTHON:-python3}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests families hf_tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall)
+[ ${#steps[@]} -eq 0 ] && steps=(tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall)
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
@@ -36,6 +38,10 @@ limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
 # pytest-xdist installed they run in $TEST_WORKERS processes (default 8) sharing the GPU.
 XDIST=""
 "$PY" -c "import xdist" 2>/dev/null && XDIST="-n ${TEST_WORKERS:-8}"
+# Verbose, so that a step cut at its limit still names the result of every test that finished; without
+# the project's addopts, whose --dist loadfile would keep each file (kernel_exact_gpu: 40 tests) on one
+# process.
+PYTEST_OPTS="-v --tb=short -rfE -p no:cacheprovider -o addopts="
 
 # Everything in $OUT so far, as $OUT/gpu_suite.tgz: written beside $OUT and moved in, so the archive
 # is never half-written and never reads itself.
@@ -57,12 +63,16 @@ run_step() {
 
 for step in "${steps[@]}"; do
     case $step in
-        tests)      run_step tests 300 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/ops/test_phase1_parallel_kernel.py \
+        tests)      run_step tests 420 "$PY" -m pytest $PYTEST_OPTS $XDIST tests/ops/test_phase1_parallel_kernel.py \
                         tests/ops/test_phase1_kernel.py tests/layers/test_layers_gpu.py tests/ops \
-                        tests/capture/test_kernel_exact_gpu.py tests/test_cli_warmup.py ;;
-        families)   run_step families 540 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/capture/test_family_*_gpu.py ;;
-        hf_tests)   run_step hf_tests 420 "$PY" -m pytest -q -p no:cacheprovider $XDIST tests/transformers/test_hf_capture_gpu.py \
-                        tests/layers/test_layers_gpu.py ;;
+                        tests/capture/test_kernel_exact_gpu.py tests/capture/test_generation_gpu.py \
+                        tests/capture/test_capture.py tests/models/test_loading_dtypes_gpu.py tests/models/test_osdn_models.py \
+                        tests/metrics/test_ratios.py tests/metrics/test_retention.py tests/replay/test_triton_replay.py \
+                        tests/pipeline/test_beside_the_replay.py tests/test_cli_warmup.py tests/test_cli_errors.py \
+                        tests/test_host.py tests/test_tuning_table.py ;;
+        monitor)    run_step monitor 300 "$PY" -m pytest $PYTEST_OPTS $XDIST tests/test_monitor_gpu.py ;;
+        families)   run_step families 540 "$PY" -m pytest $PYTEST_OPTS $XDIST tests/capture/test_family_*_gpu.py ;;
+        hf_tests)   run_step hf_tests 420 "$PY" -m pytest $PYTEST_OPTS $XDIST tests/transformers/test_hf_capture_gpu.py ;;
         e2e_hf)     run_step e2e_hf 400 bash -c '
                         set -e; for m in qwen3.5-0.8b-shape kimi-linear-48b-a3b-shape; do
                             "$0" benchmarks/bench_e2e.py --model random:$m --mode stream --json "$1/e2e_$m.json"; done' "$PY" "$OUT" ;;
@@ -95,7 +105,7 @@ for step in "${steps[@]}"; do
                         "$0" benchmarks/compare_runs.py --rtol 1e-5 /tmp/osdn_dm/stream /tmp/osdn_1gpu/stream' "$PY" "$OUT" ;;
         e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
                         benchmarks/bench_e2e.py --mode stream --json "$OUT/e2e_ddp.json" ;;
-        *) echo "unknown step $step (tests families hf_tests layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall e2e_ddp device_map)"; exit 2 ;;
+        *) echo "unknown step $step (tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall e2e_ddp device_map)"; exit 2 ;;
     esac
 done
 # The targets, each beside its measured value, from whatever the steps above left in $OUT.

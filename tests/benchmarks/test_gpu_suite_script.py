@@ -52,3 +52,23 @@ def test_each_step_is_packed_as_soon_as_it_ends(tmp_path):
 def test_an_unknown_step_is_named(tmp_path):
     done = _suite(tmp_path, "comparatr")
     assert done.returncode == 2 and "unknown step comparatr" in done.stdout
+
+
+def test_every_test_file_that_runs_on_a_gpu_is_in_a_step():
+    """A test file that does something only where CUDA is available is run by one of the suite's
+    test steps (named itself or by its folder), so that "every GPU test ran" means what it says."""
+    import re
+
+    script = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
+    named = set(re.findall(r"\btests/[\w/.*]+", script))
+    # conftest only sets the interpreter up without CUDA; test_examples passes it to the scripts it runs.
+    not_gpu = {"tests/conftest.py", "tests/examples/test_examples.py"}
+    gpu_files = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
+                 if re.search(r"cuda\.is_available\(\)", p.read_text()) and not p.name.startswith("_")}
+
+    def covered(path: str) -> bool:
+        return any(path == n or path.startswith(n.rstrip("/") + "/")
+                   or (("*" in n) and Path(path).match(n)) for n in named)
+
+    missing = sorted(p for p in gpu_files - not_gpu if not covered(p))
+    assert not missing, f"GPU test files no step of gpu_suite.sh runs: {missing}"

@@ -532,39 +532,10 @@ def reading_lock(*directories: str | os.PathLike) -> Iterator[None]:
             if key in seen or key in _HELD:
                 continue
             seen.add(key)
-            fd = _acquire_shared(key / LOCK_FILE, directory)
+            fd = _acquire(key / LOCK_FILE, directory, shared=True)
             if fd is not None:
                 stack.callback(_release_shared, key / LOCK_FILE, fd)
         yield
-
-
-def _acquire_shared(path: Path, directory) -> int | None:
-    import fcntl
-
-    while True:
-        try:
-            fd, _ = _open_lock(path)
-        except OSError as err:
-            if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise
-            try:  # read-only: a lock file that is there can still be locked through a read-only descriptor
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
-                return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise RunDirectoryError(f"{directory} is in use by another osdn-diag command (pid {pid}), which is "
-                                    "writing into it; wait for it to finish") from None
-        try:
-            same = os.path.samestat(os.fstat(fd), os.lstat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)  # its holder removed the file before we got the lock: take the new one
 
 
 def _release_shared(path: Path, fd: int) -> None:
@@ -585,16 +556,33 @@ def _release_shared(path: Path, fd: int) -> None:
         os.close(fd)
 
 
-def _acquire(path: Path, directory) -> int:
+def _acquire(path: Path, directory, *, shared: bool = False) -> int | None:
+    """Lock ``path`` (``directory``'s lock file) without waiting and return the descriptor holding it:
+    exclusively for a writer (:func:`output_lock`, which then writes its pid into the file), shared for
+    a reader (:func:`reading_lock`). A lock held against it is refused at once
+    (:class:`RunDirectoryError`). Where the file cannot be opened for writing (a read-only directory),
+    a reader locks it through a read-only descriptor, and takes no lock (``None``) if there is none."""
     import fcntl
 
     while True:
-        fd, created = _open_lock(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd, created = _open_lock(path)
+        except OSError as err:
+            if not shared or err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            try:  # read-only: a lock file that is there can still be locked through a read-only descriptor
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                return None
+            created = False
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
             os.close(fd)
+            if shared:
+                raise RunDirectoryError(f"{directory} is in use by another osdn-diag command (pid {pid or '?'}), "
+                                        "which is writing into it; wait for it to finish") from None
             # A reader (reading_lock) writes no pid: the file is empty, or holds a killed writer's.
             who = f"pid {pid}" if pid else "one reading it"
             raise RunDirectoryError(f"{directory} is in use by another osdn-diag command ({who}); wait for it "
@@ -606,6 +594,8 @@ def _acquire(path: Path, directory) -> int:
         if same:
             break
         os.close(fd)  # the holder removed the file before we got the lock: take the new one
+    if shared:  # a reader writes nothing into the file
+        return fd
     if created:  # a file found there (a killed command's) keeps its mode: it may not be ours to change
         try:
             os.fchmod(fd, 0o644)  # readable by whoever looks for the pid, whatever the umask

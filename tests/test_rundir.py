@@ -82,6 +82,43 @@ def test_a_lock_file_a_killed_command_left_is_taken_over(tmp_path):
     assert not (run / LOCK_FILE).exists()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["exclusive", "shared"])
+def test_a_lock_file_its_holder_removed_before_the_lock_came_is_not_the_one_held(tmp_path, monkeypatch, shared):
+    """Between opening the lock file and locking it, its holder may finish and remove it (a writer
+    unlinks it while still holding it): the file then locked is no longer at the name, and a command
+    that kept it would share no lock with the next one. Writers and readers both start again on the
+    file at the name."""
+    import fcntl
+
+    from osdn_diag import rundir
+    from osdn_diag.rundir import reading_lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).write_text("")  # the holder's, about to be removed
+    real, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        if not calls:  # the holder leaves just before the first lock is taken
+            (run / LOCK_FILE).unlink()
+        calls.append(op)
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with (reading_lock(run) if shared else output_lock(run)):
+        assert len(calls) >= 2  # the removed file's lock, then the new file's
+        held = rundir._HELD[run.resolve()][1] if not shared else None
+        if not shared:
+            assert os.path.samestat(os.fstat(held), os.lstat(run / LOCK_FILE))
+            assert (run / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+        else:
+            assert (run / LOCK_FILE).exists()
+            with pytest.raises(RunDirectoryError):  # the file at the name is the one locked
+                with output_lock(tmp_path / "run"):
+                    pass
+    assert not (run / LOCK_FILE).exists()
+
+
 # Links where a run writes.
 
 @pytest.mark.parametrize("name", ["capture", "capture/batch_00000", "plots", "ranks", "summary.json",

@@ -521,8 +521,10 @@ def reading_lock(*directories: str | os.PathLike) -> Iterator[None]:
     report is reading, a ``run --overwrite`` removing the capture a what-if reads): a writer that comes
     later is refused at once, and a directory a writer holds is refused here at once
     (:class:`RunDirectoryError`). Readers share the lock with one another. A directory this process
-    already holds is not locked again. Where no lock file can be made (a read-only directory), none
-    is taken: no other command can write there either. The lock file is removed by the last holder."""
+    already holds is not locked again. Where the lock file cannot be written (a read-only directory),
+    the one there is locked through a read-only descriptor, after the same checks as a writer's (a
+    link, a FIFO, a directory or a hard link is refused); where there is none, none is taken: no other
+    command can write there either. The lock file is removed by the last holder."""
     from contextlib import ExitStack
 
     with ExitStack() as stack:
@@ -571,10 +573,9 @@ def _acquire(path: Path, directory, *, shared: bool = False) -> int | None:
             if not shared or err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
             try:  # read-only: a lock file that is there can still be locked through a read-only descriptor
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
+                fd, created = _open_lock(path, write=False)  # checked as any other (RunDirectoryError)
+            except OSError:  # none there (nor can a writer make one), or not readable
                 return None
-            created = False
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -606,22 +607,28 @@ def _acquire(path: Path, directory, *, shared: bool = False) -> int | None:
     return fd
 
 
-def _open_lock(path: Path) -> tuple[int, bool]:
-    """``(fd, created)``: the lock file opened for writing, created if missing. One that is not a
-    regular file of a single name (a link — even dangling —, a directory, a FIFO, a hard link to some
-    other file) is refused and left as it is: writing the pid would truncate or create what it points
-    to. O_NOFOLLOW and O_EXCL never follow a link; fstat checks what was opened, not the name."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    refused = RunDirectoryError(f"{path}: not a lock file osdn-diag made (a symbolic link, a directory, or a "
-                                "file with other names); it is left alone: remove it, then run the command again")
+def _open_lock(path: Path, *, write: bool = True) -> tuple[int, bool]:
+    """``(fd, created)``: the lock file opened for writing, created if missing (``write``), or opened
+    read-only and never created (not ``write``: where this user cannot write it). One that is not a
+    regular file of a single name (a link — even dangling —, a directory, a FIFO, a socket, a hard link
+    to some other file) is refused and left as it is: writing the pid would truncate or create what it
+    points to, and opening a FIFO could wait for a writer forever. O_NOFOLLOW and O_EXCL never follow a
+    link, O_NONBLOCK never waits, and fstat checks what was opened, not the name."""
+    flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    refused = RunDirectoryError(f"{path}: not a lock file osdn-diag made (a symbolic link, a directory, a FIFO, "
+                                "or a file with other names); it is left alone: remove it, then run the command "
+                                "again")
     while True:
-        try:
-            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
-        except FileExistsError:
-            pass
+        if write:
+            try:
+                return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                pass
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
+            if not write:
+                raise
             continue  # its holder removed it meanwhile: create it
         except OSError as err:
             if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK):

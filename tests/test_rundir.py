@@ -288,3 +288,115 @@ def test_a_run_being_read_is_not_written_and_a_run_being_written_is_not_read(tmp
             pass
     finally:
         run.chmod(0o755)
+
+
+# A run directory this user cannot write: readers lock the lock file that is there read-only.
+
+# chmod 0555 stops writes for a user, not for root (as tests may run): as root, opening the lock file
+# for writing then fails as it does for a user who cannot write there (EACCES).
+_AS_A_USER = """
+import errno, os
+from osdn_diag import rundir
+if os.geteuid() == 0:
+    _real_open_lock = rundir._open_lock
+    def _open_lock(path, *, write=True):
+        if write:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return _real_open_lock(path, write=write)
+    rundir._open_lock = _open_lock
+"""
+
+def _as_a_user(monkeypatch) -> None:
+    """``_AS_A_USER`` in this process (undone when the test ends)."""
+    import errno
+
+    from osdn_diag import rundir
+
+    if os.geteuid() == 0:
+        real = rundir._open_lock
+
+        def open_lock(path, *, write=True):
+            if write:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return real(path, write=write)
+
+        monkeypatch.setattr(rundir, "_open_lock", open_lock)
+
+
+_MERGE_READ_ONLY = _AS_A_USER + """
+import sys
+sys.argv = ["osdn-diag", "merge", {node!r}, "--out", {out!r}]
+from osdn_diag.cli import console
+console()
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link", "hard link"])
+def test_a_lock_path_that_is_not_a_lock_file_in_a_read_only_run_is_refused(tmp_path, kind):
+    """A reader that cannot write the run (a colleague's, a read-only mount) locks the lock file that
+    is there through a read-only descriptor; that file is checked as a writer checks it. A FIFO, a
+    link or a hard link planted as `.osdn-diag.lock` is refused in one line naming it (exit status
+    2), left as it is, and the FIFO is never waited on; before, the read-only open took whatever was
+    there (a link: no lock at all)."""
+    import subprocess
+    import sys
+
+    node = tmp_path / "node"
+    node.mkdir()
+    lock = node / LOCK_FILE
+    if kind == "fifo":
+        os.mkfifo(lock, 0o444)
+    elif kind == "link":
+        lock.symlink_to(_secret(tmp_path))
+    else:
+        os.link(_secret(tmp_path), lock)
+    node.chmod(0o555)
+    out = tmp_path / "merged"
+    try:
+        done = subprocess.run([sys.executable, "-c", _MERGE_READ_ONLY.format(node=str(node), out=str(out))],
+                              cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    finally:
+        node.chmod(0o755)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"osdn-diag: error: {lock}: not a lock file osdn-diag made"), done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lock.is_symlink() if kind == "link" else stat.S_ISFIFO(lock.lstat().st_mode) if kind == "fifo" else \
+        lock.stat().st_nlink == 2  # left alone
+    assert not out.exists()
+
+
+def test_a_read_only_run_is_read_under_the_lock_file_there(tmp_path, monkeypatch):
+    """In a read-only run the lock file a writer holds is still seen (the reader is refused), and one
+    no command holds is shared; with none there, no lock is taken (no command can write there either)."""
+    import fcntl
+
+    from osdn_diag.rundir import reading_lock
+
+    _as_a_user(monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o555)
+    try:
+        with reading_lock(run), reading_lock(run):  # nothing there: nothing locked, nothing made
+            assert not (run / LOCK_FILE).exists()
+        run.chmod(0o755)
+        (run / LOCK_FILE).write_text("")
+        (run / LOCK_FILE).chmod(0o444)
+        run.chmod(0o555)
+        with reading_lock(run):
+            other = os.open(run / LOCK_FILE, os.O_RDONLY)
+            try:  # the file there is held shared
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(other)
+        run.chmod(0o755)
+        (run / LOCK_FILE).write_text("")  # removed by the last reader where it could be (as root)
+        run.chmod(0o555)
+        with open(run / LOCK_FILE) as held:  # a writer holds it
+            fcntl.flock(held, fcntl.LOCK_EX)
+            with pytest.raises(RunDirectoryError, match=f"{run} is in use by another osdn-diag command"):
+                with reading_lock(run):
+                    pytest.fail("read while written")
+    finally:
+        run.chmod(0o755)

@@ -475,7 +475,8 @@ def _is_rank0() -> bool:
 def output_lock(directory: str | os.PathLike) -> Iterator[None]:
     """Hold the exclusive lock of ``directory`` (created if needed) while the block runs.
 
-    Another process holding it is refused at once (:class:`RunDirectoryError` naming its pid);
+    Another process holding it is refused at once (:class:`RunDirectoryError` naming its pid where
+    it is known, :func:`_in_use`);
     within one process the lock is re-entrant, so a command can hold it across the functions that
     take it again. The lock file (:data:`LOCK_FILE`, mode 0644, holding the pid) is removed when the
     outermost holder leaves, and so are the directories the lock created if nothing else was written
@@ -579,15 +580,11 @@ def _acquire(path: Path, directory, *, shared: bool = False) -> int | None:
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            if shared:
-                raise RunDirectoryError(f"{directory} is in use by another osdn-diag command (pid {pid or '?'}), "
-                                        "which is writing into it; wait for it to finish") from None
-            # A reader (reading_lock) writes no pid: the file is empty, or holds a killed writer's.
-            who = f"pid {pid}" if pid else "one reading it"
-            raise RunDirectoryError(f"{directory} is in use by another osdn-diag command ({who}); wait for it "
-                                    "to finish") from None
+            try:
+                message = _in_use(directory, fd, shared=shared)
+            finally:
+                os.close(fd)
+            raise RunDirectoryError(message) from None
         try:  # lstat: a link put at the name meanwhile is not our file either
             same = os.path.samestat(os.fstat(fd), os.lstat(path))
         except FileNotFoundError:
@@ -605,6 +602,57 @@ def _acquire(path: Path, directory, *, shared: bool = False) -> int | None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _in_use(directory, fd: int, *, shared: bool) -> str:
+    """Why ``directory``'s lock, open on ``fd``, was refused: a writer holds it (``shared``: only a
+    writer's lock refuses a reader's; else a shared lock refused too), named by its pid where that is
+    known to be the holder's, or readers, who write no pid. The pid in the file alone is not enough:
+    a killed writer's stays there under the readers and writers that come after it, and a writer
+    that has just got the lock has not written its own yet."""
+    import fcntl
+
+    writing = shared
+    if not shared:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            writing = True
+        else:  # readers only
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    if not writing:
+        return f"{directory} is being read by another osdn-diag command; wait for it to finish"
+    pid = _writer_pid(fd)
+    who = "" if pid is None else f" (pid {pid})"
+    return f"{directory} is in use by another osdn-diag command{who}, which is writing into it; wait for it to finish"
+
+
+def _writer_pid(fd: int) -> int | None:
+    """The pid the lock file open on ``fd`` holds, if that process holds the file's lock exclusively:
+    as the kernel's table of locks (``/proc/locks``) says where it lists the file, else if a process
+    of that pid is alive. ``None`` when the holder is not known."""
+    text = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip()
+    if re.fullmatch(r"[0-9]{1,10}", text) is None or int(text) <= 0:
+        return None
+    pid, info = int(text), os.fstat(fd)
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as table:
+            lines = table.read().splitlines()
+    except OSError:  # not Linux
+        lines = []
+    # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2146337 0 EOF" (a lock still waited for has "->" after "1:")
+    here = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    holders = [fields[4] for fields in map(str.split, lines)
+               if len(fields) >= 6 and fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and fields[5] == here]
+    if holders:
+        return pid if str(pid) in holders else None
+    try:  # the table does not list it (another system, a file system whose numbers differ)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except OSError:  # alive, another user's
+        pass
+    return pid
 
 
 def _open_lock(path: Path, *, write: bool = True) -> tuple[int, bool]:

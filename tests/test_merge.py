@@ -110,10 +110,10 @@ def test_a_merge_into_a_directory_in_use_is_refused(tmp_path, capsys):
     out.mkdir()
     with open(out / LOCK_FILE, "w") as held:  # another command holds OUT's lock
         fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("4242\n")
+        held.write(f"{os.getpid()}\n")  # this process holds it, through another descriptor
         held.flush()
         err = _one_line(["merge", *map(str, nodes), "--out", str(out)], capsys)
-        assert f"{out} is in use by another osdn-diag command (pid 4242)" in err, err
+        assert f"{out} is in use by another osdn-diag command (pid {os.getpid()})" in err, err
         assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
 
 
@@ -204,9 +204,10 @@ def test_a_node_directory_another_command_writes_into_is_refused(tmp_path):
     nodes = _nodes(tmp_path)
     with open(nodes[1] / LOCK_FILE, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("4242\n")
+        held.write(f"{os.getpid()}\n")  # this process holds it, through another descriptor
         held.flush()
-        with pytest.raises(RunDirectoryError, match=rf"{nodes[1]} is in use by another osdn-diag command \(pid 4242\)"):
+        with pytest.raises(RunDirectoryError, match=rf"{nodes[1]} is in use by another osdn-diag command "
+                                                    rf"\(pid {os.getpid()}\), which is writing into it"):
             merge_runs(nodes, tmp_path / "m", report=False)
     assert not (tmp_path / "m").exists()
     merge_runs(nodes, tmp_path / "m", report=False)  # once it is free

@@ -267,16 +267,17 @@ def test_a_run_being_read_is_not_written_and_a_run_being_written_is_not_read(tmp
     run = tmp_path / "run"
     run.mkdir()
     with reading_lock(run), reading_lock(run, run):  # readers share; one directory twice is one lock
-        with pytest.raises(RunDirectoryError, match=rf"{run} is in use by another osdn-diag command \(one reading it\)"):
+        with pytest.raises(RunDirectoryError, match=rf"{run} is being read by another osdn-diag command; wait"):
             with output_lock(run):
                 pytest.fail("written while read")
         assert (run / LOCK_FILE).exists()
     assert not (run / LOCK_FILE).exists()
     with open(run / LOCK_FILE, "w") as held:  # a writer in another process
         fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("4242\n")
+        held.write(f"{os.getpid()}\n")  # this process holds it, through another descriptor
         held.flush()
-        with pytest.raises(RunDirectoryError, match=rf"{run} is in use by another osdn-diag command \(pid 4242\)"):
+        with pytest.raises(RunDirectoryError, match=rf"{run} is in use by another osdn-diag command \(pid {os.getpid()}\), "
+                                                    "which is writing into it"):
             with reading_lock(run):
                 pytest.fail("read while written")
     with output_lock(run), reading_lock(run):  # what this process writes, it may read
@@ -400,3 +401,66 @@ def test_a_read_only_run_is_read_under_the_lock_file_there(tmp_path, monkeypatch
                     pytest.fail("read while written")
     finally:
         run.chmod(0o755)
+
+
+# Who holds a lock.
+
+_HOLD = """
+import fcntl, sys
+from osdn_diag.rundir import reading_lock
+if sys.argv[2] == "reader":
+    with reading_lock(sys.argv[1]):
+        print("held", flush=True)
+        sys.stdin.read()
+else:  # a writer that has the lock but has not written its pid yet
+    with open(sys.argv[1] + "/.osdn-diag.lock", "r+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        print("held", flush=True)
+        sys.stdin.read()
+"""
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    return done.pid
+
+
+@pytest.mark.parametrize("holder", ["reader", "writer"])
+def test_a_refusal_never_names_a_pid_that_does_not_hold_the_lock(tmp_path, holder):
+    """A killed writer's pid stays in the lock file; readers write none, and a writer that has just
+    got the lock has not written its own yet. A command refused then named the dead pid as the one
+    in its way. Now a writer refused by readers says the run is being read; a command refused by a
+    writer whose pid is not known says it is being written, naming no pid."""
+    import subprocess
+    import sys
+
+    from osdn_diag.rundir import reading_lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stale = _dead_pid()
+    (run / LOCK_FILE).write_text(f"{stale}\n")  # a writer killed with SIGKILL left it
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(run), holder], cwd=Path(__file__).resolve().parents[1],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        with pytest.raises(RunDirectoryError) as refused:
+            with output_lock(run):
+                pytest.fail("written while held")
+        if holder == "reader":
+            assert str(refused.value) == f"{run} is being read by another osdn-diag command; wait for it to finish"
+        else:
+            assert str(refused.value) == (f"{run} is in use by another osdn-diag command, which is writing into it; "
+                                          "wait for it to finish")
+            with pytest.raises(RunDirectoryError) as refused_reader:
+                with reading_lock(run):
+                    pytest.fail("read while written")
+            assert str(refused_reader.value) == str(refused.value)
+        assert str(stale) not in str(refused.value)
+    finally:
+        proc.communicate("")
+    assert proc.returncode == 0

@@ -11,31 +11,39 @@ size and sha256 recorded; a file of another run, a missing one or a changed one 
 it. Every name read from the manifest and the records must be one osdn-diag writes
 (:func:`~osdn_diag.rundir.check_file_name`): a copy never lands outside ``OUT``.
 
-``OUT`` is written as every run is: under its lock (:func:`~osdn_diag.rundir.output_lock`), refused
-or (``--overwrite``) emptied of an old run only after every check that could refuse it, its
-manifest written first with no stage done, then every file through a temporary name, then the
-manifest saying capture and replay are done; the report then makes it complete. A merge that is
-killed leaves a run that says it is not complete, which ``--overwrite`` replaces.
+``OUT`` is written under its lock (:func:`~osdn_diag.rundir.output_lock`), refused (a run there
+without ``--overwrite``, a link, a foreign file in ``capture/``) before anything is written. Every
+file is first copied, through a temporary name, into a hidden directory in ``OUT``
+(``.osdn-diag-merge.XXXXXXXX``) beside the run ``OUT`` may hold, which stays whole meanwhile: Ctrl-C
+or SIGTERM until the last copy removes the copies and leaves ``OUT`` as it was. Then, with both
+signals held back (:func:`~osdn_diag.runtime.signals.signals_held`), the new manifest takes the old
+one's place with no stage done, the old run's own files go, the copies are renamed in and the
+manifest says capture and replay are done; the report then makes it complete. A merge killed outright
+(SIGKILL) leaves the old run, or a run that says it is not complete (which ``--overwrite`` replaces),
+and its copies, which the next merge into ``OUT`` removes.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
-from .runtime.atomic import atomic_path
+from .runtime.atomic import atomic_path, fsync_directory, real_directory, refuse_link
+from .runtime.signals import signals_held
 from .capture.store import IncompleteRunError
 from .rundir import (
     MANIFEST,
     RANKS_DIR,
     RunDirectoryError,
     check_file_name,
+    check_output,
     finish_stage,
     output_lock,
     reading_lock,
-    prepare_output,
     read_rank_record,
+    remove_run_files,
     run_manifest,
     stage_done,
     verify_files,
@@ -122,25 +130,61 @@ def _merge(dirs: list[Path], out: Path, *, overwrite: bool, report: bool) -> Pat
 
     with output_lock(out):
         # Refused (a run there without --overwrite, a link, a file in capture/ that is not a shard)
-        # before anything is removed, and the old run's own files removed only then.
-        prepare_output(out, overwrite=overwrite)
+        # before anything is written.
+        check_output(out, overwrite=overwrite)
         merged = {**manifest, "merge_needed": False, "merged_from": [str(d) for d in dirs]}
         stages = dict(merged["stages"])
-        merged["stages"] = dict.fromkeys(stages, False)
-        finish_stage(out, merged)  # the manifest first, no stage done: a killed merge is no complete run
-        for name, d in where.items():
-            _copy(d / name, out, name)
-        for rank, record_path in sorted(records.items()):
-            _copy(record_path, out, f"{RANKS_DIR}/{record_path.name}")
-        for name in _COPIED_FROM_RANK0:
-            if (src / name).is_file():
-                _copy(src / name, out, name)
-        finish_stage(out, merged, *(stage for stage in stages if stage != "report"))  # last
+        staging = _new_staging(out)
+        try:
+            # Copied beside OUT's run, which a signal (Ctrl-C, SIGTERM) until the last copy leaves as it was.
+            for name, d in where.items():
+                _copy(d / name, staging, name)
+            for rank, record_path in sorted(records.items()):
+                _copy(record_path, staging, f"{RANKS_DIR}/{record_path.name}")
+            for name in _COPIED_FROM_RANK0:
+                if (src / name).is_file():
+                    _copy(src / name, staging, name)
+            with signals_held():  # the old run (or none) to the new one, never stopped half way
+                merged["stages"] = dict.fromkeys(stages, False)
+                finish_stage(out, merged)  # first, no stage done: a merge killed now is no complete run
+                remove_run_files(out)  # the old run's own files
+                _move_in(staging, out)
+                finish_stage(out, merged, *(stage for stage in stages if stage != "report"))  # last
+        finally:
+            with signals_held():
+                shutil.rmtree(staging, ignore_errors=True)
         if report and "report" in stages:
             from .report import write_report
 
             write_report([out])
     return out
+
+
+#: The prefix of the directory in OUT that a merge copies the run's files into before it replaces the
+#: run there: a killed merge's is removed by the next merge into OUT (under its lock: nobody else's).
+_STAGING = ".osdn-diag-merge."
+
+
+def _new_staging(out: Path) -> Path:
+    """A new, empty directory in ``out`` for the merged files, after removing those of killed merges."""
+    for entry in out.iterdir():
+        if entry.name.startswith(_STAGING) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+    return Path(tempfile.mkdtemp(prefix=_STAGING, dir=out))
+
+
+def _move_in(staging: Path, out: Path) -> None:
+    """Every file below ``staging`` to the same name below ``out``, renamed (no link on the way), each
+    directory's new entries flushed to disk."""
+    directories = set()
+    for path in sorted(p for p in staging.rglob("*") if p.is_file() and not p.is_symlink()):
+        target = out / path.relative_to(staging)
+        real_directory(out, target.parent)
+        refuse_link(target)
+        os.replace(path, target)
+        directories.add(target.parent)
+    for directory in sorted(directories):
+        fsync_directory(directory)
 
 
 def _tokens_file(manifest: dict) -> dict:
@@ -152,8 +196,8 @@ def _tokens_file(manifest: dict) -> dict:
     return {"tokens.parquet": {"sha256": entry["sha256"], "size": entry["size"]}}
 
 
-def _copy(src: Path, out: Path, name: str) -> None:
-    """``src`` to ``out/name`` through a temporary file and a rename, no link on the way
+def _copy(src: Path, root: Path, name: str) -> None:
+    """``src`` to ``root/name`` through a temporary file and a rename, no link on the way
     (``name`` is one osdn-diag writes, checked by the caller)."""
-    with atomic_path(out / name, root=out) as tmp:
+    with atomic_path(root / name, root=root) as tmp:
         shutil.copyfile(src, tmp)

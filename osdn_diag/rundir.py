@@ -475,7 +475,8 @@ def _is_rank0() -> bool:
 def output_lock(directory: str | os.PathLike) -> Iterator[None]:
     """Hold the exclusive lock of ``directory`` (created if needed) while the block runs.
 
-    Another process holding it is refused at once (:class:`RunDirectoryError` naming its pid);
+    Another process holding it is refused at once (:class:`RunDirectoryError` naming its pid where
+    it is known, :func:`_in_use`);
     within one process the lock is re-entrant, so a command can hold it across the functions that
     take it again. The lock file (:data:`LOCK_FILE`, mode 0644, holding the pid) is removed when the
     outermost holder leaves, and so are the directories the lock created if nothing else was written
@@ -521,8 +522,10 @@ def reading_lock(*directories: str | os.PathLike) -> Iterator[None]:
     report is reading, a ``run --overwrite`` removing the capture a what-if reads): a writer that comes
     later is refused at once, and a directory a writer holds is refused here at once
     (:class:`RunDirectoryError`). Readers share the lock with one another. A directory this process
-    already holds is not locked again. Where no lock file can be made (a read-only directory), none
-    is taken: no other command can write there either. The lock file is removed by the last holder."""
+    already holds is not locked again. Where the lock file cannot be written (a read-only directory),
+    the one there is locked through a read-only descriptor, after the same checks as a writer's (a
+    link, a FIFO, a directory or a hard link is refused); where there is none, none is taken: no other
+    command can write there either. The lock file is removed by the last holder."""
     from contextlib import ExitStack
 
     with ExitStack() as stack:
@@ -532,39 +535,10 @@ def reading_lock(*directories: str | os.PathLike) -> Iterator[None]:
             if key in seen or key in _HELD:
                 continue
             seen.add(key)
-            fd = _acquire_shared(key / LOCK_FILE, directory)
+            fd = _acquire(key / LOCK_FILE, directory, shared=True)
             if fd is not None:
                 stack.callback(_release_shared, key / LOCK_FILE, fd)
         yield
-
-
-def _acquire_shared(path: Path, directory) -> int | None:
-    import fcntl
-
-    while True:
-        try:
-            fd, _ = _open_lock(path)
-        except OSError as err:
-            if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise
-            try:  # read-only: a lock file that is there can still be locked through a read-only descriptor
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
-                return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise RunDirectoryError(f"{directory} is in use by another osdn-diag command (pid {pid}), which is "
-                                    "writing into it; wait for it to finish") from None
-        try:
-            same = os.path.samestat(os.fstat(fd), os.lstat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)  # its holder removed the file before we got the lock: take the new one
 
 
 def _release_shared(path: Path, fd: int) -> None:
@@ -585,20 +559,32 @@ def _release_shared(path: Path, fd: int) -> None:
         os.close(fd)
 
 
-def _acquire(path: Path, directory) -> int:
+def _acquire(path: Path, directory, *, shared: bool = False) -> int | None:
+    """Lock ``path`` (``directory``'s lock file) without waiting and return the descriptor holding it:
+    exclusively for a writer (:func:`output_lock`, which then writes its pid into the file), shared for
+    a reader (:func:`reading_lock`). A lock held against it is refused at once
+    (:class:`RunDirectoryError`). Where the file cannot be opened for writing (a read-only directory),
+    a reader locks it through a read-only descriptor, and takes no lock (``None``) if there is none."""
     import fcntl
 
     while True:
-        fd, created = _open_lock(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd, created = _open_lock(path)
+        except OSError as err:
+            if not shared or err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            try:  # read-only: a lock file that is there can still be locked through a read-only descriptor
+                fd, created = _open_lock(path, write=False)  # checked as any other (RunDirectoryError)
+            except OSError:  # none there (nor can a writer make one), or not readable
+                return None
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            os.close(fd)
-            # A reader (reading_lock) writes no pid: the file is empty, or holds a killed writer's.
-            who = f"pid {pid}" if pid else "one reading it"
-            raise RunDirectoryError(f"{directory} is in use by another osdn-diag command ({who}); wait for it "
-                                    "to finish") from None
+            try:
+                message = _in_use(directory, fd, shared=shared)
+            finally:
+                os.close(fd)
+            raise RunDirectoryError(message) from None
         try:  # lstat: a link put at the name meanwhile is not our file either
             same = os.path.samestat(os.fstat(fd), os.lstat(path))
         except FileNotFoundError:
@@ -606,6 +592,8 @@ def _acquire(path: Path, directory) -> int:
         if same:
             break
         os.close(fd)  # the holder removed the file before we got the lock: take the new one
+    if shared:  # a reader writes nothing into the file
+        return fd
     if created:  # a file found there (a killed command's) keeps its mode: it may not be ours to change
         try:
             os.fchmod(fd, 0o644)  # readable by whoever looks for the pid, whatever the umask
@@ -616,22 +604,79 @@ def _acquire(path: Path, directory) -> int:
     return fd
 
 
-def _open_lock(path: Path) -> tuple[int, bool]:
-    """``(fd, created)``: the lock file opened for writing, created if missing. One that is not a
-    regular file of a single name (a link — even dangling —, a directory, a FIFO, a hard link to some
-    other file) is refused and left as it is: writing the pid would truncate or create what it points
-    to. O_NOFOLLOW and O_EXCL never follow a link; fstat checks what was opened, not the name."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    refused = RunDirectoryError(f"{path}: not a lock file osdn-diag made (a symbolic link, a directory, or a "
-                                "file with other names); it is left alone: remove it, then run the command again")
-    while True:
+def _in_use(directory, fd: int, *, shared: bool) -> str:
+    """Why ``directory``'s lock, open on ``fd``, was refused: a writer holds it (``shared``: only a
+    writer's lock refuses a reader's; else a shared lock refused too), named by its pid where that is
+    known to be the holder's, or readers, who write no pid. The pid in the file alone is not enough:
+    a killed writer's stays there under the readers and writers that come after it, and a writer
+    that has just got the lock has not written its own yet."""
+    import fcntl
+
+    writing = shared
+    if not shared:
         try:
-            return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
-        except FileExistsError:
-            pass
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            writing = True
+        else:  # readers only
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    if not writing:
+        return f"{directory} is being read by another osdn-diag command; wait for it to finish"
+    pid = _writer_pid(fd)
+    who = "" if pid is None else f" (pid {pid})"
+    return f"{directory} is in use by another osdn-diag command{who}, which is writing into it; wait for it to finish"
+
+
+def _writer_pid(fd: int) -> int | None:
+    """The pid the lock file open on ``fd`` holds, if that process holds the file's lock exclusively:
+    as the kernel's table of locks (``/proc/locks``) says where it lists the file, else if a process
+    of that pid is alive. ``None`` when the holder is not known."""
+    text = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip()
+    if re.fullmatch(r"[0-9]{1,10}", text) is None or int(text) <= 0:
+        return None
+    pid, info = int(text), os.fstat(fd)
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as table:
+            lines = table.read().splitlines()
+    except OSError:  # not Linux
+        lines = []
+    # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2146337 0 EOF" (a lock still waited for has "->" after "1:")
+    here = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    holders = [fields[4] for fields in map(str.split, lines)
+               if len(fields) >= 6 and fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and fields[5] == here]
+    if holders:
+        return pid if str(pid) in holders else None
+    try:  # the table does not list it (another system, a file system whose numbers differ)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except OSError:  # alive, another user's
+        pass
+    return pid
+
+
+def _open_lock(path: Path, *, write: bool = True) -> tuple[int, bool]:
+    """``(fd, created)``: the lock file opened for writing, created if missing (``write``), or opened
+    read-only and never created (not ``write``: where this user cannot write it). One that is not a
+    regular file of a single name (a link — even dangling —, a directory, a FIFO, a socket, a hard link
+    to some other file) is refused and left as it is: writing the pid would truncate or create what it
+    points to, and opening a FIFO could wait for a writer forever. O_NOFOLLOW and O_EXCL never follow a
+    link, O_NONBLOCK never waits, and fstat checks what was opened, not the name."""
+    flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    refused = RunDirectoryError(f"{path}: not a lock file osdn-diag made (a symbolic link, a directory, a FIFO, "
+                                "or a file with other names); it is left alone: remove it, then run the command "
+                                "again")
+    while True:
+        if write:
+            try:
+                return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                pass
         try:
             fd = os.open(path, flags)
         except FileNotFoundError:
+            if not write:
+                raise
             continue  # its holder removed it meanwhile: create it
         except OSError as err:
             if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK):

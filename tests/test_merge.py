@@ -30,23 +30,23 @@ def _write(path: Path, data: bytes) -> None:
     path.write_bytes(data)
 
 
-def _nodes(root: Path, shards: dict | None = None) -> list[Path]:
+def _nodes(root: Path, shards: dict | None = None, run_id: str = RUN_ID) -> list[Path]:
     """Two nodes' --out of a finished run of two processes: rank 0's holds the manifest."""
     nodes = [root / "node0", root / "node1"]
     listed, parts = {}, {}
     for rank, node in enumerate(nodes):
         shard, part = f"capture/batch_0000{rank}/layer_000.safetensors", f"residuals.parquet/part-0000{rank}.parquet"
         for name, table in ((shard, listed), (part, parts)):
-            data = f"{name} of rank {rank}".encode()
+            data = f"{name} of rank {rank} of run {run_id}".encode()
             _write(node / name, data)
             table[name] = _entry(data)
         _write(node / "ranks" / f"rank-0000{rank}.json",
-               json.dumps({"run_id": RUN_ID, "rank": rank, "world_size": 2}).encode())
-    manifest = {"run_id": RUN_ID, "stages": {"capture": True, "replay": True, "report": False}, "complete": False,
+               json.dumps({"run_id": run_id, "rank": rank, "world_size": 2}).encode())
+    manifest = {"run_id": run_id, "stages": {"capture": True, "replay": True, "report": False}, "complete": False,
                 "world_size": 2, "shared_out": False, "merge_needed": True,
                 "shards": listed if shards is None else shards, "parts": parts}
     _write(nodes[0] / "manifest.json", json.dumps(manifest).encode())
-    _write(nodes[0] / "summary.json", json.dumps({"run_id": RUN_ID}).encode())
+    _write(nodes[0] / "summary.json", json.dumps({"run_id": run_id}).encode())
     return nodes
 
 
@@ -110,10 +110,10 @@ def test_a_merge_into_a_directory_in_use_is_refused(tmp_path, capsys):
     out.mkdir()
     with open(out / LOCK_FILE, "w") as held:  # another command holds OUT's lock
         fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("4242\n")
+        held.write(f"{os.getpid()}\n")  # this process holds it, through another descriptor
         held.flush()
         err = _one_line(["merge", *map(str, nodes), "--out", str(out)], capsys)
-        assert f"{out} is in use by another osdn-diag command (pid 4242)" in err, err
+        assert f"{out} is in use by another osdn-diag command (pid {os.getpid()})" in err, err
         assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
 
 
@@ -204,10 +204,158 @@ def test_a_node_directory_another_command_writes_into_is_refused(tmp_path):
     nodes = _nodes(tmp_path)
     with open(nodes[1] / LOCK_FILE, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("4242\n")
+        held.write(f"{os.getpid()}\n")  # this process holds it, through another descriptor
         held.flush()
-        with pytest.raises(RunDirectoryError, match=rf"{nodes[1]} is in use by another osdn-diag command \(pid 4242\)"):
+        with pytest.raises(RunDirectoryError, match=rf"{nodes[1]} is in use by another osdn-diag command "
+                                                    rf"\(pid {os.getpid()}\), which is writing into it"):
             merge_runs(nodes, tmp_path / "m", report=False)
     assert not (tmp_path / "m").exists()
     merge_runs(nodes, tmp_path / "m", report=False)  # once it is free
     assert not any((node / LOCK_FILE).exists() for node in nodes[:1])
+
+
+# Ctrl-C and SIGTERM during a merge.
+
+# `osdn-diag merge`, signalled at a chosen moment: "start", as OUT's lock has just been taken (nothing
+# written yet); "copy", once two of the run's files have been copied; "swap", as the copied run takes
+# the place of the one OUT held.
+MERGE_SCRIPT = """
+import contextlib, os, signal, sys
+from osdn_diag import cli, merge
+
+moment, sig = {moment!r}, getattr(signal, {sig!r})
+if moment == "start":
+    real_lock = merge.output_lock
+
+    @contextlib.contextmanager
+    def output_lock(directory):
+        with real_lock(directory):
+            os.kill(os.getpid(), sig)
+            yield
+
+    merge.output_lock = output_lock
+elif moment == "swap":  # the old run's files about to be removed, the new ones all copied
+    real_remove = merge.remove_run_files
+
+    def remove_run_files(out):
+        os.kill(os.getpid(), sig)
+        real_remove(out)
+
+    merge.remove_run_files = remove_run_files
+elif moment == "copy":
+    real_copy, copied = merge._copy, []
+
+    def _copy(*args):
+        real_copy(*args)
+        copied.append(args)
+        if len(copied) == 2:
+            os.kill(os.getpid(), sig)
+
+    merge._copy = _copy
+sys.argv = ["osdn-diag", "merge", *{argv!r}]
+cli.console()
+"""
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path below ``root`` and its bytes (``None``: a directory)."""
+    return {p.relative_to(root).as_posix(): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def _no_report(nodes: list[Path]) -> list[Path]:
+    """The run without a report stage: its merge is complete once the files are in (its bytes stand in
+    for shards and tables, which a report would read)."""
+    _edit_manifest(nodes[0], stages={"capture": True, "replay": True})
+    return nodes
+
+
+@pytest.mark.parametrize("moment", ["start", "copy"])
+@pytest.mark.parametrize("old_run", [False, True], ids=["new-out", "overwrite"])
+@pytest.mark.parametrize("sig,status,line", [("SIGTERM", 143, "osdn-diag: terminated (SIGTERM)\n"),
+                                             ("SIGINT", 130, "osdn-diag: interrupted\n")], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_a_merge_leaves_out_as_it_was(tmp_path, capsys, sig, status, line, old_run, moment):
+    """SIGTERM (a job cancelled) or Ctrl-C as a merge takes OUT's lock or while it copies the files:
+    the command ends with its one line and status, and OUT is as the merge found it — absent, or the
+    complete run it held (`--overwrite`), file for file — with no lock left on OUT or the nodes and
+    nothing that looks like a run, complete or not; the same merge run again succeeds. Before, a
+    merge stopped while copying left an incomplete run in OUT (and had already removed the old one),
+    which the same command then refused."""
+    import subprocess
+    import sys
+
+    nodes = _no_report(_nodes(tmp_path / "new"))
+    out = tmp_path / "m"
+    argv = [*map(str, nodes), "--out", str(out)]
+    if old_run:
+        merge_runs(_no_report(_nodes(tmp_path / "old", run_id="b" * 32)), out, report=False)
+        assert json.loads((out / "manifest.json").read_text())["complete"] is True
+        argv.append("--overwrite")
+    before = _tree(out) if out.exists() else None
+    nodes_before = [_tree(node) for node in nodes]
+    env = {**os.environ, "OSDN_DIAG_REPORT_WORKERS": "0"}
+    done = subprocess.run([sys.executable, "-c", MERGE_SCRIPT.format(moment=moment, sig=sig, argv=argv)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == status, done.stderr
+    assert done.stderr == line
+    assert (_tree(out) if out.exists() else None) == before  # no lock, no temporary, no partial run
+    assert [_tree(node) for node in nodes] == nodes_before  # the nodes only read, their locks gone
+    assert _one_success(argv, capsys)["run_id"] == RUN_ID  # the same merge again
+
+
+def _one_success(argv: list[str], capsys) -> dict:
+    capsys.readouterr()
+    assert entry(["merge", *argv]) == 0, capsys.readouterr().err
+    out = Path(argv[argv.index("--out") + 1])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True and not (out / LOCK_FILE).exists()
+    return manifest
+
+
+@pytest.mark.parametrize("sig,status,line", [("SIGTERM", 143, "osdn-diag: terminated (SIGTERM)\n"),
+                                             ("SIGINT", 130, "osdn-diag: interrupted\n")], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_as_the_merged_run_replaces_the_old_one_waits_for_the_new_run(tmp_path, sig, status, line):
+    """Once every file is copied, the old run's files are removed and the new ones renamed in: a
+    signal then is held back until OUT holds the whole new run, complete, and ends the command after
+    it, with its line and status and no lock left."""
+    import subprocess
+    import sys
+
+    nodes = _no_report(_nodes(tmp_path / "new"))
+    out = tmp_path / "m"
+    merge_runs(_no_report(_nodes(tmp_path / "old", run_id="b" * 32)), out, report=False)
+    argv = [*map(str, nodes), "--out", str(out), "--overwrite"]
+    done = subprocess.run([sys.executable, "-c", MERGE_SCRIPT.format(moment="swap", sig=sig, argv=argv)],
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OSDN_DIAG_REPORT_WORKERS": "0"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == status, done.stderr
+    assert done.stderr == line
+    merged = tmp_path / "again"
+    merge_runs(nodes, merged, report=False)
+    expected = _tree(merged)
+    expected["manifest.json"] = (merged / "manifest.json").read_bytes().replace(str(merged).encode(), str(out).encode())
+    assert _tree(out) == expected  # the new run, whole, and nothing else (its merged_from aside)
+    assert json.loads((out / "manifest.json").read_text())["complete"] is True
+
+
+def test_a_killed_merge_leaves_the_old_run_and_the_next_merge_clears_its_copies(tmp_path, capsys):
+    """SIGKILL (out of memory) while the files are copied: nothing cleans up, but the run OUT held is
+    intact beside the copies (a hidden directory) and the lock file; the next merge into OUT takes the
+    lock over and removes them."""
+    import subprocess
+    import sys
+
+    nodes = _no_report(_nodes(tmp_path / "new"))
+    out = tmp_path / "m"
+    merge_runs(_no_report(_nodes(tmp_path / "old", run_id="b" * 32)), out, report=False)
+    before = _tree(out)
+    argv = [*map(str, nodes), "--out", str(out), "--overwrite"]
+    done = subprocess.run([sys.executable, "-c", MERGE_SCRIPT.format(moment="copy", sig="SIGKILL", argv=argv)],
+                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OSDN_DIAG_REPORT_WORKERS": "0"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    left = {name for name in _tree(out) if "/" not in name} - set(before)
+    assert len(left) == 2 and LOCK_FILE in left and next(iter(left - {LOCK_FILE})).startswith(".osdn-diag-merge.")
+    assert {k: v for k, v in _tree(out).items() if k.split("/")[0] not in left} == before  # the old run, whole
+    assert _one_success(argv, capsys)["run_id"] == RUN_ID
+    assert not any(p.name.startswith(".osdn-diag-merge.") for p in out.iterdir())

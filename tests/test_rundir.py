@@ -82,6 +82,43 @@ def test_a_lock_file_a_killed_command_left_is_taken_over(tmp_path):
     assert not (run / LOCK_FILE).exists()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["exclusive", "shared"])
+def test_a_lock_file_its_holder_removed_before_the_lock_came_is_not_the_one_held(tmp_path, monkeypatch, shared):
+    """Between opening the lock file and locking it, its holder may finish and remove it (a writer
+    unlinks it while still holding it): the file then locked is no longer at the name, and a command
+    that kept it would share no lock with the next one. Writers and readers both start again on the
+    file at the name."""
+    import fcntl
+
+    from osdn_diag import rundir
+    from osdn_diag.rundir import reading_lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).write_text("")  # the holder's, about to be removed
+    real, calls = fcntl.flock, []
+
+    def flock(fd, op):
+        if not calls:  # the holder leaves just before the first lock is taken
+            (run / LOCK_FILE).unlink()
+        calls.append(op)
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with (reading_lock(run) if shared else output_lock(run)):
+        assert len(calls) >= 2  # the removed file's lock, then the new file's
+        held = rundir._HELD[run.resolve()][1] if not shared else None
+        if not shared:
+            assert os.path.samestat(os.fstat(held), os.lstat(run / LOCK_FILE))
+            assert (run / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+        else:
+            assert (run / LOCK_FILE).exists()
+            with pytest.raises(RunDirectoryError):  # the file at the name is the one locked
+                with output_lock(tmp_path / "run"):
+                    pass
+    assert not (run / LOCK_FILE).exists()
+
+
 # Links where a run writes.
 
 @pytest.mark.parametrize("name", ["capture", "capture/batch_00000", "plots", "ranks", "summary.json",
@@ -230,16 +267,17 @@ def test_a_run_being_read_is_not_written_and_a_run_being_written_is_not_read(tmp
     run = tmp_path / "run"
     run.mkdir()
     with reading_lock(run), reading_lock(run, run):  # readers share; one directory twice is one lock
-        with pytest.raises(RunDirectoryError, match=rf"{run} is in use by another osdn-diag command \(one reading it\)"):
+        with pytest.raises(RunDirectoryError, match=rf"{run} is being read by another osdn-diag command; wait"):
             with output_lock(run):
                 pytest.fail("written while read")
         assert (run / LOCK_FILE).exists()
     assert not (run / LOCK_FILE).exists()
     with open(run / LOCK_FILE, "w") as held:  # a writer in another process
         fcntl.flock(held, fcntl.LOCK_EX)
-        held.write("4242\n")
+        held.write(f"{os.getpid()}\n")  # this process holds it, through another descriptor
         held.flush()
-        with pytest.raises(RunDirectoryError, match=rf"{run} is in use by another osdn-diag command \(pid 4242\)"):
+        with pytest.raises(RunDirectoryError, match=rf"{run} is in use by another osdn-diag command \(pid {os.getpid()}\), "
+                                                    "which is writing into it"):
             with reading_lock(run):
                 pytest.fail("read while written")
     with output_lock(run), reading_lock(run):  # what this process writes, it may read
@@ -251,3 +289,178 @@ def test_a_run_being_read_is_not_written_and_a_run_being_written_is_not_read(tmp
             pass
     finally:
         run.chmod(0o755)
+
+
+# A run directory this user cannot write: readers lock the lock file that is there read-only.
+
+# chmod 0555 stops writes for a user, not for root (as tests may run): as root, opening the lock file
+# for writing then fails as it does for a user who cannot write there (EACCES).
+_AS_A_USER = """
+import errno, os
+from osdn_diag import rundir
+if os.geteuid() == 0:
+    _real_open_lock = rundir._open_lock
+    def _open_lock(path, *, write=True):
+        if write:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return _real_open_lock(path, write=write)
+    rundir._open_lock = _open_lock
+"""
+
+def _as_a_user(monkeypatch) -> None:
+    """``_AS_A_USER`` in this process (undone when the test ends)."""
+    import errno
+
+    from osdn_diag import rundir
+
+    if os.geteuid() == 0:
+        real = rundir._open_lock
+
+        def open_lock(path, *, write=True):
+            if write:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return real(path, write=write)
+
+        monkeypatch.setattr(rundir, "_open_lock", open_lock)
+
+
+_MERGE_READ_ONLY = _AS_A_USER + """
+import sys
+sys.argv = ["osdn-diag", "merge", {node!r}, "--out", {out!r}]
+from osdn_diag.cli import console
+console()
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link", "hard link"])
+def test_a_lock_path_that_is_not_a_lock_file_in_a_read_only_run_is_refused(tmp_path, kind):
+    """A reader that cannot write the run (a colleague's, a read-only mount) locks the lock file that
+    is there through a read-only descriptor; that file is checked as a writer checks it. A FIFO, a
+    link or a hard link planted as `.osdn-diag.lock` is refused in one line naming it (exit status
+    2), left as it is, and the FIFO is never waited on; before, the read-only open took whatever was
+    there (a link: no lock at all)."""
+    import subprocess
+    import sys
+
+    node = tmp_path / "node"
+    node.mkdir()
+    lock = node / LOCK_FILE
+    if kind == "fifo":
+        os.mkfifo(lock, 0o444)
+    elif kind == "link":
+        lock.symlink_to(_secret(tmp_path))
+    else:
+        os.link(_secret(tmp_path), lock)
+    node.chmod(0o555)
+    out = tmp_path / "merged"
+    try:
+        done = subprocess.run([sys.executable, "-c", _MERGE_READ_ONLY.format(node=str(node), out=str(out))],
+                              cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    finally:
+        node.chmod(0o755)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"osdn-diag: error: {lock}: not a lock file osdn-diag made"), done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lock.is_symlink() if kind == "link" else stat.S_ISFIFO(lock.lstat().st_mode) if kind == "fifo" else \
+        lock.stat().st_nlink == 2  # left alone
+    assert not out.exists()
+
+
+def test_a_read_only_run_is_read_under_the_lock_file_there(tmp_path, monkeypatch):
+    """In a read-only run the lock file a writer holds is still seen (the reader is refused), and one
+    no command holds is shared; with none there, no lock is taken (no command can write there either)."""
+    import fcntl
+
+    from osdn_diag.rundir import reading_lock
+
+    _as_a_user(monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o555)
+    try:
+        with reading_lock(run), reading_lock(run):  # nothing there: nothing locked, nothing made
+            assert not (run / LOCK_FILE).exists()
+        run.chmod(0o755)
+        (run / LOCK_FILE).write_text("")
+        (run / LOCK_FILE).chmod(0o444)
+        run.chmod(0o555)
+        with reading_lock(run):
+            other = os.open(run / LOCK_FILE, os.O_RDONLY)
+            try:  # the file there is held shared
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(other)
+        run.chmod(0o755)
+        (run / LOCK_FILE).write_text("")  # removed by the last reader where it could be (as root)
+        run.chmod(0o555)
+        with open(run / LOCK_FILE) as held:  # a writer holds it
+            fcntl.flock(held, fcntl.LOCK_EX)
+            with pytest.raises(RunDirectoryError, match=f"{run} is in use by another osdn-diag command"):
+                with reading_lock(run):
+                    pytest.fail("read while written")
+    finally:
+        run.chmod(0o755)
+
+
+# Who holds a lock.
+
+_HOLD = """
+import fcntl, sys
+from osdn_diag.rundir import reading_lock
+if sys.argv[2] == "reader":
+    with reading_lock(sys.argv[1]):
+        print("held", flush=True)
+        sys.stdin.read()
+else:  # a writer that has the lock but has not written its pid yet
+    with open(sys.argv[1] + "/.osdn-diag.lock", "r+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        print("held", flush=True)
+        sys.stdin.read()
+"""
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    return done.pid
+
+
+@pytest.mark.parametrize("holder", ["reader", "writer"])
+def test_a_refusal_never_names_a_pid_that_does_not_hold_the_lock(tmp_path, holder):
+    """A killed writer's pid stays in the lock file; readers write none, and a writer that has just
+    got the lock has not written its own yet. A command refused then named the dead pid as the one
+    in its way. Now a writer refused by readers says the run is being read; a command refused by a
+    writer whose pid is not known says it is being written, naming no pid."""
+    import subprocess
+    import sys
+
+    from osdn_diag.rundir import reading_lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stale = _dead_pid()
+    (run / LOCK_FILE).write_text(f"{stale}\n")  # a writer killed with SIGKILL left it
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(run), holder], cwd=Path(__file__).resolve().parents[1],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "held\n"
+        with pytest.raises(RunDirectoryError) as refused:
+            with output_lock(run):
+                pytest.fail("written while held")
+        if holder == "reader":
+            assert str(refused.value) == f"{run} is being read by another osdn-diag command; wait for it to finish"
+        else:
+            assert str(refused.value) == (f"{run} is in use by another osdn-diag command, which is writing into it; "
+                                          "wait for it to finish")
+            with pytest.raises(RunDirectoryError) as refused_reader:
+                with reading_lock(run):
+                    pytest.fail("read while written")
+            assert str(refused_reader.value) == str(refused.value)
+        assert str(stale) not in str(refused.value)
+    finally:
+        proc.communicate("")
+    assert proc.returncode == 0

@@ -101,12 +101,15 @@ def entry(argv: list[str] | None = None) -> int:
     import os
 
     from ..runtime.bytecode import keep_bytecode
+    from ..runtime.signals import hold_signals_during_imports
 
     keep_bytecode()  # a process of its own: PYTHONDONTWRITEBYTECODE no longer recompiles torch each time
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv or os.environ.get("OSDN_DIAG_DEBUG") == "1"
     try:
-        with _sigterm_as_interrupt(), _reader_may_leave():
+        # A signal that comes while torch and the like are imported waits for the import's end: one
+        # raised inside it could abort the process (pybind11's std::terminate), lock left behind.
+        with _sigterm_as_interrupt(), hold_signals_during_imports(), _reader_may_leave():
             return main(argv, report_workers=True)
     except SystemExit as done:  # argparse: --help, or a usage error it has printed on one line
         if isinstance(done.code, int) or done.code is None:

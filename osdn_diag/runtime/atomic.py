@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["LinkError", "NotAFileError", "atomic_path", "atomic_write_text", "is_temporary", "real_directory",
-           "refuse_link", "refuse_special", "remove_stale_temporaries"]
+__all__ = ["LinkError", "NotAFileError", "atomic_path", "atomic_write_text", "fsync_directory", "is_temporary",
+           "real_directory", "refuse_link", "refuse_special", "remove_stale_temporaries"]
 
 # `.NAME.` + 8 random characters + `.tmp`, then the writer's extension if it needs one: what
 # atomic_path creates (hex), and what tempfile.mkstemp created in earlier versions ([a-z0-9_]).
@@ -126,6 +126,11 @@ def _fsync(path: Path, *, directory: bool = False) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Flush ``path``'s entries (files renamed into it) to disk, where the platform can."""
+    _fsync(Path(path), directory=True)
 
 
 @contextmanager

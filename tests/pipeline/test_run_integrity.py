@@ -406,7 +406,8 @@ def test_a_second_command_on_a_directory_in_use_is_refused(runs, tmp_path, capsy
         for argv in (["replay", str(run), "-q"], _args(run, 2, "--overwrite"),
                      ["what-if", str(runs / "two"), "--out", str(run), "--overwrite", "-q"], ["report", str(run)]):
             err = _one_line_error(argv, capsys)
-            assert f"{run} is in use by another osdn-diag command (pid {holder.pid}); wait for it to finish" in err
+            assert f"{run} is in use by another osdn-diag command (pid {holder.pid}), which is writing into it; " \
+                   "wait for it to finish" in err
         assert {k: v for k, v in _files(run).items() if k != LOCK_FILE} == before
     finally:
         holder.communicate("")

@@ -320,14 +320,22 @@ def check_file_name(name, listed_in: str | os.PathLike, *, shard: bool = False) 
 
 def prepare_output(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     """Make ``out_dir`` ready for a new run: refuse it as :func:`check_output` does, and remove the
-    run it holds (with ``overwrite``): that run's own files only, the manifest first. Call only once
-    the new run's inputs have loaded, holding :func:`output_lock`."""
+    run it holds (with ``overwrite``): that run's own files only. Call only once the new run's inputs
+    have loaded, holding :func:`output_lock`.
+
+    The manifest first says the run is not complete and lists no shard, and goes last: a command
+    killed on the way (even by SIGKILL) leaves a run that says it is unfinished, which
+    ``--overwrite`` replaces, never a directory of a run's files and no manifest (refused as "not a
+    run" even with ``--overwrite``) nor a manifest that says complete over missing files."""
     out_dir = Path(out_dir)
     manifest = check_output(out_dir, overwrite=overwrite)
     if manifest is None:
         return
-    (out_dir / MANIFEST).unlink()
+    stages = manifest.get("stages")
+    _write(out_dir, {**manifest, "stages": dict.fromkeys(stages if isinstance(stages, dict) else (), False),
+                     "shards": {}, "complete": False})
     remove_run_files(out_dir)
+    (out_dir / MANIFEST).unlink()
 
 
 def remove_run_files(out_dir: str | os.PathLike) -> None:

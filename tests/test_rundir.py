@@ -212,6 +212,31 @@ def test_overwrite_removes_the_shards_an_interrupted_capture_never_listed(tmp_pa
     assert sorted(p.name for p in run.iterdir()) == []
 
 
+def test_overwrite_killed_half_way_leaves_a_run_that_says_it_is_unfinished(tmp_path, monkeypatch):
+    """A command killed while --overwrite removes the old run (SIGKILL: no clean-up runs) leaves a
+    manifest saying the run is not complete and listing no shard, so the next --overwrite replaces it;
+    never the run's files without a manifest, which is refused as "not a run" even with --overwrite."""
+    import osdn_diag.rundir as rundir
+
+    run = _run(tmp_path / "run")
+    (run / "summary.json").write_text("{}")
+    remove = rundir.remove_run_files
+
+    def killed(out_dir):
+        (Path(out_dir) / SHARD).unlink()  # one file gone, then the process dies
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(rundir, "remove_run_files", killed)
+    with pytest.raises(SystemExit):
+        prepare_output(run, overwrite=True)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["shards"] == {}
+    assert not any(manifest["stages"].values())
+    monkeypatch.setattr(rundir, "remove_run_files", remove)
+    prepare_output(run, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == []
+
+
 @pytest.mark.parametrize("foreign", ["capture/experiment1.csv", "capture/batch_00000/notes.txt",
                                      "capture/mine/layer_000.safetensors"])
 def test_overwrite_refuses_a_foreign_file_in_capture_before_removing_anything(tmp_path, foreign):

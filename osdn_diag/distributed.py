@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .runtime.launcher import launched_world
+
 __all__ = ["Ranks", "current", "fault_point", "init_from_env", "shutdown"]
 
 #: test hook: ``RANK:POINT`` makes that rank kill itself (SIGKILL, as a preempted node) at ``POINT``
@@ -79,7 +81,7 @@ def current() -> Ranks:
 
 def init_from_env() -> Ranks:
     """Join the process group torchrun describes (``WORLD_SIZE`` > 1): NCCL on GPUs, gloo on CPUs."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+    if launched_world() > 1 and not dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", 0))
         if torch.cuda.is_available():
             torch.cuda.set_device(local)

@@ -80,6 +80,7 @@ __all__ = [
     "foreign_capture_files",
     "is_report_dir",
     "new_run_id",
+    "open_lock",
     "out_inside_input",
     "output_lock",
     "prepare_output",
@@ -698,6 +699,10 @@ def _open_lock(path: Path, *, write: bool = True) -> tuple[int, bool]:
             os.close(fd)
             raise refused
         return fd, False
+
+
+#: :func:`_open_lock`, for the package's other lock files (``monitor.parquet``'s).
+open_lock = _open_lock
 
 
 def _write(run_dir: Path, manifest: dict) -> None:

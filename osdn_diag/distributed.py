@@ -20,13 +20,21 @@ assumed: rank 0 writes the manifest first, and every rank looks for it (same run
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Ranks", "current", "fault_point", "init_from_env", "shutdown"]
+from .runtime.launcher import launched_world
+
+__all__ = ["Ranks", "current", "fault_point", "init_from_env", "rendezvous_timeout", "shutdown"]
+
+#: how long joining the process group waits for the other ranks, in seconds (see :func:`init_from_env`)
+RENDEZVOUS_ENV = "OSDN_DIAG_RENDEZVOUS_TIMEOUT"
+RENDEZVOUS_TIMEOUT = 300.0
 
 #: test hook: ``RANK:POINT`` makes that rank kill itself (SIGKILL, as a preempted node) at ``POINT``
 FAULT_ENV = "OSDN_DIAG_FAULT"
@@ -78,13 +86,59 @@ def current() -> Ranks:
 
 
 def init_from_env() -> Ranks:
-    """Join the process group torchrun describes (``WORLD_SIZE`` > 1): NCCL on GPUs, gloo on CPUs."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1): NCCL on GPUs, gloo on CPUs.
+
+    The group forms once every rank has joined. torch waits for them in C++ (30 minutes by default),
+    where the main thread handles no signal: SIGTERM and Ctrl-C would do nothing meanwhile. So the
+    joining runs on a helper thread, which the main thread waits for in Python — a signal then ends
+    the command as anywhere else — and for at most ``OSDN_DIAG_RENDEZVOUS_TIMEOUT`` seconds
+    (:func:`rendezvous_timeout`); a group not formed by then is refused (:class:`TimeoutError`,
+    one line: the other ranks never came, e.g. ``WORLD_SIZE`` set by hand for one process)."""
+    world = launched_world()
+    if world > 1 and not dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", 0))
+        limit = rendezvous_timeout()
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        failed = []
+
+        def join() -> None:
+            try:
+                if torch.cuda.is_available():
+                    torch.cuda.set_device(local)  # the current GPU is a thread's own
+                dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+            except BaseException as err:  # raised in the caller's thread
+                failed.append(err)
+
+        helper = threading.Thread(target=join, name="osdn-diag-rendezvous", daemon=True)
+        helper.start()
+        helper.join(limit)  # interrupted by a signal's handler (SIGTERM, Ctrl-C) like any wait in Python
+        if helper.is_alive():
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise TimeoutError(
+                f"WORLD_SIZE={world}: the other processes of the group did not join within {limit:g} s "
+                f"(rendezvous at {where}); start every rank with torchrun, or unset WORLD_SIZE to run one "
+                f"process ({RENDEZVOUS_ENV} sets the wait)")
+        if failed:
+            raise failed[0]
     return current()
+
+
+def rendezvous_timeout() -> float:
+    """How long :func:`init_from_env` waits for the other ranks: ``OSDN_DIAG_RENDEZVOUS_TIMEOUT``
+    seconds if set, else :data:`RENDEZVOUS_TIMEOUT`. A value that is not a positive number is refused
+    (:class:`ValueError` naming the variable)."""
+    raw = os.environ.get(RENDEZVOUS_ENV)
+    if raw is None:
+        return RENDEZVOUS_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise ValueError(f"{RENDEZVOUS_ENV}={raw!r}: expected the seconds to wait for the other ranks, "
+                         "a number above 0")
+    return value
 
 
 def shutdown() -> None:

@@ -23,7 +23,8 @@ What it records per probe, one row per layer and one for the whole model (``laye
 ``q_arith`` and ``n`` (the replay summary's ``by_layer`` entries and its overall ones), and for a
 layer with a preconditioner ``d`` (the OSDN family) the mean, standard deviation, minimum and maximum of
 its entries and the fraction that moved from 1 by more than 10⁻³. The rows go to ``monitor.parquet``
-(rewritten atomically after each probe; a probe at a step already in the file replaces that step's rows
+(rewritten atomically after each probe, under a lock beside it, so that monitors in several processes
+may share the file; a probe at a step already in the file replaces that step's rows
 of the same model, so a resumed run does not duplicate them), to :attr:`Monitor.rows`, and as scalars
 to ``log`` (a custom loop's logger) or the Trainer's loggers (TensorBoard, W&B, CSV, ... through
 ``trainer.log``). The file's schema: docs/monitor.md.
@@ -41,7 +42,8 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = ["SCHEMA_FIELDS", "Monitor", "MonitorCallback", "read"]
@@ -82,6 +84,41 @@ def _rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return 0
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``.NAME.lock`` beside ``path`` while the block runs, waited for: the
+    monitors of models trained side by side in several processes may share one ``monitor.parquet``,
+    and each one's read, merge and rewrite of it must not lose another's rows. The lock file is opened
+    as a run directory's is (:func:`osdn_diag.rundir.open_lock`: never through a link, a FIFO or a hard
+    link; refused with one line) and removed by its holder; a waiter whose file was removed meanwhile
+    takes the new one."""
+    import fcntl
+
+    from .rundir import open_lock
+
+    lock = path.with_name(f".{path.name}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)  # the first probe makes the directory, as it always did
+    while True:
+        fd, _ = open_lock(lock)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.path.samestat(os.fstat(fd), os.lstat(lock))
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)  # still held: a process waiting on this file starts again
+        os.close(fd)
 
 
 def _bare(model):
@@ -303,12 +340,13 @@ class Monitor:
 
         refuse_link(self.path)
         new = pa.Table.from_pylist([{k: r.get(k) for k in SCHEMA_FIELDS} for r in rows], schema=_schema())
-        if self.path.exists():
-            old = pq.read_table(self.path).cast(_schema())
-            same = pc.and_(pc.equal(old["model"], self.name), pc.equal(old["step"], rows[0]["step"]))
-            new = pa.concat_tables([old.filter(pc.invert(same)), new])
-        with atomic_path(self.path, ".parquet") as tmp:
-            pq.write_table(new, tmp)
+        with _locked(self.path):  # other processes' monitors may share the file: read and rewrite it alone
+            if self.path.exists():
+                old = pq.read_table(self.path).cast(_schema())
+                same = pc.and_(pc.equal(old["model"], self.name), pc.equal(old["step"], rows[0]["step"]))
+                new = pa.concat_tables([old.filter(pc.invert(same)), new])
+            with atomic_path(self.path, ".parquet") as tmp:
+                pq.write_table(new, tmp)
 
     def overhead(self, total_seconds: float | None = None) -> dict:
         """``{"probes", "probe_seconds", "total_seconds", "fraction"}``: the probes' share of

@@ -32,7 +32,8 @@ What is a run, and what ``--overwrite`` removes:
   the same command and world size is resumed rather than refused (see ``osdn_diag.pipeline``), each
   rank's record checked with :func:`verify_files` before its capture is kept.
 * Every command that writes into a directory holds :func:`output_lock` on it for as long as it runs
-  (``DIR/.osdn-diag.lock``, an exclusive ``flock``; on rank 0 only under ``torchrun``): a second
+  (``DIR/.osdn-diag.lock``, an exclusive ``flock``; on rank 0 only under ``torchrun``, a process of
+  its own being rank 0 whatever ``RANK`` says: :mod:`osdn_diag.runtime.launcher`): a second
   command on the same directory fails at once instead of interleaving its files with the first's. A
   lock path that is not a regular file of a single name (a link, a directory, a hard link) is refused.
 """
@@ -79,6 +80,7 @@ __all__ = [
     "foreign_capture_files",
     "is_report_dir",
     "new_run_id",
+    "open_lock",
     "out_inside_input",
     "output_lock",
     "prepare_output",
@@ -476,7 +478,9 @@ def _is_rank0() -> bool:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
-    return os.environ.get("RANK", "0") == "0"  # torchrun sets RANK before the process group exists
+    from .runtime.launcher import launched_rank  # torchrun's RANK, before the group exists; else 0
+
+    return launched_rank() == 0
 
 
 @contextmanager
@@ -695,6 +699,10 @@ def _open_lock(path: Path, *, write: bool = True) -> tuple[int, bool]:
             os.close(fd)
             raise refused
         return fd, False
+
+
+#: :func:`_open_lock`, for the package's other lock files (``monitor.parquet``'s).
+open_lock = _open_lock
 
 
 def _write(run_dir: Path, manifest: dict) -> None:

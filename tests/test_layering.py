@@ -35,7 +35,7 @@ ALLOWED = {
     "merge": {"capture", "replay", "report", "rundir"},
     "demo": {"catalog", "pipeline", "replay", "report", "rundir", "view"},
     "view": {"report", "replay", "capture"},
-    "monitor": {"capture", "replay", "metrics"},  # a training loop's probes: capture and replay, in memory  # reads finished runs, as plot does; nothing upstream imports it
+    "monitor": {"capture", "replay", "metrics", "rundir"},  # rundir: the lock of a shared monitor.parquet  # a training loop's probes: capture and replay, in memory  # reads finished runs, as plot does; nothing upstream imports it
 }
 
 #: Imports against the flow, each allowed for the reason given: ``(file, room it imports)``.

@@ -263,6 +263,52 @@ def test_monitor_parquet_holds_the_rows_and_a_resumed_step_replaces_its_rows(tra
         assert a["q_geo"] == b["q_geo"]  # the same weights, the same batch: the same value
 
 
+_APPEND = """
+import sys
+from pathlib import Path
+from osdn_diag.monitor import Monitor
+mon = Monitor.__new__(Monitor)  # the file's writer alone: no model to probe
+mon.name, mon.path = sys.argv[1], Path(sys.argv[2])
+sys.stdin.read()  # started together
+for step in range(1, int(sys.argv[3]) + 1):
+    mon._append([{"model": mon.name, "step": step, "layer": layer, "q_geo": 0.5, "q_arith": 0.5, "n": 1}
+                 for layer in (0, 1, -1)])
+"""
+
+
+def test_monitors_of_two_processes_sharing_monitor_parquet_keep_every_row(tmp_path):
+    """Two trainings' monitors writing one ``monitor.parquet`` each read it, add their rows and rename
+    the result over it: without a lock around that, one's rewrite dropped the rows the other had
+    just added (or read a file being replaced). Now every row of both is there, no lock or temporary
+    is left, and a link at the lock's name is refused, not followed."""
+    import pyarrow.parquet as pq
+
+    import osdn_diag.monitor as monitor
+    from osdn_diag.rundir import RunDirectoryError
+
+    path, steps = tmp_path / "monitor.parquet", 40
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", _APPEND, name, str(path), str(steps)], env=env,
+                              stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in ("A", "B")]
+    for proc in procs:
+        proc.stdin.close()
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    rows = pq.read_table(path).to_pylist()
+    for name in ("A", "B"):
+        assert sorted((r["step"], r["layer"]) for r in rows if r["model"] == name) == sorted(
+            (step, layer) for step in range(1, steps + 1) for layer in (0, 1, -1))
+    assert [p.name for p in tmp_path.iterdir()] == ["monitor.parquet"]
+    outside = tmp_path / "outside.txt"
+    outside.write_text("theirs")
+    (tmp_path / ".monitor.parquet.lock").symlink_to(outside)
+    mon = monitor.Monitor.__new__(monitor.Monitor)
+    mon.name, mon.path = "C", path
+    with pytest.raises(RunDirectoryError, match="not a lock file"):
+        mon._append([{"model": "C", "step": 1, "layer": -1, "q_geo": 0.5, "q_arith": 0.5, "n": 1}])
+    assert outside.read_text() == "theirs" and pq.read_table(path).num_rows == len(rows)
+
+
 def test_scalars_name_each_layer_and_the_whole_model(trained):
     _, _, _, mon, _, _, _ = trained
     rows = [r for r in mon.rows if r["step"] == 5]

@@ -489,3 +489,33 @@ def test_a_refusal_never_names_a_pid_that_does_not_hold_the_lock(tmp_path, holde
     finally:
         proc.communicate("")
     assert proc.returncode == 0
+
+
+# Which process locks.
+
+def test_a_stray_rank_in_a_single_process_environment_still_locks(tmp_path, monkeypatch):
+    """A ``RANK`` left in the environment of one process (``WORLD_SIZE`` unset: no launcher, no group)
+    made the process take no lock ("only rank 0 locks"), so it wrote into a directory another command
+    held. Only a group a launcher describes (``WORLD_SIZE`` > 1) or one joined decides the rank: a
+    process of its own is rank 0 and locks, and a directory another holds is refused."""
+    import fcntl
+
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    with open(run / LOCK_FILE, "w") as held:  # another command writing into it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(RunDirectoryError, match="in use by another osdn-diag command"):
+            with output_lock(run):
+                pytest.fail("written while another command holds the lock")
+    with output_lock(run):  # free again: taken, so that a second writer is refused
+        with open(run / LOCK_FILE) as second:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(second, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    # torchrun's other ranks (WORLD_SIZE > 1, before the group is joined) still leave it to rank 0
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with open(run / LOCK_FILE, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with output_lock(run):
+            pass

@@ -65,9 +65,9 @@ def _report_workers(command: str):
     """For a command that ends in a report, on the process that writes it (rank 0 under torchrun):
     the worker processes that will draw its figures, started now so that their imports overlap the
     command's own work (:func:`osdn_diag.report.render.figure_workers`)."""
-    import os
+    from ..runtime.launcher import launched_rank
 
-    if command not in _REPORT_COMMANDS or os.environ.get("RANK", "0") != "0":
+    if command not in _REPORT_COMMANDS or launched_rank() != 0:
         return contextlib.nullcontext()
     from ..report.render import figure_workers
 

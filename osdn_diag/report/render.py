@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..rundir import PLOT_FILES
 from ..runtime.cpus import usable_cpus
 from . import plots
 
@@ -31,6 +32,9 @@ __all__ = ["Figure", "default_workers", "draw", "figure_workers", "WORKERS_ENV"]
 WORKERS_ENV = "OSDN_DIAG_REPORT_WORKERS"
 #: At most this many workers by default: a report has at most 7 figures, 14 files.
 MAX_WORKERS = 8
+#: At most this many workers whatever ``OSDN_DIAG_REPORT_WORKERS`` says: one per file a report draws
+#: (more would have nothing to draw, and each costs a process and its imports).
+MAX_ASKED = len(PLOT_FILES)
 
 _workers = None  # the executor of the innermost active figure_workers block
 _worker_count = 0  # and how many processes it has
@@ -51,7 +55,8 @@ class Figure:
 
 def default_workers() -> int:
     """How many worker processes :func:`figure_workers` starts when not told: ``OSDN_DIAG_REPORT_WORKERS``
-    if set (0: none, the figures are drawn in the calling process), else the CPUs this process may
+    if set (0: none, the figures are drawn in the calling process; at most :data:`MAX_ASKED`, one per
+    file a report draws), else the CPUs this process may
     run on less two (the command's own threads), at most 8, and one where there are two or three
     CPUs: the command then draws every second file itself (:func:`draw`), and on the CPU its run takes
     one core (one torch thread), so the worker imports matplotlib beside the run and then halves the
@@ -65,7 +70,7 @@ def default_workers() -> int:
         if n < 0:
             raise ValueError(f"{WORKERS_ENV}={raw!r}: expected a whole number of processes, 0 or more "
                              "(0: the report's figures are drawn in the command's own process)")
-        return n
+        return min(n, MAX_ASKED)
     cpus = usable_cpus()
     return 0 if cpus < 2 else min(MAX_WORKERS, max(1, cpus - 2))
 

@@ -145,3 +145,62 @@ def test_device_map_refuses_bad_requests(tmp_path):
            "-m", "osdn_diag", "run", *ARGS, "--device-map", "auto", "--out", str(tmp_path / "x")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "not under torchrun with several" in proc.stderr, proc.stderr[-2000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    """Whether some process listens on ``port`` (the rendezvous store of a rank 0 waiting for the others)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        if any(f[1].endswith(f":{port:04X}") and f[3] == "0A" for f in map(str.split, lines)):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("how", ["timeout", "SIGTERM", "SIGINT"])
+def test_a_group_whose_other_ranks_never_come_ends(tmp_path, how):
+    """``WORLD_SIZE=2`` set by hand for one process: it waited in torch's C++ rendezvous for the other
+    rank for 30 minutes, and SIGTERM and Ctrl-C did nothing meanwhile. Now the wait ends after
+    OSDN_DIAG_RENDEZVOUS_TIMEOUT seconds with one line naming WORLD_SIZE, and a signal ends it at once
+    as anywhere else (143 / 130, one line), nothing written."""
+    import os
+    import signal
+    import time
+
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "WORLD_SIZE": "2", "RANK": "0",
+           "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OSDN_DIAG_RENDEZVOUS_TIMEOUT": "2" if how == "timeout" else "600"}
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "osdn_diag", "capture", *ARGS, "--out", str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if how != "timeout":
+            deadline = time.monotonic() + 120
+            while not _listening(port):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.1)
+            time.sleep(0.5)
+            proc.send_signal(getattr(signal, how))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    err = err.strip()
+    if how == "timeout":
+        assert proc.returncode == 2, err
+        assert err.startswith("osdn-diag: error: WORLD_SIZE=2: the other processes of the group did not join "
+                              "within 2 s") and "\n" not in err
+    else:
+        assert (proc.returncode, err) == ((143, "osdn-diag: terminated (SIGTERM)") if how == "SIGTERM"
+                                          else (130, "osdn-diag: interrupted"))
+    assert not out.exists()

@@ -102,6 +102,10 @@ def test_default_worker_count(monkeypatch, cpus, expected):
 def test_worker_count_from_the_environment(monkeypatch):
     monkeypatch.setenv(render.WORKERS_ENV, "3")
     assert default_workers() == 3
+    # No more than one per file a report draws: 100000 started 100000 processes, for 14 files.
+    for many in ("14", "15", "100000"):
+        monkeypatch.setenv(render.WORKERS_ENV, many)
+        assert default_workers() == 14
     for bad in ("-1", "two", ""):
         monkeypatch.setenv(render.WORKERS_ENV, bad)
         with pytest.raises(ValueError, match="OSDN_DIAG_REPORT_WORKERS"):

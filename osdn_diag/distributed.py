@@ -89,24 +89,27 @@ def init_from_env() -> Ranks:
     """Join the process group torchrun describes (``WORLD_SIZE`` > 1): NCCL on GPUs, gloo on CPUs.
 
     The group forms once every rank has joined. torch waits for them in C++ (30 minutes by default),
-    where the main thread handles no signal: SIGTERM and Ctrl-C would do nothing meanwhile. So the
-    joining runs on a helper thread, which the main thread waits for in Python — a signal then ends
-    the command as anywhere else — and for at most ``OSDN_DIAG_RENDEZVOUS_TIMEOUT`` seconds
-    (:func:`rendezvous_timeout`); a group not formed by then is refused (:class:`TimeoutError`,
-    one line: the other ranks never came, e.g. ``WORLD_SIZE`` set by hand for one process)."""
+    where the main thread handles no signal: SIGTERM and Ctrl-C would do nothing meanwhile. So, on
+    CPUs (gloo), the joining runs on a helper thread, which the main thread waits for in Python — a
+    signal then ends the command as anywhere else — and for at most ``OSDN_DIAG_RENDEZVOUS_TIMEOUT``
+    seconds (:func:`rendezvous_timeout`); a group not formed by then is refused
+    (:class:`TimeoutError`, one line: the other ranks never came, e.g. ``WORLD_SIZE`` set by hand for
+    one process). On GPUs (NCCL) the calling thread joins, under torch's own timeout: CUDA's current
+    device is a thread's own, and NCCL's communicators are bound to the device of the thread that
+    makes them."""
     world = launched_world()
     if world > 1 and not dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", 0))
         limit = rendezvous_timeout()
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
+            dist.init_process_group(backend="nccl")
+            return current()
         failed = []
 
         def join() -> None:
             try:
-                if torch.cuda.is_available():
-                    torch.cuda.set_device(local)  # the current GPU is a thread's own
-                dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+                dist.init_process_group(backend="gloo")
             except BaseException as err:  # raised in the caller's thread
                 failed.append(err)
 

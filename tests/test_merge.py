@@ -137,6 +137,19 @@ def test_overwrite_replaces_a_run_beside_a_lock_a_killed_command_left(tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("key,value", [("shards", None), ("parts", "x"), ("shards", {"capture/batch_00000/layer_000.safetensors": "bad"}),
+                                       ("tokens", {"sha256": "ab"}), ("files", {"summary.json": "x"}), ("files", [1])])
+def test_a_damaged_node_manifest_is_refused_naming_it_before_out_exists(tmp_path, capsys, key, value):
+    """Rank 0's manifest is checked as every command checks a manifest it reads (its keys' types): a
+    damaged one is refused in one line naming that file and the key, not OUT's manifest after a copy."""
+    nodes = _nodes(tmp_path)
+    _edit_manifest(nodes[0], **{key: value})
+    out = tmp_path / "m"
+    err = _one_line(["merge", *map(str, nodes), "--out", str(out)], capsys)
+    assert f"{nodes[0] / 'manifest.json'}: key {key!r}" in err or f"{nodes[0] / 'manifest.json'}: key '{key}." in err, err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "other"])
 def test_a_manifest_name_outside_the_layout_is_refused_and_nothing_written(tmp_path, capsys, kind):
     name = {"dotdot": "capture/../../n0/x", "absolute": str(tmp_path / "abs" / "x"),

@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from .runtime.atomic import atomic_path, fsync_directory, real_directory, refuse_link
-from .runtime.schema import check_manifest
+from .runtime.schema import check_manifest, check_summary
 from .runtime.signals import signals_held
 from .capture.store import IncompleteRunError
 from .rundir import (
@@ -132,6 +132,7 @@ def _merge(dirs: list[Path], out: Path, *, overwrite: bool, report: bool) -> Pat
             # Checked here, not only by the report of OUT: an edited summary is never assembled into a run.
             raise RunDirectoryError(f"{src / name}: its size or sha256 differs from the one {path} records "
                                     "(changed after the run wrote it); rerun the run")
+    _check_summary(src / "summary.json")  # read by OUT's report: refused here, naming rank 0's
 
     with output_lock(out):
         # Refused (a run there without --overwrite, a link, a file in capture/ that is not a shard)
@@ -190,6 +191,18 @@ def _move_in(staging: Path, out: Path) -> None:
         directories.add(target.parent)
     for directory in sorted(directories):
         fsync_directory(directory)
+
+
+def _check_summary(path: Path) -> None:
+    """Refuse rank 0's ``summary.json`` unless it is JSON of the types osdn-diag writes
+    (:func:`~osdn_diag.runtime.schema.check_summary`), naming it."""
+    import json
+
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise RunDirectoryError(f"{path}: not valid JSON ({err}); rerun the run") from None
+    check_summary(summary, path, again="rerun the run")
 
 
 def _tokens_file(manifest: dict) -> dict:

@@ -413,7 +413,7 @@ def _hypotheses_cells(a: dict) -> list[str]:
     summary written before the audit counted streams)."""
     if "streams" not in a:
         return ["–", "–"]
-    failed = [f"{HYPOTHESIS_WORDS[name]}: {n}" for name, n in a["hypotheses_failed"].items() if n]
+    failed = [f"{HYPOTHESIS_WORDS.get(name, name)}: {n}" for name, n in a["hypotheses_failed"].items() if n]
     return [f"{a['hypotheses_hold']} / {a['streams']}", ", ".join(failed) or "none"]
 
 

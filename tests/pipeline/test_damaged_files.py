@@ -11,6 +11,7 @@ import pytest
 
 from osdn_diag.runtime.schema import SchemaError, check_manifest, check_summary
 from osdn_diag.cli import entry
+from osdn_diag.demo import view_available
 
 DAMAGES = [
     ("stages-list", "manifest.json", lambda m: m.update(stages=[]), "key 'stages' should be an object"),
@@ -31,6 +32,25 @@ DAMAGES = [
     ("summary-by-layer-list", "summary.json", lambda s: s.update(by_layer=[1]), "key 'by_layer' should be an object"),
     ("summary-by-layer-cell", "summary.json", lambda s: s["by_layer"].update({"000": {"q_geo": 1}}),
      "key 'by_layer.000' should be {q_geo: number"),
+    # Every key the report and the view read, not only the headline ones.
+    ("summary-bins-null", "summary.json", lambda s: s.update(position_bins=None), "key 'position_bins' should be an object"),
+    ("summary-bins-short", "summary.json", lambda s: s["position_bins"].update(q_geo=[1]),
+     "key 'position_bins' should be {q_geo, q_arith: 10 numbers"),
+    ("summary-bins-task-null", "summary.json", lambda s: s["position_bins"].update(by_task=None),
+     "key 'position_bins.by_task' should be an object"),
+    ("summary-assumptions-null", "summary.json", lambda s: s.update(assumptions=None),
+     "key 'assumptions' should be an object"),
+    ("summary-box-null", "summary.json", lambda s: s["assumptions"].update(box=None), "key 'assumptions.box' should be"),
+    ("summary-failed-null", "summary.json", lambda s: s["assumptions"].update(hypotheses_failed=None),
+     "key 'assumptions.hypotheses_failed' should be"),
+    ("summary-family-null", "summary.json", lambda s: s.update(by_family=None), "key 'by_family' should be an object"),
+    ("summary-replay-null", "summary.json", lambda s: s.update(replay=None), "key 'replay' should be an object"),
+    ("summary-head-name", "summary.json", lambda s: s.update(by_head={"x": {"q_geo": 1, "q_arith": 1, "n": 1}}),
+     "key 'by_head' holds an entry named 'x'"),
+    ("summary-comparator-str", "summary.json", lambda s: s["comparator"].update(eps_diag_mean="x"),
+     "key 'comparator.eps_diag_mean' should be a number"),
+    ("summary-recall-str", "summary.json", lambda s: s.update(recall={"mqar": {"accuracy": "x", "queries": 1}}),
+     "key 'recall.mqar.accuracy' should be a number"),
 ]
 
 
@@ -54,6 +74,8 @@ def test_a_damaged_file_is_one_line(run, tmp_path, capsys, name, file, damage, m
         manifest.pop("files", None)
         (copy / "manifest.json").write_text(json.dumps(manifest))
     commands = [["report", str(copy)]]
+    if file == "summary.json" and view_available():  # the view reads the same keys
+        commands.append(["view", str(copy), "--out", str(tmp_path / "view.html")])
     if file == "manifest.json":
         commands.append(["replay", str(copy), "--device", "cpu", "-q"])
     capsys.readouterr()
@@ -70,6 +92,21 @@ def test_what_osdn_diag_writes_passes(run):
     check_summary(json.loads((run / "summary.json").read_text()), "s")
     with pytest.raises(SchemaError, match="not a JSON object"):
         check_summary([], "s")
+
+
+def test_a_check_the_report_does_not_know_is_named_as_it_is(run, tmp_path, capsys):
+    """``assumptions.hypotheses_failed`` counts per check: a check named otherwise than the report's
+    words for them (a summary of a later version) is shown under its own name, not a KeyError."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    summary = json.loads((copy / "summary.json").read_text())
+    summary["assumptions"]["hypotheses_failed"] = {"keys_bounded": 1}
+    (copy / "summary.json").write_text(json.dumps(summary))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest.pop("files", None)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert entry(["report", str(copy)]) == 0, capsys.readouterr().err
+    assert "keys_bounded: 1" in (copy / "report.md").read_text()
 
 
 def _within(seconds, argv):

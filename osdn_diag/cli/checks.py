@@ -222,7 +222,7 @@ def check_args(args) -> None:
     if tolerance is not None and not (tolerance > 0):  # NaN fails this too
         raise UsageError(f"argument --tolerance: expected a number > 0, got {tolerance}")
     if cmd == "prove" and args.json:
-        check_writable_file(args.json, "argument --json")
+        check_output_file(args.json, "argument --json")
     if cmd == "warmup":
         _positive("--batch-size", args.batch_size)
         _positive("--length", args.length)

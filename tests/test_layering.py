@@ -34,7 +34,7 @@ ALLOWED = {
     "plot": {"report", "replay", "capture"},
     "merge": {"capture", "replay", "report", "rundir"},
     "demo": {"catalog", "pipeline", "replay", "report", "rundir", "view"},
-    "view": {"report", "replay", "capture"},
+    "view": {"report", "replay", "capture", "rundir"},  # rundir: its page is never one of a run's own files
     "monitor": {"capture", "replay", "metrics"},  # a training loop's probes: capture and replay, in memory  # reads finished runs, as plot does; nothing upstream imports it
 }
 

@@ -136,6 +136,49 @@ def test_a_fifo_in_place_of_a_run_file_is_refused_not_waited_on(run, tmp_path, c
     assert (copy / name).exists() and not (copy / name).is_file()  # left alone
 
 
+def _damage_a_page(path) -> None:
+    """Flip the bytes of ``path``'s first data page (its footer intact: the schema still reads)."""
+    import pyarrow.parquet as pq
+
+    data = bytearray(path.read_bytes())
+    data[8:200] = bytes(b ^ 0xFF for b in data[8:200])
+    path.write_bytes(bytes(data))
+    pq.read_schema(path)
+    with pytest.raises(Exception):  # noqa: B017 - pyarrow's own error, which names no file
+        pq.read_table(path)
+
+
+@pytest.mark.parametrize("name", ["residuals.parquet", "comparator.parquet"])
+def test_a_table_that_cannot_be_read_is_named(run, tmp_path, capsys, name):
+    """A damaged page of a run's table: every reader (view, report, Results.load) refuses it in one
+    line naming the file and saying to replay, not pyarrow's 'Corrupt snappy compressed data.'."""
+    import hashlib
+
+    from osdn_diag.replay import Results
+    from osdn_diag.rundir import RunDirectoryError
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    _damage_a_page(copy / name)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    if name in manifest.get("files", {}):  # as if written so: the reader, not the hash, meets the damage
+        data = (copy / name).read_bytes()
+        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+    want = f"{copy / name}: damaged, cannot be read ("
+    commands = [["view", str(copy), "--out", str(tmp_path / "v.html")]] if view_available() else []
+    if name == "comparator.parquet":
+        commands.append(["report", str(copy)])
+    capsys.readouterr()
+    for argv in commands:
+        assert entry(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and want in err and f"run `osdn-diag replay {copy}` again" in err, err
+    if name == "residuals.parquet":
+        with pytest.raises(RunDirectoryError, match="residuals.parquet: damaged, cannot be read"):
+            Results.load(copy)
+
+
 def test_a_device_in_place_of_a_hashed_file_is_refused():
     from osdn_diag.rundir import RunDirectoryError, sha256_file
 

@@ -4,7 +4,8 @@ under ``torchrun --nnodes N`` without a shared file system.
 Each node wrote its ranks' parts under its own ``--out``: capture shards, ``residuals.parquet/part-RRRRR``
 and ``ranks/rank-RRRRR.json``; rank 0's directory also holds the manifest (``"merge_needed": true``,
 never complete), ``summary.json`` and ``comparator.parquet``, reduced through the process group.
-Merging checks, before writing anything, that exactly one ``DIR`` holds the manifest, that its
+Merging checks, before writing anything, that exactly one ``DIR`` holds the manifest, that every
+key of it has the type osdn-diag writes (:func:`~osdn_diag.runtime.schema.check_manifest`), that its
 capture and replay finished, that every rank of its world size left a record of this run id, and
 that every file the manifest lists (every rank's shards and table parts) is in some ``DIR`` with the
 size and sha256 recorded; a file of another run, a missing one or a changed one is refused, naming
@@ -31,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 from .runtime.atomic import atomic_path, fsync_directory, real_directory, refuse_link
+from .runtime.schema import check_manifest, check_summary
 from .runtime.signals import signals_held
 from .capture.store import IncompleteRunError
 from .rundir import (
@@ -79,6 +81,9 @@ def _merge(dirs: list[Path], out: Path, *, overwrite: bool, report: bool) -> Pat
     src = holders[0]
     manifest = run_manifest(src)
     run_id, path = manifest["run_id"], src / MANIFEST
+    # Every key read below has the type osdn-diag writes, refused naming this node's manifest (not OUT's,
+    # after a copy) before anything is written.
+    check_manifest(manifest, path, again="rerun the run")
     for stage in ("capture", "replay"):
         if stage in manifest["stages"] and not stage_done(manifest, stage):
             raise IncompleteRunError(f"{path}: the run did not finish (stages.{stage} is not true); rerun the "
@@ -127,6 +132,7 @@ def _merge(dirs: list[Path], out: Path, *, overwrite: bool, report: bool) -> Pat
             # Checked here, not only by the report of OUT: an edited summary is never assembled into a run.
             raise RunDirectoryError(f"{src / name}: its size or sha256 differs from the one {path} records "
                                     "(changed after the run wrote it); rerun the run")
+    _check_summary(src / "summary.json")  # read by OUT's report: refused here, naming rank 0's
 
     with output_lock(out):
         # Refused (a run there without --overwrite, a link, a file in capture/ that is not a shard)
@@ -185,6 +191,18 @@ def _move_in(staging: Path, out: Path) -> None:
         directories.add(target.parent)
     for directory in sorted(directories):
         fsync_directory(directory)
+
+
+def _check_summary(path: Path) -> None:
+    """Refuse rank 0's ``summary.json`` unless it is JSON of the types osdn-diag writes
+    (:func:`~osdn_diag.runtime.schema.check_summary`), naming it."""
+    import json
+
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise RunDirectoryError(f"{path}: not valid JSON ({err}); rerun the run") from None
+    check_summary(summary, path, again="rerun the run")
 
 
 def _tokens_file(manifest: dict) -> dict:

@@ -71,6 +71,7 @@ __all__ = [
     "check_file_name",
     "check_links",
     "check_output",
+    "check_file_placement",
     "check_placement",
     "check_regular",
     "check_table_run_ids",
@@ -214,6 +215,33 @@ def check_placement(out_dir: str | os.PathLike) -> None:
     for run in enclosing_runs(out_dir)[:1]:
         if out_dir.resolve().relative_to(run).parts[0] in RUN_FILES:
             raise RunDirectoryError(f"--out {out_dir}: inside the files of the run {run}; choose another --out")
+
+
+#: What a comparison report directory (``report A B --out CMP``) holds of its own.
+REPORT_DIR_FILES = (MANIFEST, "report.md", "plots")
+
+
+def check_file_placement(path: str | os.PathLike, what: str = "--out") -> None:
+    """Refuse (:class:`RunDirectoryError`) ``path`` as a file a command writes on its own (``view``'s
+    page, ``prove``'s ledger) where it is one of the files of a run or of a comparison report — a name
+    of :data:`RUN_FILES` (or :data:`REPORT_DIR_FILES`) in such a directory, something below one, or its
+    lock file —: the page would replace them (``summary.json``, a capture shard), or add a file to
+    ``capture/`` that every later replay refuses. A new file beside them (``RUN/view.html``) is fine.
+    Writes nothing."""
+    path = Path(path)
+    resolved = path.resolve()
+    for directory in resolved.parents:
+        if run_manifest(directory) is not None:
+            kind, names = "run", RUN_FILES
+        elif is_report_dir(directory):
+            kind, names = "comparison report", REPORT_DIR_FILES
+        else:
+            continue
+        first = resolved.relative_to(directory).parts[0]
+        if first in names or first == LOCK_FILE:
+            where = "one of the files" if len(resolved.relative_to(directory).parts) == 1 else f"inside {first}/"
+            raise RunDirectoryError(f"{what} {path}: {where} of the {kind} {directory}, which writing it would "
+                                    "replace or damage; give a path beside them or elsewhere")
 
 
 def check_output(out_dir: str | os.PathLike, *, overwrite: bool) -> dict | None:

@@ -281,5 +281,35 @@ def test_a_fifo_or_device_given_as_an_output_file_is_one_line(tmp_path, capsys, 
         target.symlink_to(fifo)
     assert entry(["prove", "-q", "--json", str(target)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"osdn-diag: error: argument --json {str(target)!r}: not a regular file"), err
+    # A link is refused as a link, as view --out refuses one (never written through nor replaced).
+    problem = "a symbolic link" if via_link else "not a regular file"
+    assert err.startswith(f"osdn-diag: error: argument --json {str(target)!r}: {problem}"), err
     assert err.count("\n") == 1 and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@pytest.mark.parametrize("case", ["link", "run-file", "in-capture"])
+def test_prove_json_follows_view_outs_rules(tmp_path, capsys, case):
+    """``prove --json`` writes its ledger as ``view --out`` writes its page: a symbolic link there is
+    refused, not replaced by a regular file; one of a run's own files (or a path among them) is refused,
+    not overwritten — before the ledger runs."""
+    from osdn_diag.cli import entry
+
+    run = tmp_path / "run"
+    (run / "capture").mkdir(parents=True)
+    (run / "manifest.json").write_text('{"run_id": "%s", "stages": {"capture": true}}' % ("a" * 32))
+    (run / "summary.json").write_text("{}")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    target = {"link": tmp_path / "ledger.json", "run-file": run / "summary.json",
+              "in-capture": run / "capture" / "ledger.json"}[case]
+    if case == "link":
+        target.symlink_to(victim)
+    assert entry(["prove", "-q", "--json", str(target)]) == 2
+    err = capsys.readouterr().err
+    want = {"link": "a symbolic link", "run-file": "one of the files of the run",
+            "in-capture": "inside capture/ of the run"}[case]
+    assert err.startswith("osdn-diag: error: argument --json ") and want in err and err.count("\n") == 1, err
+    if case == "link":
+        assert target.is_symlink()
+    assert victim.read_text() == "mine" and (run / "summary.json").read_text() == "{}"
+    assert not (run / "capture" / "ledger.json").exists()

@@ -34,8 +34,8 @@ ALLOWED = {
     "plot": {"report", "replay", "capture"},
     "merge": {"capture", "replay", "report", "rundir"},
     "demo": {"catalog", "pipeline", "replay", "report", "rundir", "view"},
-    "view": {"report", "replay", "capture"},
-    "monitor": {"capture", "replay", "metrics", "rundir"},  # rundir: the lock of a shared monitor.parquet  # a training loop's probes: capture and replay, in memory  # reads finished runs, as plot does; nothing upstream imports it
+    "view": {"report", "replay", "capture", "rundir"},  # reads finished runs, as plot does; nothing upstream imports it (rundir: its page is never one of a run's own files)
+    "monitor": {"capture", "replay", "metrics", "rundir"},  # a training loop's probes: capture and replay, in memory (rundir: the lock of a shared monitor.parquet)
 }
 
 #: Imports against the flow, each allowed for the reason given: ``(file, room it imports)``.

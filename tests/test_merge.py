@@ -19,6 +19,10 @@ from osdn_diag.merge import merge_runs
 from osdn_diag.rundir import LOCK_FILE
 
 RUN_ID = "a" * 32
+#: rank 0's summary.json: the keys every summary has, of the types osdn-diag writes
+SUMMARY = {"q_geo": 0.5, "q_arith": 0.6, "n": 1, "by_layer": {"000": {"q_geo": 0.5, "q_arith": 0.6, "n": 1}},
+           "fidelity": {"max_rel_error": None},
+           "position_bins": {"edges": [0.0, 1.0], "q_geo": [0.5], "q_arith": [0.6], "n": [1]}}
 
 
 def _entry(data: bytes) -> dict:
@@ -46,7 +50,7 @@ def _nodes(root: Path, shards: dict | None = None, run_id: str = RUN_ID) -> list
                 "world_size": 2, "shared_out": False, "merge_needed": True,
                 "shards": listed if shards is None else shards, "parts": parts}
     _write(nodes[0] / "manifest.json", json.dumps(manifest).encode())
-    _write(nodes[0] / "summary.json", json.dumps({"run_id": run_id}).encode())
+    _write(nodes[0] / "summary.json", json.dumps({**SUMMARY, "run_id": run_id}).encode())
     return nodes
 
 
@@ -135,6 +139,30 @@ def test_overwrite_replaces_a_run_beside_a_lock_a_killed_command_left(tmp_path):
     merge_runs(nodes, out, overwrite=True, report=False)
     assert json.loads((out / "manifest.json").read_text())["stages"]["replay"] is True
     assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("key,value", [("shards", None), ("parts", "x"), ("shards", {"capture/batch_00000/layer_000.safetensors": "bad"}),
+                                       ("tokens", {"sha256": "ab"}), ("files", {"summary.json": "x"}), ("files", [1])])
+def test_a_damaged_node_manifest_is_refused_naming_it_before_out_exists(tmp_path, capsys, key, value):
+    """Rank 0's manifest is checked as every command checks a manifest it reads (its keys' types): a
+    damaged one is refused in one line naming that file and the key, not OUT's manifest after a copy."""
+    nodes = _nodes(tmp_path)
+    _edit_manifest(nodes[0], **{key: value})
+    out = tmp_path / "m"
+    err = _one_line(["merge", *map(str, nodes), "--out", str(out)], capsys)
+    assert f"{nodes[0] / 'manifest.json'}: key {key!r}" in err or f"{nodes[0] / 'manifest.json'}: key '{key}." in err, err
+    assert not out.exists()
+
+
+def test_a_damaged_summary_of_rank_0_is_refused_naming_it_before_out_exists(tmp_path, capsys):
+    """OUT's report reads rank 0's summary.json: checked (its keys' types) before anything is copied,
+    and refused naming that file, not OUT's copy after a merge the report then refuses."""
+    nodes = _nodes(tmp_path)
+    (nodes[0] / "summary.json").write_text(json.dumps({**SUMMARY, "run_id": RUN_ID, "position_bins": None}))
+    out = tmp_path / "m"
+    err = _one_line(["merge", *map(str, nodes), "--out", str(out)], capsys)
+    assert f"{nodes[0] / 'summary.json'}: key 'position_bins' should be an object" in err, err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "other"])

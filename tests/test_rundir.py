@@ -519,3 +519,36 @@ def test_a_stray_rank_in_a_single_process_environment_still_locks(tmp_path, monk
         fcntl.flock(held, fcntl.LOCK_EX)
         with output_lock(run):
             pass
+
+
+@pytest.mark.parametrize("name, refused", [
+    ("summary.json", "one of the files of the run"), ("manifest.json", "one of the files of the run"),
+    (LOCK_FILE, "one of the files of the run"), (SHARD, "inside capture/ of the run"),
+    ("capture/batch_00000/notes.html", "inside capture/ of the run"), ("plots/view.html", "inside plots/ of the run"),
+    ("view.html", None), ("notes/view.html", None),
+])
+def test_a_file_named_on_its_own_is_refused_among_a_runs_files(tmp_path, name, refused):
+    """``view --out``/``prove --json``: one of a run's own files, or a path below one, is refused
+    (:func:`~osdn_diag.rundir.check_file_placement`); a new file beside them is fine. Writes nothing."""
+    from osdn_diag.rundir import check_file_placement
+
+    run = _run(tmp_path / "run")
+    before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
+    if refused is None:
+        check_file_placement(run / name)
+    else:
+        with pytest.raises(RunDirectoryError, match=f"^--out {run / name}: {refused} {run.resolve()}"):
+            check_file_placement(run / name)
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before
+
+
+def test_a_comparison_reports_files_are_refused_as_a_file_named_on_its_own(tmp_path):
+    from osdn_diag.rundir import check_file_placement
+
+    cmp = tmp_path / "cmp"
+    cmp.mkdir()
+    (cmp / "manifest.json").write_text(json.dumps({"kind": "report", "report_of": []}))
+    for name in ("report.md", "plots/q_geo.png", "manifest.json"):
+        with pytest.raises(RunDirectoryError, match="of the comparison report"):
+            check_file_placement(cmp / name)
+    check_file_placement(cmp / "view.html")

@@ -80,6 +80,22 @@ def check_writable_file(path: str | os.PathLike, what: str) -> None:
         raise UsageError(f"{what} {str(path)!r}: not writable; give a path you can write to")
 
 
+def check_output_file(path: str | os.PathLike, what: str) -> None:
+    """A file a command writes on its own (``view``'s page, ``prove``'s ledger): not a symbolic link
+    (never written through nor replaced), a file that can be written (:func:`check_writable_file`), and
+    none of a run's own files nor among them (:func:`~osdn_diag.rundir.check_file_placement`)."""
+    from ..rundir import RunDirectoryError, check_file_placement
+
+    if os.path.islink(path):
+        raise UsageError(f"{what} {str(path)!r}: a symbolic link; osdn-diag never writes through a link nor "
+                         "replaces one: remove it or give another path")
+    check_writable_file(path, what)
+    try:
+        check_file_placement(path, what)
+    except RunDirectoryError as err:
+        raise UsageError(str(err)) from None
+
+
 def check_safetensors(path: Path, what: str) -> None:
     """``path`` is a complete safetensors file: an 8-byte header length, a JSON header, and every
     tensor's bytes inside the file (a truncated download or copy fails here, not deep in a loader)."""
@@ -206,7 +222,7 @@ def check_args(args) -> None:
     if tolerance is not None and not (tolerance > 0):  # NaN fails this too
         raise UsageError(f"argument --tolerance: expected a number > 0, got {tolerance}")
     if cmd == "prove" and args.json:
-        check_writable_file(args.json, "argument --json")
+        check_output_file(args.json, "argument --json")
     if cmd == "warmup":
         _positive("--batch-size", args.batch_size)
         _positive("--length", args.length)
@@ -300,11 +316,7 @@ def _check_view(args) -> None:
     if args.strip_prompts:
         parse_strip_prompts(args.strip_prompts)
     out = Path(args.out) if args.out else Path(args.runs[0]) / "view.html"
-    what = "argument --out" if args.out else "the view's file"
-    if os.path.islink(out):
-        raise UsageError(f"{what} {str(out)!r}: a symbolic link; osdn-diag never writes through a link nor "
-                         "replaces one: remove it or give another path")
-    check_writable_file(out, what)
+    check_output_file(out, "argument --out" if args.out else "the view's file")
     import importlib.util
 
     if importlib.util.find_spec("plotly") is None:

@@ -49,12 +49,11 @@ class Results:
     def load(cls, run_dir) -> Results:
         """A finished run directory's ``residuals.parquet``, ``summary.json`` and ``tokens.parquet``
         (errors name what is missing, or a file another run wrote)."""
-        import pyarrow.parquet as pq
-
+        from .runs import read_table
         from .tokens import read_tokens
 
         manifest, summary = load_run(run_dir)
-        return cls(pq.read_table(Path(run_dir) / "residuals.parquet"), summary, read_tokens(run_dir, manifest))
+        return cls(read_table(Path(run_dir) / "residuals.parquet"), summary, read_tokens(run_dir, manifest))
 
     def per_token(self, *, by_layer: bool = False) -> pa.Table:
         """One row per (prompt, pos) — per (prompt, layer, pos) with ``by_layer`` — with ``token_id``

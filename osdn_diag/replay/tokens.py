@@ -23,6 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - pa.compute
 
+from .runs import read_table, table_columns
+
 __all__ = ["MIN_COUNT", "TOKENS", "TOKENS_SCHEMA", "per_token", "read_tokens", "token_stats", "token_table",
            "tokens_entry", "write_tokens"]
 
@@ -79,8 +81,6 @@ def read_tokens(run_dir: str | os.PathLike, manifest: dict | None = None) -> pa.
     """A run's ``tokens.parquet``, or ``None`` where it has none (a run written before it existed).
     One whose run id is not the manifest's (given ``manifest``), or that is missing or differs from the
     sha256 and size the manifest's ``tokens`` entry records, is refused."""
-    import pyarrow.parquet as pq
-
     from ..rundir import check_regular, verify_files
 
     path = Path(run_dir) / TOKENS
@@ -94,7 +94,7 @@ def read_tokens(run_dir: str | os.PathLike, manifest: dict | None = None) -> pa.
                              "not the one the run wrote; run it again")
     if not path.is_file():
         return None
-    table = pq.read_table(path)
+    table = read_table(path)
     found = (table.schema.metadata or {}).get(_RUN_ID_KEY)
     want = None if manifest is None else (manifest.get("source_run_id") if manifest.get("counterfactual")
                                          else manifest.get("run_id"))
@@ -108,11 +108,9 @@ def _ratio_columns(residuals) -> dict[str, np.ndarray]:
     (finite; of a micro-step family only the step-0 rows, ``q`` their ``token_ratio``), from a table or
     a ``residuals.parquet`` path. Nothing is copied that need not be (18.9 M rows at paper scale)."""
     if not isinstance(residuals, pa.Table):
-        import pyarrow.parquet as pq
-
-        names = pq.ParquetDataset(residuals).schema.names
+        names = table_columns(residuals)
         wanted = ["prompt", "layer", "pos", "residual_ratio", "finite"]
-        residuals = pq.read_table(residuals, columns=wanted + [c for c in ("step", "token_ratio") if c in names])
+        residuals = read_table(residuals, columns=wanted + [c for c in ("step", "token_ratio") if c in names])
     col = (lambda n: residuals.column(n).to_numpy(zero_copy_only=False))
     keep = col("finite").astype(bool, copy=False)
     q = col("residual_ratio")

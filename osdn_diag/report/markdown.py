@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..runtime.atomic import atomic_write_text, real_directory
 from ..replay.families import MICRO_STEP_FAMILIES, NOT_APPLICABLE
-from ..replay.runs import load_run
+from ..replay.runs import load_run, read_table
 from ..replay.tokens import MIN_COUNT
 from ..rundir import (
     MANIFEST,
@@ -413,7 +413,7 @@ def _hypotheses_cells(a: dict) -> list[str]:
     summary written before the audit counted streams)."""
     if "streams" not in a:
         return ["–", "–"]
-    failed = [f"{HYPOTHESIS_WORDS[name]}: {n}" for name, n in a["hypotheses_failed"].items() if n]
+    failed = [f"{HYPOTHESIS_WORDS.get(name, name)}: {n}" for name, n in a["hypotheses_failed"].items() if n]
     return [f"{a['hypotheses_hold']} / {a['streams']}", ", ".join(failed) or "none"]
 
 
@@ -624,14 +624,12 @@ def eps_q_series(paths, names) -> list[tuple[str, list[float], list[float], list
     """``(label, ε_T^diag per stream, q_geo per stream, layer per stream)`` of each run that has
     ``comparator.parquet`` (the stream's q_geo is ``exp(log_prod_q / n_valid)``; streams with no valid
     write are left out)."""
-    import pyarrow.parquet as pq
-
     series = []
     for path, name in zip(paths, names):
         f = Path(path) / "comparator.parquet"
         if not f.is_file():
             continue
-        t = pq.read_table(f, columns=["layer", "eps_diag", "log_prod_q", "n_valid"]).to_pydict()
+        t = read_table(f, columns=["layer", "eps_diag", "log_prod_q", "n_valid"]).to_pydict()
         pts = [(e, math.exp(lp / n), int(layer))
                for layer, e, lp, n in zip(t["layer"], t["eps_diag"], t["log_prod_q"], t["n_valid"]) if n]
         series.append((name, [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts]))

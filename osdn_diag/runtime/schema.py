@@ -11,6 +11,7 @@ are checked where present; only those every such file has are required. No torch
 from __future__ import annotations
 
 import os
+import re
 from numbers import Real
 
 __all__ = ["SchemaError", "check_manifest", "check_summary"]
@@ -150,25 +151,180 @@ def _stats(x) -> bool:
             and _is_int(x.get("n")))
 
 
+def _real(x) -> bool:
+    """A number that is there (not ``null``): one the report prints or draws as it is."""
+    return x is not None and _is_number(x)
+
+
+def _numbers(x) -> bool:
+    return isinstance(x, list) and all(_is_number(i) for i in x)
+
+
+def _layer_name(name) -> bool:
+    """A ``by_layer`` key: the layer's number (``"003"``)."""
+    return isinstance(name, str) and re.fullmatch(r"[0-9]{1,6}", name) is not None
+
+
+def _head_name(name) -> bool:
+    """A ``by_head`` key: ``"LLL.HHH"``, the layer's and the head's numbers."""
+    return isinstance(name, str) and re.fullmatch(r"[0-9]{1,6}\.[0-9]{1,6}", name) is not None
+
+
+def _family_stats(x) -> bool:
+    """A ``by_family`` cell: :func:`_stats`, its ``unit`` and its per-token and own figures
+    (``q_geo_*`` numbers, ``n_*`` counts)."""
+    return (_stats(x) and isinstance(x.get("unit", ""), str)
+            and all(_is_number(v) for k, v in x.items() if k.startswith("q_"))
+            and all(_is_int(v) for k, v in x.items() if k.startswith("n_")))
+
+
+def _bins(x, length: int) -> bool:
+    """One curve of ``position_bins``: ``q_geo``, ``q_arith`` (numbers) and ``n`` (counts) per bin."""
+    return (isinstance(x, dict) and all(_numbers(x.get(k)) and len(x[k]) == length for k in ("q_geo", "q_arith"))
+            and _ints(x.get("n")) and len(x["n"]) == length)
+
+
+def _box(x) -> bool:
+    return isinstance(x, list) and len(x) == 2 and all(_real(i) for i in x)
+
+
+def _counts(x) -> bool:
+    """``{name: count}`` (``hypotheses_failed``, ``nonfinite.by_layer``)."""
+    return isinstance(x, dict) and all(_is_int(v) for v in x.values())
+
+
+def _names(c: _Checker, obj: dict, key: str, test, expected: str, where: str = "") -> None:
+    """Every key of the object at ``key`` (when it is one) passes ``test``."""
+    value = obj.get(key)
+    for name in value if isinstance(value, dict) else ():
+        if not test(name):
+            raise SchemaError(f"{c.path}: key {where + key!r} holds an entry named {name!r}, which should be "
+                              f"{expected}; the file is damaged: {c.again}")
+
+
+def _check_ratios(c: _Checker, s: dict, where: str = "") -> None:
+    """The ratio statistics of a summary or of its ``post_decay``: overall, per layer, head, task and
+    family, by relative position (``position_bins``)."""
+    for key in ("q_geo", "q_arith", "q_geo_per_token"):
+        c.check(s, key, _is_number, "a number or null", required=key != "q_geo_per_token", where=where)
+    for key in ("n", "n_zero", "n_tokens", "excluded_nonfinite"):
+        c.check(s, key, _is_int, "an integer", required=key == "n", where=where)
+    for key in ("by_layer", "by_head", "by_task"):
+        c.check(s, key, _dict, "an object of {name: {q_geo, q_arith, n}}", required=key == "by_layer" or bool(where),
+                where=where)
+        c.each(s, key, _stats, "{q_geo: number, q_arith: number, n: integer}", where=where)
+    _names(c, s, "by_layer", _layer_name, "a layer number (\"003\")", where)
+    _names(c, s, "by_head", _head_name, "a layer and head number (\"003.001\")", where)
+    c.check(s, "by_family", _dict, "an object of {family: {q_geo, q_arith, n, unit}}", where=where)
+    c.each(s, "by_family", _family_stats, "{q_geo: number, q_arith: number, n: integer, unit: string}", where=where)
+    if where:
+        return
+    c.check(s, "position_bins", _dict, "an object", required=True)
+    bins, at = s["position_bins"], "position_bins."
+    c.check(bins, "edges", lambda x: isinstance(x, list) and len(x) >= 2 and all(_real(e) for e in x),
+            "a list of at least two numbers", required=True, where=at)
+    length = len(bins["edges"]) - 1
+    curve = f"{{q_geo, q_arith: {length} numbers, n: {length} integers}} (one per bin of edges)"
+    if not _bins(bins, length):
+        c.fail("position_bins", curve, bins)
+    c.check(bins, "by_task", _dict, "an object of {task: {q_geo, q_arith, n}}", where=at)
+    c.each(bins, "by_task", lambda x: _bins(x, length), curve, where=at)
+    c.check(bins, "repeat_boundary", _dict, "an object of {task: number}", where=at)
+    c.each(bins, "repeat_boundary", _real, "a number", where=at)
+
+
+#: The numbers of ``assumptions`` the report prints for a run whose audit measured something (``n``).
+_AUDIT_NUMBERS = ("max_unit_dev", "beta_min", "beta_max", "d_min", "d_max", "share_zero_residual",
+                  "share_newton_infeasible")
+#: The numbers of ``comparator`` the report prints (``null``: over no stream).
+_COMPARATOR_NUMBERS = ("eps_diag_mean", "eps_diag_median", "eps_at_ones_mean", "eps_at_final_d_mean", "regret_mean",
+                       "share_newton_infeasible_mean", "share_newton_feasible", "share_newton_feasible_box",
+                       "max_kkt_residual", "max_gap", "slack_min", "slack_mean")
+
+
 def check_summary(summary, path, again: str = "re-run the command that wrote it") -> None:
-    """Refuse a ``summary.json`` (parsed) whose keys are not of the types osdn-diag writes. ``fidelity``
-    is required except in a counterfactual (what-if) summary, which has no kernel output to compare."""
+    """Refuse a ``summary.json`` (parsed) whose keys are not of the types osdn-diag writes: every key
+    the report, the view and the CLI read. ``fidelity`` is required except in a counterfactual
+    (what-if) summary, which has no kernel output to compare."""
     c = _Checker(path, again)
     if not isinstance(summary, dict):
         raise SchemaError(f"{c.path}: not a JSON object; the file is damaged: {again}")
     c.check(summary, "run_id", lambda x: x is None or isinstance(x, str), "a string", required=True)
-    for key in ("q_geo", "q_arith", "q_geo_per_token"):
-        c.check(summary, key, _is_number, "a number or null", required=key != "q_geo_per_token")
-    for key in ("n", "n_zero", "n_tokens", "world_size"):
-        c.check(summary, key, _is_int, "an integer", required=key == "n")
-    for key in ("by_layer", "by_head", "by_task"):
-        c.check(summary, key, _dict, "an object of {name: {q_geo, q_arith, n}}", required=key == "by_layer")
-        c.each(summary, key, _stats, "{q_geo: number, q_arith: number, n: integer}")
+    c.check(summary, "world_size", _is_int, "an integer")
+    c.check(summary, "counterfactual", lambda x: isinstance(x, bool), "true or false")
+    _check_ratios(c, summary)
     c.check(summary, "fidelity", _dict, "an object", required=not summary.get("counterfactual"))
-    c.check(summary.get("fidelity") or {}, "max_rel_error", _is_number, "a number or null", where="fidelity.")
-    c.check(summary.get("fidelity") or {}, "state", lambda x: x is None or isinstance(x, dict), "an object",
-            where="fidelity.")
-    for key in ("position_bins", "post_decay", "comparator", "nonfinite", "recall", "retained", "by_family",
-                "replay"):
+    fidelity = summary.get("fidelity") or {}
+    c.check(fidelity, "max_rel_error", _is_number, "a number or null", where="fidelity.")
+    c.check(fidelity, "state", lambda x: x is None or isinstance(x, dict), "an object", where="fidelity.")
+    if fidelity.get("state"):
+        state, at = fidelity["state"], "fidelity.state."
+        for key in ("max_rel_error", "max_rounding_units"):
+            c.check(state, key, _real, "a number", required=True, where=at)
+        c.check(state, "by_layer", _dict, "an object of {layer: {working_precision, ...}}", required=True, where=at)
+        c.each(state, "by_layer", lambda x: isinstance(x, dict) and isinstance(x.get("working_precision"), str),
+               "{working_precision: string, ...}", where=at)
+    # Present or absent, never null: the report reads these whenever the key is there.
+    for key in ("post_decay", "assumptions", "replay", "what_if"):
+        c.check(summary, key, _dict, "an object")
+    if "post_decay" in summary:
+        _check_ratios(c, summary["post_decay"], "post_decay.")
+    for key in ("comparator", "nonfinite", "recall", "retained", "by_phase"):
         c.check(summary, key, lambda x: x is None or isinstance(x, dict), "an object")
+    audit = summary.get("assumptions")
+    if audit is not None:
+        at = "assumptions."
+        c.check(audit, "box", _box, "a list of two numbers [d_min, d_max]", required=True, where=at)
+        for key in ("n", "streams", "hypotheses_hold"):
+            c.check(audit, key, _is_int, "an integer", where=at)
+        c.check(audit, "hypotheses_failed", _counts, "an object of {check: integer}", where=at)
+        for key in (*_AUDIT_NUMBERS, "key_norm_tol", "unit_tol", "key_rounding_bound"):
+            c.check(audit, key, _real if key in _AUDIT_NUMBERS and audit.get("n") else _is_number,
+                    "a number" if key in _AUDIT_NUMBERS and audit.get("n") else "a number or null",
+                    required=key in _AUDIT_NUMBERS and bool(audit.get("n")), where=at)
+        c.check(audit, "keys_read_as", lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x),
+                "a list of strings", where=at)
+        c.check(audit, "decay", lambda x: isinstance(x, bool), "true or false", required=bool(audit.get("n")), where=at)
+        if "streams" in audit:  # the audit counted streams: how many hold and fail each check
+            for key in ("hypotheses_hold", "hypotheses_failed"):
+                c.check(audit, key, lambda x: True, "", required=True, where=at)
+    comparator = summary.get("comparator")
+    if comparator:
+        at = "comparator."
+        c.check(comparator, "box", _box, "a list of two numbers [d_min, d_max]", required=True, where=at)
+        for key in ("problems", "hypotheses_hold", "bound_holds"):
+            c.check(comparator, key, _is_int, "an integer", required=True, where=at)
+        for key in _COMPARATOR_NUMBERS:
+            c.check(comparator, key, _is_number, "a number or null", required=key in (
+                "eps_diag_mean", "eps_at_ones_mean", "eps_at_final_d_mean", "regret_mean",
+                "share_newton_infeasible_mean", "slack_min"), where=at)
+        c.check(comparator, "hypotheses_failed", _counts, "an object of {check: integer}", where=at)
+    nonfinite = summary.get("nonfinite") or {}
+    for key in ("streams", "of_streams", "tokens"):
+        c.check(nonfinite, key, _is_int, "an integer", required=bool(nonfinite.get("streams")), where="nonfinite.")
+    c.check(nonfinite, "by_layer", _counts, "an object of {layer: integer}", where="nonfinite.")
+    _names(c, nonfinite, "by_layer", _layer_name, "a layer number (\"003\")", "nonfinite.")
+    c.check(nonfinite, "prompts", _ints, "a list of integers", where="nonfinite.")
     c.each(summary, "recall", _dict, "an object")
+    for task, row in (summary.get("recall") or {}).items():
+        at = f"recall.{task}."
+        for key in ("correct", "queries", "excluded_nonfinite", "prompts"):
+            c.check(row, key, _is_int, "an integer", required=key == "queries", where=at)
+        for key in ("accuracy", "nll", "perplexity"):
+            c.check(row, key, _is_number, "a number or null", required=key == "accuracy", where=at)
+        c.check(row, "scoring", lambda x: isinstance(x, str), "a string", where=at)
+    c.each(summary, "retained", _dict, "an object")
+    for task, row in (summary.get("retained") or {}).items():
+        at = f"retained.{task}."
+        c.check(row, "distance_bins", lambda x: isinstance(x, list) and all(_box(b) for b in x),
+                "a list of [from, to] pairs of numbers", required=True, where=at)
+        c.check(row, "mean_error", lambda x: _numbers(x) and len(x) == len(row["distance_bins"]),
+                "a list of numbers, one per distance bin", required=True, where=at)
+        c.check(row, "n", _ints, "a list of integers", where=at)
+        for key in ("mean_error_at_last_token", "mean_error_of_first_copy_at_last_token"):
+            c.check(row, key, _is_number, "a number or null", required=True, where=at)
+    c.each(summary, "by_phase", lambda x: isinstance(x, dict) and _is_number(x.get("q_geo"))
+           and _is_int(x.get("n", 0)), "{q_geo: number, n: integer}")
+    replay = summary.get("replay") or {}
+    for key in ("backend", "dtype", "zero_residual"):
+        c.check(replay, key, lambda x: isinstance(x, str), "a string", where="replay.")

@@ -121,12 +121,12 @@ def _read(table_or_dir, columns, prompts=None) -> pa.Table:
         if prompts is not None:
             t = t.filter(pc.is_in(t.column("prompt"), pa.array(prompts, pa.int32())))
         return t
-    import pyarrow.parquet as pq
+    from ..replay.runs import read_table, table_columns
 
     path = table_or_dir / "residuals.parquet"
-    names = pq.ParquetDataset(path).schema.names
+    names = table_columns(path)
     filters = None if prompts is None else [("prompt", "in", [int(p) for p in prompts])]
-    return pq.read_table(path, columns=[c for c in columns if c in names], filters=filters)
+    return read_table(path, columns=[c for c in columns if c in names], filters=filters)
 
 
 def _col(t: pa.Table, name: str) -> np.ndarray:
@@ -273,9 +273,9 @@ def _eps(run_dir: Path | None, manifest) -> dict | None:
     fams = {layer.get("family") for layer in (manifest or {}).get("layers", [])}
     if fams and fams <= set(NOT_APPLICABLE):
         return None
-    import pyarrow.parquet as pq
+    from ..replay.runs import read_table
 
-    t = pq.read_table(run_dir / "comparator.parquet", columns=["prompt", "layer", "head", "eps_diag",
+    t = read_table(run_dir / "comparator.parquet", columns=["prompt", "layer", "head", "eps_diag",
                                                               "log_prod_q", "n_valid"])
     n = _col(t, "n_valid")
     ok = n > 0

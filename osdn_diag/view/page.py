@@ -301,7 +301,9 @@ class View:
         self.html = render(runs)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the page to ``path`` (atomically; a symbolic link there is refused, not followed)."""
+        """Write the page to ``path`` (atomically; a symbolic link there is refused, not followed, and so is
+        a path that is one of a run's own files or lies among them: ``RUN/summary.json``,
+        ``RUN/capture/...``)."""
         return _write(self.html, Path(path))
 
     def _repr_html_(self) -> str:
@@ -314,9 +316,11 @@ class View:
 
 
 def _write(text: str, path: Path) -> Path:
+    from ..rundir import check_file_placement
     from ..runtime.atomic import atomic_path, refuse_link
 
     refuse_link(path)
+    check_file_placement(path, "the view's file")  # never one of a run's own files, nor among them
     if path.is_dir():
         raise IsADirectoryError(f"{path}: a directory; give the HTML file's name (e.g. {path / 'view.html'})")
     with atomic_path(path, suffix=".html") as tmp, open(tmp, "w", encoding="utf-8") as fh:

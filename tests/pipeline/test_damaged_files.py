@@ -11,6 +11,7 @@ import pytest
 
 from osdn_diag.runtime.schema import SchemaError, check_manifest, check_summary
 from osdn_diag.cli import entry
+from osdn_diag.demo import view_available
 
 DAMAGES = [
     ("stages-list", "manifest.json", lambda m: m.update(stages=[]), "key 'stages' should be an object"),
@@ -31,6 +32,25 @@ DAMAGES = [
     ("summary-by-layer-list", "summary.json", lambda s: s.update(by_layer=[1]), "key 'by_layer' should be an object"),
     ("summary-by-layer-cell", "summary.json", lambda s: s["by_layer"].update({"000": {"q_geo": 1}}),
      "key 'by_layer.000' should be {q_geo: number"),
+    # Every key the report and the view read, not only the headline ones.
+    ("summary-bins-null", "summary.json", lambda s: s.update(position_bins=None), "key 'position_bins' should be an object"),
+    ("summary-bins-short", "summary.json", lambda s: s["position_bins"].update(q_geo=[1]),
+     "key 'position_bins' should be {q_geo, q_arith: 10 numbers"),
+    ("summary-bins-task-null", "summary.json", lambda s: s["position_bins"].update(by_task=None),
+     "key 'position_bins.by_task' should be an object"),
+    ("summary-assumptions-null", "summary.json", lambda s: s.update(assumptions=None),
+     "key 'assumptions' should be an object"),
+    ("summary-box-null", "summary.json", lambda s: s["assumptions"].update(box=None), "key 'assumptions.box' should be"),
+    ("summary-failed-null", "summary.json", lambda s: s["assumptions"].update(hypotheses_failed=None),
+     "key 'assumptions.hypotheses_failed' should be"),
+    ("summary-family-null", "summary.json", lambda s: s.update(by_family=None), "key 'by_family' should be an object"),
+    ("summary-replay-null", "summary.json", lambda s: s.update(replay=None), "key 'replay' should be an object"),
+    ("summary-head-name", "summary.json", lambda s: s.update(by_head={"x": {"q_geo": 1, "q_arith": 1, "n": 1}}),
+     "key 'by_head' holds an entry named 'x'"),
+    ("summary-comparator-str", "summary.json", lambda s: s["comparator"].update(eps_diag_mean="x"),
+     "key 'comparator.eps_diag_mean' should be a number"),
+    ("summary-recall-str", "summary.json", lambda s: s.update(recall={"mqar": {"accuracy": "x", "queries": 1}}),
+     "key 'recall.mqar.accuracy' should be a number"),
 ]
 
 
@@ -54,6 +74,8 @@ def test_a_damaged_file_is_one_line(run, tmp_path, capsys, name, file, damage, m
         manifest.pop("files", None)
         (copy / "manifest.json").write_text(json.dumps(manifest))
     commands = [["report", str(copy)]]
+    if file == "summary.json" and view_available():  # the view reads the same keys
+        commands.append(["view", str(copy), "--out", str(tmp_path / "view.html")])
     if file == "manifest.json":
         commands.append(["replay", str(copy), "--device", "cpu", "-q"])
     capsys.readouterr()
@@ -70,6 +92,21 @@ def test_what_osdn_diag_writes_passes(run):
     check_summary(json.loads((run / "summary.json").read_text()), "s")
     with pytest.raises(SchemaError, match="not a JSON object"):
         check_summary([], "s")
+
+
+def test_a_check_the_report_does_not_know_is_named_as_it_is(run, tmp_path, capsys):
+    """``assumptions.hypotheses_failed`` counts per check: a check named otherwise than the report's
+    words for them (a summary of a later version) is shown under its own name, not a KeyError."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    summary = json.loads((copy / "summary.json").read_text())
+    summary["assumptions"]["hypotheses_failed"] = {"keys_bounded": 1}
+    (copy / "summary.json").write_text(json.dumps(summary))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest.pop("files", None)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert entry(["report", str(copy)]) == 0, capsys.readouterr().err
+    assert "keys_bounded: 1" in (copy / "report.md").read_text()
 
 
 def _within(seconds, argv):
@@ -97,6 +134,49 @@ def test_a_fifo_in_place_of_a_run_file_is_refused_not_waited_on(run, tmp_path, c
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{copy / name}: not a regular file" in err, err
     assert (copy / name).exists() and not (copy / name).is_file()  # left alone
+
+
+def _damage_a_page(path) -> None:
+    """Flip the bytes of ``path``'s first data page (its footer intact: the schema still reads)."""
+    import pyarrow.parquet as pq
+
+    data = bytearray(path.read_bytes())
+    data[8:200] = bytes(b ^ 0xFF for b in data[8:200])
+    path.write_bytes(bytes(data))
+    pq.read_schema(path)
+    with pytest.raises(Exception):  # noqa: B017 - pyarrow's own error, which names no file
+        pq.read_table(path)
+
+
+@pytest.mark.parametrize("name", ["residuals.parquet", "comparator.parquet"])
+def test_a_table_that_cannot_be_read_is_named(run, tmp_path, capsys, name):
+    """A damaged page of a run's table: every reader (view, report, Results.load) refuses it in one
+    line naming the file and saying to replay, not pyarrow's 'Corrupt snappy compressed data.'."""
+    import hashlib
+
+    from osdn_diag.replay import Results
+    from osdn_diag.rundir import RunDirectoryError
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    _damage_a_page(copy / name)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    if name in manifest.get("files", {}):  # as if written so: the reader, not the hash, meets the damage
+        data = (copy / name).read_bytes()
+        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+    want = f"{copy / name}: damaged, cannot be read ("
+    commands = [["view", str(copy), "--out", str(tmp_path / "v.html")]] if view_available() else []
+    if name == "comparator.parquet":
+        commands.append(["report", str(copy)])
+    capsys.readouterr()
+    for argv in commands:
+        assert entry(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and want in err and f"run `osdn-diag replay {copy}` again" in err, err
+    if name == "residuals.parquet":
+        with pytest.raises(RunDirectoryError, match="residuals.parquet: damaged, cannot be read"):
+            Results.load(copy)
 
 
 def test_a_device_in_place_of_a_hashed_file_is_refused():

@@ -77,6 +77,27 @@ def test_cli_errors_are_one_line(lm_run, tmp_path, capsys, argv, message):
     assert not (tmp_path / "nowhere.html").exists() and not (tmp_path / "x.html").exists()
 
 
+@pytest.mark.parametrize("name", ["summary.json", "manifest.json", "capture/batch_00000/layer_000.safetensors",
+                                  "capture/batch_00000/notes.html", "plots/q_geo.png", ".osdn-diag.lock"])
+def test_an_out_among_a_runs_own_files_is_refused_and_the_run_untouched(lm_run, tmp_path, capsys, name):
+    """The page never replaces a file of the run it reads (or of any run), nor lands among them: the
+    run stays whole (its replay and report still accept it), refused in one line before anything is
+    written; a new file beside them is fine."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(lm_run, run)
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert entry(["view", str(run), "--out", str(run / name), "--strips", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"argument --out {run / name}: " in err, err
+    assert f"of the run {run.resolve()}" in err, err
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    with pytest.raises(ValueError, match="of the run"):  # the Python API refuses it as well
+        osdn_diag.view(run, strips=0).save(run / name)
+    assert entry(["view", str(run), "--out", str(run / "mine.html"), "--strips", "0"]) == 0
+
+
 def test_the_static_report_needs_no_plotly(lm_run, tmp_path, monkeypatch, capsys):
     for name in [m for m in sys.modules if m == "plotly" or m.startswith("plotly.")]:
         monkeypatch.delitem(sys.modules, name)

@@ -73,6 +73,14 @@ CASES = [
      "deep.jsonl:1: JSON nested too deeply"),
     ("task-too-long", ["run", TINY, "--prompts", "{longtask}", "--out", "{tmp}/o", "-q"], 2,
      "longtask.jsonl:1: field 'task' is 1,000 characters long"),
+    # A name in another encoding (byte 0xff: a lone surrogate in Python) failed after the capture, where
+    # pyarrow took it as a path or stored it as the task name: refused first, naming the argument.
+    ("out-not-utf8", [*RUN, "--out", "{tmp}/o\udcffx"], 2, "argument --out '{tmp}/o\\udcffx': not valid UTF-8"),
+    ("prompts-name-not-utf8", ["run", TINY, "--prompts", "{tmp}/bad\udcffname.jsonl", "--out", "{tmp}/o", "-q"], 2,
+     "argument --prompts '{tmp}/bad\\udcffname.jsonl': not valid UTF-8"),
+    ("report-run-not-utf8", ["report", "{tmp}/r\udcff"], 2, "RUN '{tmp}/r\\udcff': not valid UTF-8"),
+    ("task-lone-surrogate", ["run", TINY, "--prompts", "{surrogatetask}", "--out", "{tmp}/o", "-q"], 2,
+     "surrogatetask.jsonl:1: field 'task' 'a\\udcffb' holds a lone surrogate"),
     ("config-heads-0", ["run", "{heads0}", *RUN[2:], "--out", "{tmp}/o"], 2,
      "config.json: num_heads must be a positive integer of at most 4,096, got 0"),
     ("config-hidden-negative", ["run", "{hiddenneg}", *RUN[2:], "--out", "{tmp}/o"], 2,
@@ -148,9 +156,11 @@ def files(tmp_path_factory):
                        ("text", '{"text": "the quick brown fox jumps over the lazy dog"}\n'),
                        ("deep", "[" * 200_000 + "]" * 200_000 + "\n"),
                        ("longtask", json.dumps({"input_ids": [1, 2], "task": "x" * 1000}) + "\n"),
+                       ("surrogatetask", json.dumps({"input_ids": [1, 2], "task": "a\udcffb"}) + "\n"),
                        ("ragged", "".join(json.dumps({"input_ids": list(range(1, n))}) + "\n" for n in (5, 9, 7)))):
         (tmp / f"{name}.jsonl").write_text(text)
         paths[name] = tmp / f"{name}.jsonl"
+    (tmp / "bad\udcffname.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')  # a file name with byte 0xff
     latin1 = tmp / "latin1.jsonl"
     latin1.write_bytes(b'{"input_ids": [1, 2, 3]}\n{"text": "caf\xe9"}\n')
     paths["latin1"] = latin1
@@ -192,6 +202,7 @@ def test_user_error_is_one_line(files, capsys, argv, status, message):
     assert len(lines) == 1 and lines[0].startswith("osdn-diag: error: "), err
     assert message.format(**files) in lines[0]
     assert not (files["tmp"] / "o").exists()  # nothing half-written
+    assert not (files["tmp"] / "o\udcffx").exists()
 
 
 def test_debug_shows_the_traceback(files):

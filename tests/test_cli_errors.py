@@ -53,6 +53,8 @@ CASES = [
      "argument --eta: expected a step size >= 0, got -1.0"),
     ("what-if-box-reversed", ["what-if", "{badsummary}", "--d-min", "3", "--d-max", "1", "--out", "{tmp}/o"], 2,
      "expected 0 < d-min <= d-max"),
+    ("what-if-box-without-1", ["what-if", "{badsummary}", "--d-min", "3", "--d-max", "4", "--out", "{tmp}/o"], 2,
+     "arguments --d-min, --d-max: the box [3.0, 4.0] must contain 1"),
     ("what-if-d-min-negative", ["what-if", "{badsummary}", "--d-min", "-1", "--out", "{tmp}/o"], 2,
      "expected 0 < d-min <= d-max"),
     ("what-if-retention-2", ["what-if", "{badsummary}", "--retention", "2", "--out", "{tmp}/o"], 2,
@@ -237,7 +239,8 @@ def test_a_system_exit_with_a_message_is_one_line_and_status_2(monkeypatch, caps
 
 
 @pytest.mark.parametrize("settings", [{"eta": -1.0}, {"d_min": 3.0, "d_max": 1.0}, {"d_min": -1.0},
-                                      {"d_min": 0.0}, {"d_max": float("inf")}, {"retention": 1.5}])
+                                      {"d_min": 0.0}, {"d_max": float("inf")}, {"retention": 1.5},
+                                      {"d_min": 3.0, "d_max": 4.0}, {"d_min": 1e-320, "d_max": 1e-320}])
 def test_what_if_settings_are_checked_when_made(settings):
     from osdn_diag.whatif import WhatIf
 

@@ -375,7 +375,8 @@ def test_demo_refuses_an_existing_output_and_files_it_did_not_write(runs, tmp_pa
 
 # 12. A what-if setting that cannot work is refused before the output is touched.
 
-@pytest.mark.parametrize("bad", [["--eta", "-1"], ["--d-min", "3", "--d-max", "1"], ["--d-min", "-1"]])
+@pytest.mark.parametrize("bad", [["--eta", "-1"], ["--d-min", "3", "--d-max", "1"], ["--d-min", "-1"],
+                                 ["--d-min", "3", "--d-max", "4"]])  # a box without d0 = 1
 def test_a_bad_what_if_setting_leaves_the_output_alone(runs, tmp_path, capsys, bad):
     target = _copy(runs, "four", tmp_path)
     before = _files(target)

@@ -337,6 +337,23 @@ def test_overwrite_removes_only_the_runs_own_files(runs, tmp_path, capsys):
     assert main(_args(other, 2, command="capture")) == 0 and (other / "notes.txt").read_text() == "mine"
 
 
+def test_a_foreign_file_in_a_residuals_directory_is_refused_before_anything_changes(runs, tmp_path, capsys):
+    """residuals.parquet/ (a table of parts, from a run under several processes) holding a file of the
+    user's cannot be replaced by a new table: --overwrite and replay refuse it up front, naming it, and
+    leave the run as it was (they removed the old run, captured or replayed again and then failed on
+    a raw 'Directory not empty')."""
+    run = _copy(runs, "two", tmp_path)
+    (run / "residuals.parquet").unlink()
+    (run / "residuals.parquet").mkdir()
+    (run / "residuals.parquet" / "notes.txt").write_text("mine")
+    before, manifest = _files(run), _manifest(run)
+    for argv in (_args(run, 2, "--overwrite"), ["replay", str(run), "-q"]):
+        err = _one_line_error(argv, capsys)
+        assert f"{run / 'residuals.parquet' / 'notes.txt'}: not a file osdn-diag writes" in err, err
+        assert "move it out of" in err
+        assert _files(run) == before and _manifest(run) == manifest
+
+
 def test_demo_refuses_an_existing_output_and_files_it_did_not_write(runs, tmp_path, capsys, monkeypatch):
     from osdn_diag import pipeline
 

@@ -231,6 +231,22 @@ def test_what_if_with_overwrite_still_refuses_its_own_input(runs, tmp_path, caps
     assert _sha256s(run) == before
 
 
+def test_what_if_overwrite_replaces_only_a_what_if_output(runs, tmp_path, capsys):
+    """--overwrite of what-if replaces the what-if output OUT holds, never a measured run (its capture
+    could not be recovered): that is refused, with or without --overwrite, before anything is written."""
+    measured = _copy(runs, "four", tmp_path)
+    before = _sha256s(measured)
+    for overwrite in ([], ["--overwrite"]):
+        err = _one_line_error(["what-if", str(runs / "two"), "--out", str(measured), *overwrite, "-q"], capsys)
+        assert f"{measured}: holds a run that is not a what-if output" in err and "choose another --out" in err, err
+        assert _sha256s(measured) == before
+    out = tmp_path / "wi"
+    assert main(["what-if", str(runs / "two"), "--out", str(out), "-q"]) == 0
+    first = _manifest(out)["run_id"]
+    assert main(["what-if", str(runs / "two"), "--out", str(out), "--eta", "0.01", "--overwrite", "-q"]) == 0
+    assert _manifest(out)["run_id"] != first and _manifest(out)["counterfactual"] is True
+
+
 # 6. replay of a directory without capture/.
 
 def test_replay_without_a_capture_says_why_and_leaves_the_tables(runs, tmp_path, capsys):

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..runtime.atomic import atomic_write_text, check_target, real_directory
 from ..replay.families import MICRO_STEP_FAMILIES, NOT_APPLICABLE
 from ..replay.runs import load_run
-from ..replay.tokens import MIN_COUNT
+from ..replay.tokens import MIN_COUNT, NO_TOKENIZER
 from ..rundir import (
     MANIFEST,
     PLOT_FILES,
@@ -552,7 +552,9 @@ def _tokens_section(runs, token_runs, min_count: int) -> list[str]:
                       "tokens; run it again to have them).", ""]
             continue
         if not entry.get("text"):
-            parts += [f"{label}: the model has no tokenizer, so tokens are shown by id only.", ""]
+            why = ("the model has no tokenizer" if entry.get("note", NO_TOKENIZER) == NO_TOKENIZER
+                   else "the model's tokenizer could not be loaded")
+            parts += [f"{label}: {why}, so tokens are shown by id only.", ""]
         table, qualified = _token_table(stats, min_count)
         parts += [f"{qualified:,} of {len(stats):,} distinct tokens occur at least {min_count} times.", "",
                   table, ""]

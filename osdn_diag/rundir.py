@@ -69,6 +69,7 @@ __all__ = [
     "require_stage",
     "check_capture_files",
     "check_file_name",
+    "check_table_files",
     "check_links",
     "check_output",
     "check_file_placement",
@@ -267,6 +268,7 @@ def check_output(out_dir: str | os.PathLike, *, overwrite: bool) -> dict | None:
     # Everything that would refuse the directory is checked here, before prepare_output removes a file.
     check_links(out_dir)
     check_capture_files(out_dir)
+    check_table_files(out_dir)
     return manifest
 
 
@@ -326,6 +328,22 @@ def foreign_capture_files(out_dir: str | os.PathLike) -> list[Path]:
         foreign += [f for f in batch.iterdir() if f.is_symlink() or not f.is_file()
                     or not (_SHARD_FILE.fullmatch(f.name) or is_temporary(f.name))]
     return sorted(foreign)
+
+
+def check_table_files(out_dir: str | os.PathLike) -> None:
+    """Refuse ``out_dir`` if a ``residuals.parquet/`` directory (the table of a run under several
+    processes) holds anything but its ``part-RRRRR.parquet`` files and temporaries, naming the first:
+    a new table replaces that directory, which cannot be removed with a file of the user's in it.
+    Writes nothing."""
+    table = Path(out_dir) / "residuals.parquet"
+    if not _real_dir(table):
+        return
+    foreign = sorted(f for f in table.iterdir() if f.is_symlink() or not f.is_file()
+                     or not (_PART.fullmatch(f.name) or is_temporary(f.name)))
+    if foreign:
+        raise RunDirectoryError(
+            f"{foreign[0]}: not a file osdn-diag writes, in residuals.parquet/ (which holds only its "
+            f"part-RRRRR.parquet files), which a new table replaces; move it out of {table}")
 
 
 #: The run's own files at the top of its directory that a manifest lists with their sha256

@@ -89,8 +89,9 @@ def what_if_run(
 
     The output is a run of its own: a new run id, ``source_run`` and ``source_run_id`` naming what it
     replayed, no capture, and the stages ``replay`` (plus ``then``, e.g. ``("report",)``). ``out_dir``
-    may not be ``run_dir`` or lie inside its files (``capture/``, ``plots/``, …); one that holds a run
-    is refused unless ``overwrite``; it may not lie inside any other run either. All of this is checked,
+    may not be ``run_dir`` or lie inside its files (``capture/``, ``plots/``, …); one that holds a
+    what-if output is refused unless ``overwrite``, one that holds any other run always; it may not
+    lie inside any other run either. All of this is checked,
     and ``run_dir``'s capture opened, before anything is written. ``source_run`` is stored as an
     absolute path (see :func:`source_run` for a what-if output moved with its source)."""
     run_dir = Path(run_dir)
@@ -116,6 +117,11 @@ def _what_if_locked(run_dir: Path, settings: WhatIf, *, out_dir, overwrite, then
 def _what_if(run_dir: Path, reader: CaptureReader, settings: WhatIf, out: Path, *, overwrite, then, **replay_kw):
     from .pipeline import replay_run
 
+    held = run_manifest(out)
+    if held is not None and held.get("counterfactual") is not True:  # a measured run: not what-if's to replace
+        raise RunDirectoryError(
+            f"{out}: holds a run that is not a what-if output; what-if replaces only a what-if output "
+            "(with --overwrite), never a measured run: choose another --out")
     prepare_output(out, overwrite=overwrite)
     source = reader.manifest
     spec = source.get("model", {}).get("spec", "?")

@@ -24,6 +24,9 @@ CASES = [
     ("length-below-mqar", ["run", TINY, "--prompts", "mqar", "--length", "2", "--out", "{tmp}/o"], 2,
      "argument --length: expected an integer >= 4, got 2"),
     ("length-not-int", [*RUN, "--length", "abc", "--out", "{tmp}/o"], 2, "argument --length: invalid int value"),
+    ("seed-huge", [*RUN, "--seed", "99999999999999999999999", "--out", "{tmp}/o"], 2,
+     "argument --seed: expected a whole number 0 <= N < 2**64, got 99999999999999999999999"),
+    ("seed-negative", ["demo", "--seed", "-1", "--out", "{tmp}/o"], 2, "argument --seed: expected a whole number"),
     ("num-prompts-0", [*RUN, "--num-prompts", "0", "--out", "{tmp}/o"], 2, "argument --num-prompts: expected an integer >= 1"),
     ("batch-size-0", [*RUN, "--batch-size", "0", "--out", "{tmp}/o"], 2, "argument --batch-size: expected an integer >= 1"),
     ("tolerance-nan", [*RUN, "--tolerance", "nan", "--out", "{tmp}/o"], 2, "argument --tolerance: expected a number > 0, got nan"),
@@ -53,6 +56,8 @@ CASES = [
      "argument --eta: expected a step size >= 0, got -1.0"),
     ("what-if-box-reversed", ["what-if", "{badsummary}", "--d-min", "3", "--d-max", "1", "--out", "{tmp}/o"], 2,
      "expected 0 < d-min <= d-max"),
+    ("what-if-box-without-1", ["what-if", "{badsummary}", "--d-min", "3", "--d-max", "4", "--out", "{tmp}/o"], 2,
+     "arguments --d-min, --d-max: the box [3.0, 4.0] must contain 1"),
     ("what-if-d-min-negative", ["what-if", "{badsummary}", "--d-min", "-1", "--out", "{tmp}/o"], 2,
      "expected 0 < d-min <= d-max"),
     ("what-if-retention-2", ["what-if", "{badsummary}", "--retention", "2", "--out", "{tmp}/o"], 2,
@@ -73,6 +78,14 @@ CASES = [
      "deep.jsonl:1: JSON nested too deeply"),
     ("task-too-long", ["run", TINY, "--prompts", "{longtask}", "--out", "{tmp}/o", "-q"], 2,
      "longtask.jsonl:1: field 'task' is 1,000 characters long"),
+    # A name in another encoding (byte 0xff: a lone surrogate in Python) failed after the capture, where
+    # pyarrow took it as a path or stored it as the task name: refused first, naming the argument.
+    ("out-not-utf8", [*RUN, "--out", "{tmp}/o\udcffx"], 2, "argument --out '{tmp}/o\\udcffx': not valid UTF-8"),
+    ("prompts-name-not-utf8", ["run", TINY, "--prompts", "{tmp}/bad\udcffname.jsonl", "--out", "{tmp}/o", "-q"], 2,
+     "argument --prompts '{tmp}/bad\\udcffname.jsonl': not valid UTF-8"),
+    ("report-run-not-utf8", ["report", "{tmp}/r\udcff"], 2, "RUN '{tmp}/r\\udcff': not valid UTF-8"),
+    ("task-lone-surrogate", ["run", TINY, "--prompts", "{surrogatetask}", "--out", "{tmp}/o", "-q"], 2,
+     "surrogatetask.jsonl:1: field 'task' 'a\\udcffb' holds a lone surrogate"),
     ("config-heads-0", ["run", "{heads0}", *RUN[2:], "--out", "{tmp}/o"], 2,
      "config.json: num_heads must be a positive integer of at most 4,096, got 0"),
     ("config-hidden-negative", ["run", "{hiddenneg}", *RUN[2:], "--out", "{tmp}/o"], 2,
@@ -148,9 +161,11 @@ def files(tmp_path_factory):
                        ("text", '{"text": "the quick brown fox jumps over the lazy dog"}\n'),
                        ("deep", "[" * 200_000 + "]" * 200_000 + "\n"),
                        ("longtask", json.dumps({"input_ids": [1, 2], "task": "x" * 1000}) + "\n"),
+                       ("surrogatetask", json.dumps({"input_ids": [1, 2], "task": "a\udcffb"}) + "\n"),
                        ("ragged", "".join(json.dumps({"input_ids": list(range(1, n))}) + "\n" for n in (5, 9, 7)))):
         (tmp / f"{name}.jsonl").write_text(text)
         paths[name] = tmp / f"{name}.jsonl"
+    (tmp / "bad\udcffname.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')  # a file name with byte 0xff
     latin1 = tmp / "latin1.jsonl"
     latin1.write_bytes(b'{"input_ids": [1, 2, 3]}\n{"text": "caf\xe9"}\n')
     paths["latin1"] = latin1
@@ -192,6 +207,7 @@ def test_user_error_is_one_line(files, capsys, argv, status, message):
     assert len(lines) == 1 and lines[0].startswith("osdn-diag: error: "), err
     assert message.format(**files) in lines[0]
     assert not (files["tmp"] / "o").exists()  # nothing half-written
+    assert not (files["tmp"] / "o\udcffx").exists()
 
 
 def test_debug_shows_the_traceback(files):
@@ -226,7 +242,8 @@ def test_a_system_exit_with_a_message_is_one_line_and_status_2(monkeypatch, caps
 
 
 @pytest.mark.parametrize("settings", [{"eta": -1.0}, {"d_min": 3.0, "d_max": 1.0}, {"d_min": -1.0},
-                                      {"d_min": 0.0}, {"d_max": float("inf")}, {"retention": 1.5}])
+                                      {"d_min": 0.0}, {"d_max": float("inf")}, {"retention": 1.5},
+                                      {"d_min": 3.0, "d_max": 4.0}, {"d_min": 1e-320, "d_max": 1e-320}])
 def test_what_if_settings_are_checked_when_made(settings):
     from osdn_diag.whatif import WhatIf
 

@@ -34,6 +34,17 @@ def test_the_text_config_of_a_multimodal_config_is_checked():
         check_config("m", {"hidden_size": 64, "text_config": {"hidden_size": 0}}, "m/config.json")
 
 
+@pytest.mark.parametrize("config", [{"model_type": ["x"]}, {"model_type": {"a": 1}}, {"model_type": 3},
+                                    {"model_type": "delta_net", "text_config": {"model_type": ["x"]}}])
+def test_a_model_type_that_is_not_a_string_is_refused(config):
+    # transformers looks it up in a dict: a list or dict ended in "unhashable type" deep in the loader
+    with pytest.raises(ValueError, match=r"^MODEL 'm': m/config.json: (text_config\.)?model_type must be a string, got ") as err:
+        check_config("m", config, "m/config.json")
+    assert "\n" not in str(err.value)
+    check_config("m", {"model_type": "delta_net"}, "m/config.json")
+    check_config("m", {"model_type": None}, "m/config.json")
+
+
 def test_a_config_that_is_not_an_object_is_refused():
     with pytest.raises(ValueError, match=r"m/config.json is not a JSON object"):
         check_config("m", [1, 2], "m/config.json")

@@ -68,6 +68,27 @@ def test_report_on_a_full_disk_names_the_figure(run, monkeypatch, capsys):
     assert f"{run / 'plots'}/" in err and "writing failed (No space left on device); free space there" in err, err
 
 
+def test_a_capture_shard_on_a_full_disk_names_the_shard(tmp_path, monkeypatch, capsys):
+    # safetensors (Rust) raises a SafetensorError, no OSError, its errno only in the message
+    from safetensors import SafetensorError
+
+    import osdn_diag.capture.store as store
+
+    def save_file_on_a_full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as fh:
+            fh.write(b"\0" * 100)  # part of the shard was written
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(store, "save_file", save_file_on_a_full_disk)
+    out = tmp_path / "run"
+    err = _one_line(["run", *ARGS, "--out", str(out)], capsys)
+    shard = out / "capture" / "batch_00000" / "layer_000.safetensors"
+    assert f"{shard}: writing failed (No space left on device); free space there or choose another --out" in err, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["stages"]["capture"] is False
+    assert list(shard.parent.iterdir()) == []  # the partial shard's temporary is gone
+
+
 def test_a_bare_write_error_names_the_file(tmp_path, monkeypatch):
     import builtins
 

@@ -249,6 +249,25 @@ def test_overwrite_refuses_a_foreign_file_in_capture_before_removing_anything(tm
     assert (run / "manifest.json").is_file() and (run / SHARD).is_file() and (run / foreign).read_text() == "mine"
 
 
+@pytest.mark.parametrize("foreign", ["residuals.parquet/notes.txt", "residuals.parquet/old/part-00000.parquet"])
+def test_overwrite_refuses_a_foreign_file_in_a_table_directory_before_removing_anything(tmp_path, foreign):
+    run = _run(tmp_path / "run")
+    part = run / "residuals.parquet" / "part-00001.parquet"
+    (run / foreign).parent.mkdir(parents=True, exist_ok=True)
+    (run / foreign).write_text("mine")
+    part.write_bytes(b"part")
+    first = "/".join(foreign.split("/")[:2])
+    with pytest.raises(RunDirectoryError, match=f"{run / first}: not a file osdn-diag writes.*move it out of"):
+        prepare_output(run, overwrite=True)
+    assert (run / "manifest.json").is_file() and (run / SHARD).is_file() and (run / foreign).read_text() == "mine"
+    assert part.read_bytes() == b"part"
+    (run / foreign).unlink()  # moved away: the run's own parts go with the rest
+    if foreign.count("/") == 2:
+        (run / foreign).parent.rmdir()
+    prepare_output(run, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == []
+
+
 # Stages.
 
 def test_starting_a_stage_undoes_it_and_every_later_stage(tmp_path):

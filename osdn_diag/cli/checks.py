@@ -201,9 +201,31 @@ def _check_placement(out: str) -> None:
         raise UsageError(str(err)) from None
 
 
+#: The positional arguments' names as the usage line gives them (the others: --dest-with-dashes).
+_POSITIONAL = {"model": "MODEL", "dir": "DIR", "runs": "RUN", "dirs": "DIR"}
+
+
+def _check_utf8(args) -> None:
+    """Every argument is text that UTF-8 can encode. A file name in another encoding (bytes such as
+    0xff) reaches Python as lone surrogates, which pyarrow and safetensors cannot take as a path and the
+    result tables cannot store (a prompt file's name is its default task name): the command would fail
+    after the capture, so such an argument is refused here, naming it."""
+    for dest, value in vars(args).items():
+        for text in value if isinstance(value, list) else [value]:
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                name = _POSITIONAL.get(dest) or f"argument --{dest.replace('_', '-')}"
+                raise UsageError(f"{name} {text!r}: not valid UTF-8 (a name in another encoding); osdn-diag "
+                                 "keeps paths and labels as UTF-8 text: rename it or give another name") from None
+
+
 def check_args(args) -> None:
     """Check ``args`` (parsed) before the command imports fla or writes anything."""
     cmd = args.command
+    _check_utf8(args)
     device = getattr(args, "device", None)
     if device is not None:
         if not _DEVICE.match(device):

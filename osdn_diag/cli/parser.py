@@ -9,6 +9,18 @@ import argparse
 from . import commands
 
 
+def _seed(text: str) -> int:
+    """``--seed``: a whole number torch's generators take, 0 <= N < 2**64 (a larger one ended in
+    "Overflow when unpacking long long" once the prompts were drawn, naming no argument)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected a whole number 0 <= N < 2**64, got {text}")
+    return value
+
+
 def _add_capture_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
                    help="a local Hugging Face directory of an fla, OSDN or transformers model, a Hub "
@@ -32,7 +44,7 @@ def _add_capture_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=("auto", "fla", "reference"), default="auto",
                    help="what runs the delta rule during capture: fla's kernel, the reference "
                    "recurrence, or auto (fla on CUDA, reference on CPU)")
-    p.add_argument("--seed", type=int, default=0, help="seed for random models and suites (0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed for random models and suites (0)")
     p.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
                    help="spread a model too large for one GPU over the machine's GPUs, whole blocks "
                    "per GPU (needs accelerate; one process); replay then runs on --device")
@@ -190,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --lm: tokens per held-out window (256)")
     demo.add_argument("--models", nargs="+", metavar="NAME",
                       help="built-in model names (default: mqar-deltanet mqar-osdn mqar-osdn-apf)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the prompt suite (0)")
+    demo.add_argument("--seed", type=_seed, default=0, help="seed of the prompt suite (0)")
     demo.add_argument("--overwrite", action="store_true",
                       help="replace the demo output DIR already holds (only the files osdn-diag wrote); "
                       "without it such a DIR is refused")
@@ -210,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--dtype", choices=sorted(commands._DTYPES), help="model dtype (bf16 on CUDA)")
     warm.add_argument("--kernels", choices=("auto", "fla", "reference"), default="auto",
                       help="as for run (auto: fla's kernels on CUDA)")
-    warm.add_argument("--seed", type=int, default=0, help="seed of a random model (0)")
+    warm.add_argument("--seed", type=_seed, default=0, help="seed of a random model (0)")
     warm.add_argument("--save-tuning", metavar="FILE",
                       help="also write the autotuning choices of fla's kernels made here as a table "
                       "(JSON) that OSDN_DIAG_TUNING=FILE reuses on machines with the same GPU, Triton "

@@ -95,9 +95,10 @@ def _load_tokenizer(directory: Path | None):
 
 
 def _session_tokenizer(directory: Path | None, quiet: bool = False):
-    """``(tokenizer, tokenize)`` for a run: the directory's tokenizer and ``text -> ids`` with it. An
-    unreadable tokenizer fails only prompts that need it (``tokenize`` raises its error, naming the
-    files); prompts of token ids run without token text, and a line says so."""
+    """``(tokenizer, tokenize, problem)`` for a run: the directory's tokenizer and ``text -> ids`` with
+    it. An unreadable tokenizer fails only prompts that need it (``tokenize`` raises its error, naming
+    the files); prompts of token ids run without token text, a line says so, and ``problem`` is why
+    (``None`` when the tokenizer loaded or there is none)."""
     try:
         tok = _load_tokenizer(directory)
     except ValueError as err:
@@ -108,8 +109,8 @@ def _session_tokenizer(directory: Path | None, quiet: bool = False):
 
         if not quiet:
             print(f"osdn-diag: {message}; token text is not stored for this run", file=sys.stderr)
-        return None, unreadable
-    return tok, _tokenize(tok)
+        return None, unreadable, message
+    return tok, _tokenize(tok), None
 
 
 def _tokenize(tok):

@@ -17,6 +17,7 @@ from ..rundir import (
     RANKS_DIR,
     RunDirectoryError,
     check_links,
+    check_table_files,
     finish_stage,
     output_lock,
     rank_record_path,
@@ -150,12 +151,14 @@ def _rank_reader(run_dir: Path, ranks, check_links: bool = False) -> CaptureRead
     if ranks.world == 1:
         if check_links:
             _check_links(run_dir, _REPLAY_FILES)
+            check_table_files(run_dir)  # else its old table directory cannot be replaced
         return CaptureReader(run_dir)
     reader, message = None, None
     if ranks.is_main:
         try:
             if check_links:
                 _check_links(run_dir, _REPLAY_FILES)
+                check_table_files(run_dir)
             manifest = run_manifest(run_dir)
             shared = manifest is None or manifest.get("shared_out", True)
             reader = CaptureReader(run_dir, batches=None if shared else ranks.owns)

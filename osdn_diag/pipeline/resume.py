@@ -13,6 +13,7 @@ from ..rundir import (
     RANKS_DIR,
     RunDirectoryError,
     check_capture_files,
+    check_table_files,
     check_links,
     check_placement,
     existing_run_files,
@@ -120,6 +121,7 @@ def _prepare_node_output(out_dir: Path, run_id: str, *, overwrite: bool, resume:
         prepare_output(out_dir, overwrite=True)
     else:
         check_capture_files(out_dir)  # before anything is removed
+        check_table_files(out_dir)
         remove_run_files(out_dir)
 
 

@@ -193,7 +193,7 @@ class _CaptureSession:
         self.replay_device = self.device
         self.device = self.loaded.model.get_input_embeddings().weight.device
         # The tokenizer, if the model has one: it tokenises text prompts and gives tokens.parquet its text.
-        self.tokenizer, tokenize = _session_tokenizer(self.loaded.directory)
+        self.tokenizer, tokenize, self.tokenizer_problem = _session_tokenizer(self.loaded.directory)
         self.prompts = load_prompts(
             prompts_spec, vocab_size=self.loaded.config["vocab_size"], tokenize=tokenize,
             twice=twice, num_prompts=num_prompts, length=length, seed=seed,
@@ -389,7 +389,8 @@ class _CaptureSession:
 
         text = None if self.tokenizer is None else TokenText(self.tokenizer, self.loaded.directory)
         table = token_table(self.token_ids(), text)
-        return tokens_entry(write_tokens(self.out_dir, table, self.run_id), None if text is None else text.info)
+        return tokens_entry(write_tokens(self.out_dir, table, self.run_id), None if text is None else text.info,
+                            self.tokenizer_problem)
 
     def finish(self, done: tuple[str, ...] = ("capture",)) -> None:
         """Mark the stages ``done`` in the manifest once every rank's files are on disk."""

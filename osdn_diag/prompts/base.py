@@ -82,10 +82,16 @@ def _parse_row(line: str, where: str):
 
 
 def _task(row: dict, default: str, where: str) -> str:
-    """The row's task name (``default``: the file's stem), a string of at most :data:`MAX_TASK_CHARS`."""
+    """The row's task name (``default``: the file's stem), a string UTF-8 can encode of at most
+    :data:`MAX_TASK_CHARS`."""
     task = row.get("task", default)
     if not isinstance(task, str):
         raise ValueError(f"{where}: field 'task' must be a string, got {type(task).__name__}")
+    try:
+        task.encode("utf-8")
+    except UnicodeEncodeError:  # a \udcff escape: the result tables cannot store it
+        raise ValueError(f"{where}: field 'task' {task!r} holds a lone surrogate, which is not text; give a "
+                         "name of Unicode characters") from None
     if len(task) > MAX_TASK_CHARS:
         raise ValueError(f"{where}: field 'task' is {len(task):,} characters long; give a name of at most "
                          f"{MAX_TASK_CHARS} (it is repeated on every row of the results)")

@@ -25,8 +25,8 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 
 from .runs import read_table, table_columns
 
-__all__ = ["MIN_COUNT", "TOKENS", "TOKENS_SCHEMA", "per_token", "read_tokens", "token_stats", "token_table",
-           "tokens_entry", "write_tokens"]
+__all__ = ["MIN_COUNT", "NO_TOKENIZER", "TOKENS", "TOKENS_SCHEMA", "per_token", "read_tokens", "token_stats",
+           "token_table", "tokens_entry", "write_tokens"]
 
 TOKENS = "tokens.parquet"
 TOKENS_SCHEMA = pa.schema([("prompt", pa.int32()), ("pos", pa.int32()), ("token_id", pa.int32()),
@@ -70,11 +70,18 @@ def write_tokens(out_dir: str | os.PathLike, table: pa.Table, run_id: str | None
     return {"sha256": sha256_file(path), "size": path.stat().st_size, "rows": table.num_rows}
 
 
-def tokens_entry(file: dict, text: dict | None) -> dict:
+#: The ``tokens`` entry's note where the model directory has no tokenizer.
+NO_TOKENIZER = "the model has no tokenizer: token ids only"
+
+
+def tokens_entry(file: dict, text: dict | None, unreadable: str | None = None) -> dict:
     """The manifest's ``tokens`` entry: the file (``write_tokens``'s answer) and ``text``, the tokenizer
-    (:attr:`TokenText.info`) or ``None`` where the model has none."""
+    (:attr:`TokenText.info`) or ``None`` where the model has none — or has one that could not be
+    loaded, ``unreadable`` saying why (recorded in the note)."""
+    note = (NO_TOKENIZER if unreadable is None
+            else f"the model's tokenizer could not be loaded: token ids only ({unreadable})")
     return {"file": TOKENS, **file, "text": text is not None, "tokenizer": text,
-            **({} if text is not None else {"note": "the model has no tokenizer: token ids only"})}
+            **({} if text is not None else {"note": note})}
 
 
 def read_tokens(run_dir: str | os.PathLike, manifest: dict | None = None) -> pa.Table | None:

@@ -7,12 +7,13 @@ import math
 import os
 from pathlib import Path
 
-from ..runtime.atomic import atomic_write_text, real_directory
+from ..runtime.atomic import atomic_write_text, check_target, real_directory
 from ..replay.families import MICRO_STEP_FAMILIES, NOT_APPLICABLE
 from ..replay.runs import load_run, read_table
-from ..replay.tokens import MIN_COUNT
+from ..replay.tokens import MIN_COUNT, NO_TOKENIZER
 from ..rundir import (
     MANIFEST,
+    PLOT_FILES,
     RunDirectoryError,
     check_links,
     enclosing_runs,
@@ -551,7 +552,9 @@ def _tokens_section(runs, token_runs, min_count: int) -> list[str]:
                       "tokens; run it again to have them).", ""]
             continue
         if not entry.get("text"):
-            parts += [f"{label}: the model has no tokenizer, so tokens are shown by id only.", ""]
+            why = ("the model has no tokenizer" if entry.get("note", NO_TOKENIZER) == NO_TOKENIZER
+                   else "the model's tokenizer could not be loaded")
+            parts += [f"{label}: {why}, so tokens are shown by id only.", ""]
         table, qualified = _token_table(stats, min_count)
         parts += [f"{qualified:,} of {len(stats):,} distinct tokens occur at least {min_count} times.", "",
                   table, ""]
@@ -732,6 +735,18 @@ def _check_out(paths: list[Path], out: Path, owner: int | None, into_input: bool
                                 f"{', '.join(found)}, which a report would write; choose another --out")
 
 
+def _check_targets(out: Path, owner: int | None) -> None:
+    """Refuse a name the report writes that it could not write (``plots`` not a directory; a directory,
+    a FIFO or a device at ``report.md`` or a figure's name), before the old report is removed or the
+    run's report stage started: a refused report leaves the run as it was."""
+    plots = out / "plots"
+    if (plots.exists() or plots.is_symlink()) and not plots.is_dir():
+        raise NotADirectoryError(f"{plots}: not a directory, where osdn-diag writes one; remove it, or choose "
+                                 "another --out")
+    for path in ([] if owner is not None else [out / MANIFEST]) + [out / "report.md"] + [plots / n for n in PLOT_FILES]:
+        check_target(path)
+
+
 def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_head) -> Path:
     loaded = [load_run(p) for p in paths]
     if not any(m.get("counterfactual") for m, _ in loaded):
@@ -741,6 +756,7 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
     d_trajectories = d_trajectories_of(paths, names, [m for m, _ in loaded], d_head)
     token_runs = tokens_of(paths, loaded)
 
+    _check_targets(out, owner)
     # Everything is checked: only now is anything written. Into a run, this is its report stage (not
     # done until report.md is written); elsewhere the directory is marked as a report of these runs.
     if owner is not None:

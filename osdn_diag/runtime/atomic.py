@@ -73,6 +73,16 @@ def refuse_special(path: str | os.PathLike) -> None:
                                 "osdn-diag writes a file; it is left alone: give the path of a file")
 
 
+def check_target(path: str | os.PathLike) -> None:
+    """Refuse ``path`` as the name of a file to write by a rename: a FIFO, a device or a socket (never
+    replaced, :func:`refuse_special`) or a directory (the rename would fail after the work, as a raw
+    Errno 21). Writers that check all their files before they start (the report) call it first."""
+    refuse_special(path)
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise IsADirectoryError(f"{path}: a directory, where osdn-diag writes a file; move it away, or "
+                                "choose another --out")
+
+
 def real_directory(root: str | os.PathLike, directory: str | os.PathLike) -> Path:
     """``directory`` (``root`` or below it), created where missing, each directory from ``root`` down
     a real one: a link on the way is refused (:class:`LinkError`), so that nothing written below it
@@ -149,10 +159,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", *, root: str | os
         else:
             real_directory(root, path.parent)
             refuse_link(path)
-        refuse_special(path)  # a device, a FIFO: never replaced by the rename
-        if path.is_dir() and not path.is_symlink():  # else the rename fails, after the work, as a raw Errno 21
-            raise IsADirectoryError(f"{path}: a directory, where osdn-diag writes a file; move it away, or "
-                                    "choose another --out")
+        check_target(path)
         tmp = _create_temporary(path.parent, path.name, suffix)
         mode = stat.S_IMODE(os.stat(tmp).st_mode)  # 0o666 & ~umask, without changing the process umask
         try:

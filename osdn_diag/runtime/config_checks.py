@@ -49,7 +49,8 @@ def _field_error(key: str, value, limit: int) -> str | None:
 
 def check_config(spec: str, config, path: str | Path) -> None:
     """Refuse ``config`` (the parsed ``config.json`` at ``path`` of MODEL ``spec``) whose size fields
-    are not positive integers within :data:`SIZE_FIELDS`' bounds, naming the field; a multimodal
+    are not positive integers within :data:`SIZE_FIELDS`' bounds, or whose ``model_type`` is not a
+    string (looked up in transformers' registry, a dict), naming the field; a multimodal
     config's ``text_config`` (what is loaded) is checked too. Raises ``ValueError``."""
     if not isinstance(config, dict):
         raise ValueError(f"MODEL {spec!r}: {path} is not a JSON object; repair or replace it")
@@ -57,6 +58,10 @@ def check_config(spec: str, config, path: str | Path) -> None:
     if isinstance(config.get("text_config"), dict):
         sections.append(("text_config.", config["text_config"]))
     for prefix, section in sections:
+        model_type = section.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise ValueError(f"MODEL {spec!r}: {path}: {prefix}model_type must be a string, got "
+                             f"{model_type!r}; repair config.json (use the one saved with the weights)")
         for key, limit in SIZE_FIELDS.items():
             error = _field_error(prefix + key, section.get(key), limit)
             if error:

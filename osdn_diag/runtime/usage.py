@@ -39,8 +39,9 @@ def check_suite_size(num_prompts: int, length: int) -> None:
 
 def what_if_settings_error(eta, d_min, d_max, retention, *, name=str, arg=lambda n: f"'{n}'") -> str | None:
     """What is wrong with a what-if's settings (``None`` if nothing): finite numbers, ``eta >= 0``,
-    ``0 < d_min <= d_max``, ``retention`` in [0, 1]. One rule for the command line (``--d-min``)
-    and :class:`osdn_diag.whatif.WhatIf` (``'d_min'``): ``name`` spells a setting, ``arg`` quotes it."""
+    ``0 < d_min <= 1 <= d_max`` (d starts at 1), ``retention`` in [0, 1]. One rule for the command
+    line (``--d-min``) and :class:`osdn_diag.whatif.WhatIf` (``'d_min'``): ``name`` spells a setting,
+    ``arg`` quotes it."""
     values = {"eta": eta, "d_min": d_min, "d_max": d_max, "retention": retention}
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -50,6 +51,10 @@ def what_if_settings_error(eta, d_min, d_max, retention, *, name=str, arg=lambda
     if not 0 < d_min <= d_max:
         lo, hi = name("d_min"), name("d_max")
         return f"arguments {arg(lo)}, {arg(hi)}: expected 0 < {lo} <= {hi}, got {d_min} and {d_max}"
+    if not d_min <= 1 <= d_max:  # phase 1 starts every sequence at d0 = 1, which must lie in the box
+        lo, hi = name("d_min"), name("d_max")
+        return (f"arguments {arg(lo)}, {arg(hi)}: the box [{d_min}, {d_max}] must contain 1, where the "
+                f"preconditioner d starts; give {lo} <= 1 <= {hi}")
     if not 0 <= retention <= 1:
         return f"argument {arg(name('retention'))}: expected a value in [0, 1], got {retention}"
     return None

@@ -231,6 +231,22 @@ def test_what_if_with_overwrite_still_refuses_its_own_input(runs, tmp_path, caps
     assert _sha256s(run) == before
 
 
+def test_what_if_overwrite_replaces_only_a_what_if_output(runs, tmp_path, capsys):
+    """--overwrite of what-if replaces the what-if output OUT holds, never a measured run (its capture
+    could not be recovered): that is refused, with or without --overwrite, before anything is written."""
+    measured = _copy(runs, "four", tmp_path)
+    before = _sha256s(measured)
+    for overwrite in ([], ["--overwrite"]):
+        err = _one_line_error(["what-if", str(runs / "two"), "--out", str(measured), *overwrite, "-q"], capsys)
+        assert f"{measured}: holds a run that is not a what-if output" in err and "choose another --out" in err, err
+        assert _sha256s(measured) == before
+    out = tmp_path / "wi"
+    assert main(["what-if", str(runs / "two"), "--out", str(out), "-q"]) == 0
+    first = _manifest(out)["run_id"]
+    assert main(["what-if", str(runs / "two"), "--out", str(out), "--eta", "0.01", "--overwrite", "-q"]) == 0
+    assert _manifest(out)["run_id"] != first and _manifest(out)["counterfactual"] is True
+
+
 # 6. replay of a directory without capture/.
 
 def test_replay_without_a_capture_says_why_and_leaves_the_tables(runs, tmp_path, capsys):
@@ -337,6 +353,23 @@ def test_overwrite_removes_only_the_runs_own_files(runs, tmp_path, capsys):
     assert main(_args(other, 2, command="capture")) == 0 and (other / "notes.txt").read_text() == "mine"
 
 
+def test_a_foreign_file_in_a_residuals_directory_is_refused_before_anything_changes(runs, tmp_path, capsys):
+    """residuals.parquet/ (a table of parts, from a run under several processes) holding a file of the
+    user's cannot be replaced by a new table: --overwrite and replay refuse it up front, naming it, and
+    leave the run as it was (they removed the old run, captured or replayed again and then failed on
+    a raw 'Directory not empty')."""
+    run = _copy(runs, "two", tmp_path)
+    (run / "residuals.parquet").unlink()
+    (run / "residuals.parquet").mkdir()
+    (run / "residuals.parquet" / "notes.txt").write_text("mine")
+    before, manifest = _files(run), _manifest(run)
+    for argv in (_args(run, 2, "--overwrite"), ["replay", str(run), "-q"]):
+        err = _one_line_error(argv, capsys)
+        assert f"{run / 'residuals.parquet' / 'notes.txt'}: not a file osdn-diag writes" in err, err
+        assert "move it out of" in err
+        assert _files(run) == before and _manifest(run) == manifest
+
+
 def test_demo_refuses_an_existing_output_and_files_it_did_not_write(runs, tmp_path, capsys, monkeypatch):
     from osdn_diag import pipeline
 
@@ -375,7 +408,8 @@ def test_demo_refuses_an_existing_output_and_files_it_did_not_write(runs, tmp_pa
 
 # 12. A what-if setting that cannot work is refused before the output is touched.
 
-@pytest.mark.parametrize("bad", [["--eta", "-1"], ["--d-min", "3", "--d-max", "1"], ["--d-min", "-1"]])
+@pytest.mark.parametrize("bad", [["--eta", "-1"], ["--d-min", "3", "--d-max", "1"], ["--d-min", "-1"],
+                                 ["--d-min", "3", "--d-max", "4"]])  # a box without d0 = 1
 def test_a_bad_what_if_setting_leaves_the_output_alone(runs, tmp_path, capsys, bad):
     target = _copy(runs, "four", tmp_path)
     before = _files(target)

@@ -104,6 +104,33 @@ def test_report_errors(tmp_path):
         write_report([a])
 
 
+@pytest.mark.parametrize("blocker", ["plots/q_geo.png/", "report.md/", "plots"])
+def test_a_refused_report_leaves_the_run_and_its_report_as_they_were(tmp_path, blocker):
+    """A name the report cannot write (a directory where a figure or report.md goes, a file where plots/
+    goes) is refused before the old report is removed or the report stage started."""
+    run = _run(tmp_path / "a", 4, gated=False, task="t")
+    write_report([run])
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    target = run / blocker.rstrip("/")
+    if target.is_dir():
+        import shutil
+
+        shutil.rmtree(target)
+    else:
+        target.unlink(missing_ok=True)
+    if blocker.endswith("/"):
+        (target / "mine").mkdir(parents=True)
+    else:
+        target.write_text("mine")
+    before = {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    with pytest.raises((IsADirectoryError, NotADirectoryError), match=f"{target}: (a directory|not a directory)"):
+        write_report([run])
+    assert json.loads((run / "manifest.json").read_text()) == manifest  # still complete, report stage done
+    after = {p.relative_to(run).as_posix(): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    assert after == before
+
+
 def test_d_trajectory_of_a_chosen_head(tmp_path):
     from osdn_diag.math import osdn, osdn_phase1
 

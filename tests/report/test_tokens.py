@@ -354,7 +354,13 @@ def test_an_unreadable_tokenizer_fails_only_the_prompts_that_need_it(tmp_path, c
                   "--out", str(ok), "-q"]) == 0
     err = capsys.readouterr().err
     assert "tokenizer.json" in err and "cannot be loaded" in err and "Traceback" not in err
-    assert _json.loads((ok / "manifest.json").read_text())["tokens"]["text"] is False
+    tokens = _json.loads((ok / "manifest.json").read_text())["tokens"]
+    assert tokens["text"] is False and tokens["tokenizer"] is None
+    # It records what happened: the model has a tokenizer, which could not be loaded (not "none").
+    assert tokens["note"].startswith("the model's tokenizer could not be loaded: token ids only (")
+    assert "tokenizer.json" in tokens["note"] and "no tokenizer" not in tokens["note"]
+    report = (ok / "report.md").read_text()
+    assert "the model's tokenizer could not be loaded, so tokens are shown by id only." in report
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"text": "hello"}\n')
     assert entry(["run", str(model_dir), "--prompts", str(prompts), "--out", str(tmp_path / "text"), "-q"]) == 2

@@ -35,6 +35,7 @@ __all__ = ["Ranks", "current", "fault_point", "init_from_env", "rendezvous_timeo
 #: how long joining the process group waits for the other ranks, in seconds (see :func:`init_from_env`)
 RENDEZVOUS_ENV = "OSDN_DIAG_RENDEZVOUS_TIMEOUT"
 RENDEZVOUS_TIMEOUT = 300.0
+RENDEZVOUS_MAX = 7 * 24 * 3600.0
 
 #: test hook: ``RANK:POINT`` makes that rank kill itself (SIGKILL, as a preempted node) at ``POINT``
 FAULT_ENV = "OSDN_DIAG_FAULT"
@@ -129,8 +130,9 @@ def init_from_env() -> Ranks:
 
 def rendezvous_timeout() -> float:
     """How long :func:`init_from_env` waits for the other ranks: ``OSDN_DIAG_RENDEZVOUS_TIMEOUT``
-    seconds if set, else :data:`RENDEZVOUS_TIMEOUT`. A value that is not a positive number is refused
-    (:class:`ValueError` naming the variable)."""
+    seconds if set, else :data:`RENDEZVOUS_TIMEOUT`. A value that is not a number above 0 and at most
+    :data:`RENDEZVOUS_MAX` (a week: a thread's wait takes no deadline past the platform's clock range)
+    is refused (:class:`ValueError` naming the variable)."""
     raw = os.environ.get(RENDEZVOUS_ENV)
     if raw is None:
         return RENDEZVOUS_TIMEOUT
@@ -138,9 +140,9 @@ def rendezvous_timeout() -> float:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not (0 < value < math.inf):
+    if not (0 < value <= RENDEZVOUS_MAX):
         raise ValueError(f"{RENDEZVOUS_ENV}={raw!r}: expected the seconds to wait for the other ranks, "
-                         "a number above 0")
+                         f"a number above 0 and at most {RENDEZVOUS_MAX:g}")
     return value
 
 

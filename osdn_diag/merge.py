@@ -38,6 +38,7 @@ from .capture.store import IncompleteRunError
 from .rundir import (
     MANIFEST,
     RANKS_DIR,
+    UNREADABLE,
     RunDirectoryError,
     check_file_name,
     check_output,
@@ -48,6 +49,7 @@ from .rundir import (
     remove_run_files,
     run_manifest,
     stage_done,
+    table_run_ids,
     verify_files,
 )
 
@@ -132,7 +134,12 @@ def _merge(dirs: list[Path], out: Path, *, overwrite: bool, report: bool) -> Pat
             # Checked here, not only by the report of OUT: an edited summary is never assembled into a run.
             raise RunDirectoryError(f"{src / name}: its size or sha256 differs from the one {path} records "
                                     "(changed after the run wrote it); rerun the run")
-    _check_summary(src / "summary.json")  # read by OUT's report: refused here, naming rank 0's
+    _check_summary(src / "summary.json", run_id, path)  # read by OUT's report: refused here, naming rank 0's
+    if (src / "comparator.parquet").is_file():
+        for table, found in table_run_ids(src / "comparator.parquet"):
+            if found is not UNREADABLE and found != run_id:
+                raise RunDirectoryError(f"{table}: of run {found}, not of {run_id} ({path}): copied or left "
+                                        "there; rerun the run")
 
     with output_lock(out):
         # Refused (a run there without --overwrite, a link, a file in capture/ that is not a shard)
@@ -193,9 +200,9 @@ def _move_in(staging: Path, out: Path) -> None:
         fsync_directory(directory)
 
 
-def _check_summary(path: Path) -> None:
+def _check_summary(path: Path, run_id: str, manifest_path: Path) -> None:
     """Refuse rank 0's ``summary.json`` unless it is JSON of the types osdn-diag writes
-    (:func:`~osdn_diag.runtime.schema.check_summary`), naming it."""
+    (:func:`~osdn_diag.runtime.schema.check_summary`) and of the run ``run_id``, naming it."""
     import json
 
     try:
@@ -203,6 +210,9 @@ def _check_summary(path: Path) -> None:
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise RunDirectoryError(f"{path}: not valid JSON ({err}); rerun the run") from None
     check_summary(summary, path, again="rerun the run")
+    if summary.get("run_id") != run_id:
+        raise RunDirectoryError(f"{path}: of run {summary.get('run_id')}, not of {run_id} ({manifest_path}): "
+                                "copied or left there; rerun the run")
 
 
 def _tokens_file(manifest: dict) -> dict:

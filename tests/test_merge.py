@@ -165,6 +165,25 @@ def test_a_damaged_summary_of_rank_0_is_refused_naming_it_before_out_exists(tmp_
     assert not out.exists()
 
 
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new-out", "overwrite"])
+def test_a_summary_of_another_run_is_refused_naming_it_before_out_changes(tmp_path, capsys, overwrite):
+    """Rank 0's summary.json (well formed, even recorded in its manifest) of another run is refused
+    naming it before OUT changes: with --overwrite the complete run there stays as it was."""
+    nodes = _nodes(tmp_path)
+    out = tmp_path / "m"
+    if overwrite:
+        merge_runs(nodes, out, report=False)
+        before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    (nodes[0] / "summary.json").write_text(json.dumps({**SUMMARY, "run_id": "f" * 32}))
+    argv = ["merge", *map(str, nodes), "--out", str(out)] + (["--overwrite"] if overwrite else [])
+    err = _one_line(argv, capsys)
+    assert f"{nodes[0] / 'summary.json'}: of run {'f' * 32}, not of {RUN_ID}" in err, err
+    if overwrite:
+        assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    else:
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "other"])
 def test_a_manifest_name_outside_the_layout_is_refused_and_nothing_written(tmp_path, capsys, kind):
     name = {"dotdot": "capture/../../n0/x", "absolute": str(tmp_path / "abs" / "x"),

@@ -330,10 +330,11 @@ class _CaptureSession:
         self.own = (dict(self.writer.shards), dict(self.writer.layers), dict(self.hits), dict(self.generated))
         if self.ranks.world > 1 and self.stored:
             self.write_record()
-        distributed.fault_point("captured")
         for layers in self.ranks.gather(self.writer.layers):  # a rank may have had no batch
             for index, entry in layers.items():
                 self.writer.layers.setdefault(index, entry)
+        # After the first collective: every rank has written its record by then, whichever is slower.
+        distributed.fault_point("captured")
         for shards in self.ranks.gather(self.writer.shards):
             self.writer.shards.update(shards)
         for part in self.ranks.gather(self.hits):

@@ -204,3 +204,23 @@ def test_a_group_whose_other_ranks_never_come_ends(tmp_path, how):
         assert (proc.returncode, err) == ((143, "osdn-diag: terminated (SIGTERM)") if how == "SIGTERM"
                                           else (130, "osdn-diag: interrupted"))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("raw", ["abc", "nan", "-1", "0", "inf", "1e10", "1e300"])
+def test_a_rendezvous_timeout_out_of_range_is_refused_naming_the_variable(monkeypatch, raw):
+    """Not a number above 0, or past a week (a thread's wait cannot take a deadline beyond the
+    platform's clock: 1e10 s raised OverflowError from deep in threading), is refused naming it."""
+    from osdn_diag.distributed import RENDEZVOUS_ENV, rendezvous_timeout
+
+    monkeypatch.setenv(RENDEZVOUS_ENV, raw)
+    with pytest.raises(ValueError, match=f"{RENDEZVOUS_ENV}={raw!r}: expected .* at most 604800"):
+        rendezvous_timeout()
+
+
+def test_a_rendezvous_timeout_of_a_week_is_taken(monkeypatch):
+    from osdn_diag.distributed import RENDEZVOUS_ENV, rendezvous_timeout
+
+    monkeypatch.setenv(RENDEZVOUS_ENV, "604800")
+    assert rendezvous_timeout() == 604800.0
+    monkeypatch.delenv(RENDEZVOUS_ENV)
+    assert rendezvous_timeout() == 300.0

@@ -353,19 +353,10 @@ if os.geteuid() == 0:
 
 def _as_a_user(monkeypatch) -> None:
     """``_AS_A_USER`` in this process (undone when the test ends)."""
-    import errno
-
     from osdn_diag import rundir
 
-    if os.geteuid() == 0:
-        real = rundir._open_lock
-
-        def open_lock(path, *, write=True):
-            if write:
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-            return real(path, write=write)
-
-        monkeypatch.setattr(rundir, "_open_lock", open_lock)
+    monkeypatch.setattr(rundir, "_open_lock", rundir._open_lock)  # put back when the test ends
+    exec(_AS_A_USER, {})
 
 
 _MERGE_READ_ONLY = _AS_A_USER + """

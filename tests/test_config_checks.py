@@ -64,3 +64,30 @@ def test_weights_that_are_not_a_regular_file_are_refused_before_reading(tmp_path
         weights.symlink_to("/dev/zero")  # read without end
     with pytest.raises(ValueError, match=r"model\.safetensors is not a regular file"):
         check_model_files("m", tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dangling"])
+def test_a_config_json_that_is_not_a_regular_file_is_named(tmp_path, kind):
+    import os
+
+    from osdn_diag.runtime.config_checks import check_model_files
+
+    config = tmp_path / "config.json"
+    if kind == "fifo":
+        os.mkfifo(config)
+    elif kind == "directory":
+        config.mkdir()
+    else:
+        config.symlink_to(tmp_path / "nothing.json")
+    with pytest.raises(ValueError, match=rf"{config} is not a regular file.*replace it with the model's config\.json"):
+        check_model_files("m", tmp_path)
+
+
+def test_an_index_whose_shards_are_elsewhere_is_named(tmp_path):
+    from osdn_diag.runtime.config_checks import check_model_files
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"w": "../outside.safetensors"}}')
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights in .*model\.safetensors\.index\.json "
+                                                r"lists shards that are not files in it"):
+        check_model_files("m", tmp_path)

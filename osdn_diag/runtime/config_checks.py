@@ -78,10 +78,15 @@ def check_model_files(spec: str, directory: Path) -> None:
     """The files a Hugging Face model directory must hold: ``config.json`` and ``*.safetensors``
     weights (pickled ``*.bin``/``*.pt`` weights are named and refused). Raises ``FileNotFoundError``.
     Pure Python: the command line checks this before importing torch."""
-    if not (directory / "config.json").is_file():
+    import stat
+
+    config = directory / "config.json"
+    if not config.is_file():
+        if config.exists() or config.is_symlink():  # a FIFO, a directory, a link to nothing
+            raise ValueError(f"MODEL {spec!r}: {config} is not a regular file (a FIFO, a directory, a device, or "
+                             "a link to nothing); replace it with the model's config.json")
         raise FileNotFoundError(f"MODEL {spec!r}: expected a Hugging Face model directory with config.json "
                                 "(or random:PRESET)")
-    import stat
 
     for path in sorted(directory.glob("*.safetensors")):
         try:
@@ -94,6 +99,9 @@ def check_model_files(spec: str, directory: Path) -> None:
     if not any(directory.glob("*.safetensors")):
         pickles = sorted(p.name for pattern in ("*.bin", "*.pt") for p in directory.glob(pattern))
         hint = f" (found {', '.join(pickles)}: pickled weights are not loaded)" if pickles else ""
+        index = sorted(p.name for p in directory.glob("*.safetensors.index.json"))
+        if index and not hint:  # its shards named elsewhere: only files in the directory are read
+            hint = f" ({index[0]} lists shards that are not files in it)"
         raise FileNotFoundError(f"MODEL {spec!r}: no *.safetensors weights in {directory}{hint}")
 
 

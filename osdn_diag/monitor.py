@@ -90,30 +90,14 @@ def _rank() -> int:
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive ``flock`` on ``.NAME.lock`` beside ``path`` while the block runs, waited for: the
     monitors of models trained side by side in several processes may share one ``monitor.parquet``,
-    and each one's read, merge and rewrite of it must not lose another's rows. The lock file is opened
-    as a run directory's is (:func:`osdn_diag.rundir.open_lock`: never through a link, a FIFO or a hard
-    link; refused with one line) and removed by its holder; a waiter whose file was removed meanwhile
-    takes the new one."""
-    import fcntl
-
-    from .rundir import open_lock
+    and each one's read, merge and rewrite of it must not lose another's rows. The lock file is taken
+    as a run directory's is (:func:`osdn_diag.rundir.wait_for_lock`: never through a link, a FIFO or
+    a hard link; refused with one line) and removed by its holder."""
+    from .rundir import wait_for_lock
 
     lock = path.with_name(f".{path.name}.lock")
     path.parent.mkdir(parents=True, exist_ok=True)  # the first probe makes the directory, as it always did
-    while True:
-        fd, _ = open_lock(lock)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                same = os.path.samestat(os.fstat(fd), os.lstat(lock))
-            except FileNotFoundError:
-                same = False
-        except BaseException:
-            os.close(fd)
-            raise
-        if same:
-            break
-        os.close(fd)
+    fd = wait_for_lock(lock)
     try:
         yield
     finally:

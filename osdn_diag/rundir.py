@@ -82,7 +82,6 @@ __all__ = [
     "foreign_capture_files",
     "is_report_dir",
     "new_run_id",
-    "open_lock",
     "out_inside_input",
     "output_lock",
     "prepare_output",
@@ -91,6 +90,7 @@ __all__ = [
     "reading_lock",
     "write_rank_record",
     "verify_files",
+    "wait_for_lock",
     "remove_rank_records",
     "remove_report_files",
     "remove_run_files",
@@ -238,9 +238,10 @@ def check_file_placement(path: str | os.PathLike, what: str = "--out") -> None:
             kind, names = "comparison report", REPORT_DIR_FILES
         else:
             continue
-        first = resolved.relative_to(directory).parts[0]
+        parts = resolved.relative_to(directory).parts
+        first = parts[0]
         if first in names or first == LOCK_FILE:
-            where = "one of the files" if len(resolved.relative_to(directory).parts) == 1 else f"inside {first}/"
+            where = "one of the files" if len(parts) == 1 else f"inside {first}/"
             raise RunDirectoryError(f"{what} {path}: {where} of the {kind} {directory}, which writing it would "
                                     "replace or damage; give a path beside them or elsewhere")
 
@@ -617,12 +618,13 @@ def _release_shared(path: Path, fd: int) -> None:
         os.close(fd)
 
 
-def _acquire(path: Path, directory, *, shared: bool = False) -> int | None:
-    """Lock ``path`` (``directory``'s lock file) without waiting and return the descriptor holding it:
-    exclusively for a writer (:func:`output_lock`, which then writes its pid into the file), shared for
-    a reader (:func:`reading_lock`). A lock held against it is refused at once
-    (:class:`RunDirectoryError`). Where the file cannot be opened for writing (a read-only directory),
-    a reader locks it through a read-only descriptor, and takes no lock (``None``) if there is none."""
+def _acquire(path: Path, directory, *, shared: bool = False, wait: bool = False) -> int | None:
+    """Lock ``path`` (``directory``'s lock file) and return the descriptor holding it: exclusively for
+    a writer (:func:`output_lock`, which then writes its pid into the file), shared for a reader
+    (:func:`reading_lock`). A lock held against it is refused at once (:class:`RunDirectoryError`),
+    or waited for (``wait``: :func:`wait_for_lock`). Where the file cannot be opened for writing (a
+    read-only directory), a reader locks it through a read-only descriptor, and takes no lock
+    (``None``) if there is none."""
     import fcntl
 
     while True:
@@ -636,7 +638,7 @@ def _acquire(path: Path, directory, *, shared: bool = False) -> int | None:
             except OSError:  # none there (nor can a writer make one), or not readable
                 return None
         try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             try:
                 message = _in_use(directory, fd, shared=shared)
@@ -747,8 +749,12 @@ def _open_lock(path: Path, *, write: bool = True) -> tuple[int, bool]:
         return fd, False
 
 
-#: :func:`_open_lock`, for the package's other lock files (``monitor.parquet``'s).
-open_lock = _open_lock
+def wait_for_lock(path: Path) -> int:
+    """Wait for the exclusive lock of one of the package's other lock files (``monitor.parquet``'s) and
+    return the descriptor holding it: opened, checked and locked as a run directory's is
+    (:func:`_acquire`; a link, a FIFO or a hard link at ``path`` is refused), the pid written. Its
+    holder removes the file, then closes the descriptor: a waiter then takes the new one."""
+    return _acquire(path, path.parent, wait=True)
 
 
 def _write(run_dir: Path, manifest: dict) -> None:

@@ -187,10 +187,13 @@ def _build_error(spec: str, directory: Path, err: Exception) -> Exception:
 def _placement(device, device_map) -> dict:
     """``from_pretrained``'s ``device_map`` for one ``device``: every tensor materialised there, in
     its final dtype (transformers dispatches no hooks for a single device). A multi-device map is
-    applied afterwards by :func:`_dispatch`, from the CPU."""
+    applied afterwards by :func:`_dispatch`, from the CPU. On the CPU none is passed: the CPU is where
+    transformers materialises tensors anyway, and any ``device_map`` makes it require accelerate,
+    which a CPU install (the ``cpu`` extra) does not have (as :func:`_from_state_dict`)."""
     if device_map is not None:
         return {}
-    return {"device_map": {"": _build_device(device, None)}}
+    build = _build_device(device, None)
+    return {} if build.type == "cpu" else {"device_map": {"": build}}
 
 
 def _from_state_dict(built: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

@@ -29,3 +29,22 @@ def test_cpu_preset_weights_do_not_depend_on_the_process_state():
     torch.rand(7)
     b = loading.load_model("random:deltanet-tiny", seed=5).model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_model_loaded_on_the_cpu_needs_no_accelerate(monkeypatch):
+    """The README's CPU install (the ``cpu`` extra) has no accelerate, and transformers requires it for
+    any ``device_map``: on the CPU, from_pretrained is called without one (the demo failed there)."""
+    import transformers
+
+    from osdn_diag.models import load_model
+
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.append(kwargs)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    load_model("builtin:mqar-deltanet", device="cpu")
+    assert seen and all("device_map" not in kwargs for kwargs in seen), seen

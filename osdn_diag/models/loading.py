@@ -26,7 +26,9 @@ state dict, so it holds exactly the dtypes a saved copy of it would load with.
 from __future__ import annotations
 
 import json
+import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +136,7 @@ def load_model(
         check_model_files(spec, directory)
         config = _refuse_remote_code(spec, directory)
         file_dtypes = _checkpoint_dtypes(spec, directory)
+        _check_fits(spec, directory, file_dtypes, dtype, device, device_map)
         # ignore_mismatched_sizes: transformers then reports a wrong shape in the loading info (which
         # we turn into our error) instead of raising its own, which names no tensor.
         from safetensors import SafetensorError
@@ -223,9 +226,9 @@ _NOT_FLOAT = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "
 _FLOATS = frozenset({"F64", "F32", "F16", "BF16"})
 
 
-def _checkpoint_dtypes(spec: str, directory: Path) -> dict[str, tuple[str, str]]:
-    """``{tensor name: (safetensors dtype, file name)}`` of every tensor in ``directory``'s
-    ``*.safetensors``, from their headers alone (no tensor is read)."""
+def _checkpoint_dtypes(spec: str, directory: Path) -> dict[str, tuple[str, str, int]]:
+    """``{tensor name: (safetensors dtype, file name, shape)}`` of every tensor in
+    ``directory``'s ``*.safetensors``, from their headers alone (no tensor is read)."""
     from safetensors import SafetensorError, safe_open
 
     out = {}
@@ -233,16 +236,71 @@ def _checkpoint_dtypes(spec: str, directory: Path) -> dict[str, tuple[str, str]]
         try:
             with safe_open(path, framework="pt") as fh:
                 for name in fh.keys():
-                    out[name] = (fh.get_slice(name).get_dtype(), path.name)
+                    part = fh.get_slice(name)
+                    out[name] = (part.get_dtype(), path.name, tuple(part.get_shape()))
         except (SafetensorError, OSError) as err:
             raise ValueError(f"MODEL {spec!r}: {path} is not readable safetensors ({err}): truncated or "
                              "damaged; replace it with a complete copy") from err
-    other = sorted(f"{name} ({kind} in {file})" for name, (kind, file) in out.items()
+    other = sorted(f"{name} ({kind} in {file})" for name, (kind, file, _) in out.items()
                    if kind not in _FLOATS and kind not in _NOT_FLOAT)
     if other:  # checked before transformers sees the directory
         raise ValueError(f"MODEL {spec!r}: {_count(other)} in the *.safetensors weights in {directory} of a "
                          f"quantized format ({_few(other)}); use the floating-point (fp32, bf16 or fp16) weights")
     return out
+
+
+def _check_fits(spec: str, directory: Path, file_tensors: dict, dtype: torch.dtype, device, device_map) -> None:
+    """Refuse, before a tensor is allocated, a model its weights cannot fill or its device cannot hold.
+
+    The model's size is ``config.json``'s, not the weights': a config that names only its
+    ``model_type`` builds that family's default size (Llama's: 6.7 B parameters, 25 GiB in fp32).
+    ``from_pretrained`` would allocate and randomly initialise all of it before reporting the tensors
+    missing (63 s for that model in bf16 on a 2-core CPU), or the kernel's out-of-memory killer would
+    end the process without a message. The model is built on the meta device here (no memory; 0.06 s
+    at 340M): weights holding fewer values than its parameters (those it may leave out aside) are
+    refused naming the parameters not in the file, as :func:`_check_loading_info` would; parameters
+    larger than the memory free where they are loaded (the host's for the CPU, one GPU's; not under a
+    ``device_map``, where accelerate places and offloads) are refused naming both sizes. Where the
+    model cannot be built on the meta device nothing is checked here, and ``from_pretrained``
+    reports what it meets."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..runtime.memory import available_bytes, gib
+
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+        with warnings.catch_warnings(), torch.device("meta"):
+            warnings.simplefilter("ignore")  # a layer's advice at construction is printed by the real build
+            meta = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - the real build reports it (_build_error)
+        return
+    optional = [re.compile(p) for p in getattr(meta, "_keys_to_ignore_on_load_missing", None) or ()]
+    params = {name: tuple(p.shape) for name, p in meta.named_parameters()  # tied parameters once
+              if not any(r.search(name) for r in optional)}
+    count = sum(map(math.prod, params.values()))
+    held = sum(math.prod(shape) for _, _, shape in file_tensors.values())
+    if held < count:
+        # Names can differ between a file and its model (transformers renames some as it loads), values
+        # cannot appear from nowhere: the count decides, the names are what the user reads.
+        absent = sorted(name for name in params if name not in file_tensors)
+        extra = sorted(set(file_tensors) - set(meta.state_dict()))
+        shapes = sorted(f"{name} {list(file_tensors[name][2])} in the file, {list(shape)} in the model"
+                        for name, shape in params.items()
+                        if name in file_tensors and file_tensors[name][2] != shape)
+        problems = [f"{_count(names)} {label} ({_few(names)})" for names, label in (
+            (absent, "missing from the file"), (extra, "in the file but not in the model"),
+            (shapes, "of the wrong shape")) if names]
+        raise ValueError(_mismatch(spec, directory, problems or [
+            f"they hold {held:,} values for the model's {count:,} parameters"]))
+    target = _build_device(device, None)
+    free = None if device_map is not None else available_bytes(target)
+    need = count * torch.empty((), dtype=dtype).element_size()
+    if free is not None and need > free:
+        raise ValueError(
+            f"MODEL {spec!r}: the model {directory / 'config.json'} describes has {count:,} parameters, "
+            f"{gib(need)} in {str(dtype).removeprefix('torch.')}, more than the {gib(free)} free on {target}; "
+            "not built, since the system would end the process without a message: load it in bfloat16 "
+            "(--dtype bfloat16), on a device with more free memory, or over several GPUs (--device-map auto)")
 
 
 def _check_weight_dtypes(spec: str, directory: Path, file_dtypes: dict, model: torch.nn.Module) -> None:
@@ -251,7 +309,7 @@ def _check_weight_dtypes(spec: str, directory: Path, file_dtypes: dict, model: t
     silently (a bool checkpoint loads as 0/1 weights), and a quantized checkpoint is not a model this
     package diagnoses."""
     integral = {name for name, t in model.state_dict().items() if not t.is_floating_point()}
-    wrong = sorted(f"{name} ({kind} in {file})" for name, (kind, file) in file_dtypes.items()
+    wrong = sorted(f"{name} ({kind} in {file})" for name, (kind, file, _) in file_dtypes.items()
                    if kind in _NOT_FLOAT and name not in integral)
     if wrong:
         raise ValueError(f"MODEL {spec!r}: {_count(wrong)} in the *.safetensors weights in {directory} hold "
@@ -384,11 +442,13 @@ def _check_loading_info(spec: str, directory: Path, info: dict) -> None:
     if errors:
         problems.append(f"{len(errors)} loading error(s) ({_few(errors)})")
     if problems:
-        raise ValueError(
-            f"MODEL {spec!r}: the *.safetensors weights in {directory} do not match the model its "
+        raise ValueError(_mismatch(spec, directory, problems))
+
+
+def _mismatch(spec: str, directory: Path, problems: list[str]) -> str:
+    return (f"MODEL {spec!r}: the *.safetensors weights in {directory} do not match the model its "
             f"config.json describes: {'; '.join(problems)}; not loaded, since parameters without "
-            "their tensor would keep a random initialisation: use the weights saved with this config.json"
-        )
+            "their tensor would keep a random initialisation: use the weights saved with this config.json")
 
 
 def _count(names: list) -> str:

@@ -95,6 +95,29 @@ def test_mismatched_shapes_are_named(saved, tmp_path):
     assert f"{Q_PROJ} [3, 3] in the file, [64, 64] in the model" in msg
 
 
+def test_a_wrong_shape_with_more_values_is_named_by_the_loading_report(saved, tmp_path):
+    """A tensor larger than the model's (the file holds enough values: nothing is refused before the
+    load) is named by from_pretrained's loading report."""
+    spec = _variant(saved, tmp_path, lambda t: t.update({Q_PROJ: torch.zeros(128, 64)}))
+    with pytest.raises(ValueError, match=rf"1 tensor of the wrong shape \({Q_PROJ} \[128, 64\] in the file, "
+                                         r"\[64, 64\] in the model\)"):
+        load_model(spec)
+
+
+def test_a_tensor_missing_beside_an_unexpected_one_of_its_size_is_named(saved, tmp_path):
+    """As many values as the model has, one tensor under another name: from_pretrained's loading
+    report names both."""
+    def rename(tensors):
+        tensors["model.extra.weight"] = tensors.pop(Q_PROJ)
+
+    spec = _variant(saved, tmp_path, rename)
+    with pytest.raises(ValueError) as err:
+        load_model(spec)
+    msg = str(err.value)
+    assert f"1 tensor missing from the file ({Q_PROJ})" in msg
+    assert "1 tensor in the file but not in the model (model.extra.weight)" in msg
+
+
 def test_tied_weights_are_not_missing(saved, tmp_path, fla_kernels):
     """With tied embeddings save_pretrained writes the shared matrix once (no lm_head.weight)."""
     from fla.models import DeltaNetConfig
@@ -329,3 +352,73 @@ def test_a_config_the_model_cannot_be_built_from_is_refused_naming_it(saved, tmp
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=r"config\.json describes could not be built .*repair config\.json"):
         load_model(str(tmp_path))
+
+
+def _refuse_from_pretrained(monkeypatch):
+    """``from_pretrained`` fails the test if reached: the refusal must come before any allocation."""
+    from transformers import AutoModelForCausalLM
+
+    def reached(*args, **kwargs):
+        raise AssertionError("from_pretrained was reached: the model was about to be allocated")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", reached)
+
+
+def test_weights_too_few_for_the_config_are_refused_before_the_model_is_allocated(saved, tmp_path, monkeypatch):
+    """A config.json of 64 layers beside two layers' weights (a config that names only its model_type
+    builds a default size as large: Llama's 6.7 B parameters): refused from the meta-device model,
+    naming the parameters the file lacks, before from_pretrained allocates and initialises it."""
+    shutil.copy(saved / "model.safetensors", tmp_path / "model.safetensors")
+    config = json.loads((saved / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 64}))
+    _refuse_from_pretrained(monkeypatch)
+    with pytest.raises(ValueError) as err:
+        load_model(str(tmp_path))
+    msg = str(err.value)
+    assert msg.startswith(f"MODEL {str(tmp_path)!r}: the *.safetensors weights in ") and "\n" not in msg
+    per_layer = sum(1 for n in _tensors(saved) if n.startswith("model.layers.0."))
+    absent = (64 - layers) * per_layer
+    first = min(f"model.layers.{i}." for i in range(layers, 64))  # names sort as strings
+    assert f"{absent} tensors missing from the file ({first}" in msg
+    assert f"and {absent - 3} more)" in msg and "random initialisation" in msg
+
+
+def test_a_model_larger_than_the_free_memory_is_refused_naming_both_sizes(saved, monkeypatch):
+    """Weights that fill the model but a device without the memory for it: refused before
+    from_pretrained with the parameter count, the bytes in the dtype asked for and the bytes free."""
+    import osdn_diag.runtime.memory as memory
+
+    count = sum(t.numel() for name, t in _tensors(saved).items())
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 4 * count - 1)
+    _refuse_from_pretrained(monkeypatch)
+    with pytest.raises(ValueError) as err:
+        load_model(str(saved))
+    msg = str(err.value)
+    assert msg.startswith(f"MODEL {str(saved)!r}: the model {saved / 'config.json'} describes has {count:,} "
+                          "parameters, ") and "\n" not in msg
+    assert f"{memory.gib(4 * count)} in float32, more than the {memory.gib(4 * count - 1)} free on cpu" in msg
+    assert "--dtype bfloat16" in msg
+    # in bf16 the same parameters take half: they fit, and the model loads as from_pretrained loads it
+    monkeypatch.undo()
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2 * count)
+    assert load_model(str(saved), dtype=torch.bfloat16).model.dtype == torch.bfloat16
+
+
+def test_free_host_memory_is_meminfo_within_the_cgroup_limit(tmp_path):
+    from osdn_diag.runtime.memory import _host_available, available_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   10000000 kB\nSwapFree:        1000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert _host_available(meminfo, cgroup) == 11_000_000 * 1024  # no cgroup files: the host's
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("123\n")
+    assert _host_available(meminfo, cgroup) == 11_000_000 * 1024  # no limit
+    (cgroup / "memory.max").write_text(f"{4 * 2**30}\n")
+    (cgroup / "memory.current").write_text(f"{2**30}\n")
+    assert _host_available(meminfo, cgroup) == 3 * 2**30  # the container's limit leaves less
+    assert _host_available(tmp_path / "absent", cgroup) is None
+    free = available_bytes(torch.device("cpu"))
+    assert free is None or free > 0

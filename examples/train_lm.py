@@ -31,6 +31,14 @@ models: ``lm-deltanet``, ``lm-osdn`` (``--paper-eta``), ``lm-osdn-tuned`` (the O
 lowest held-out loss among those trained, when it is not the paper's), ``lm-osdn-apf``, ``lm-gdn``,
 ``lm-osgdn`` — those that were trained.
 
+``train`` reports its progress on stderr: at a terminal as a tqdm bar; elsewhere (nohup, a batch job,
+output to a file, where the bar is off) as lines, flushed as they are printed: one after the first step
+with its seconds (on a GPU the first step compiles the kernels), then one every ``--log-every`` steps and
+at the last with each model's training loss, the seconds so far and the seconds per step since the line
+before, and with the monitor on, its probes' seconds so far and their share of the time (and one when
+``--time-budget`` stops the run). The checkpoints, their ``train_log.jsonl`` and ``train_summary.json``
+are written at the end.
+
 On a GPU ``train`` takes minutes. ``--device cpu`` runs the same loop with the differentiable
 reference recurrences: only useful as a smoke test at a handful of steps.
 """
@@ -57,7 +65,7 @@ from osdn_diag.prompts import corpus
 
 # The MQAR script beside this one: its CPU stand-in for the kernels and its d statistics serve here too.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_mqar import d_statistics, kernels  # noqa: E402
+from train_mqar import ProgressLines, d_statistics, kernels  # noqa: E402
 
 #: ``--arch`` name -> the built-in name ``ship`` gives it (OSDN step sizes are handled apart).
 SHIP_NAMES = {"deltanet": "lm-deltanet", "osdn-apf": "lm-osdn-apf", "gated-deltanet": "lm-gdn", "osgdn": "lm-osgdn"}
@@ -386,8 +394,10 @@ def train(a: argparse.Namespace) -> dict:
             evals[n].append(row)
 
     bar = tqdm(total=a.steps, desc="train " + "/".join(names), unit="step", disable=None)
+    progress = ProgressLines(bar, a.steps, start)  # lines on stderr where the bar is off
     while step < a.steps:
         if a.time_budget is not None and time.perf_counter() - start > a.time_budget:
+            progress.stopped(step, a.time_budget)
             break
         starts = torch.randint(0, len(stream) - a.seq - 1, (a.batch,), generator=gen)
         batch = torch.stack([stream[s:s + a.seq] for s in starts.tolist()]).to(device)
@@ -408,19 +418,26 @@ def train(a: argparse.Namespace) -> dict:
                 busy[n] += _synchronized_clock(on_gpu) - t0
         step += 1
         bar.update(1)
+        if step == 1:
+            progress.first_step(on_gpu)
         last = step == a.steps
+        logged = None
         if step % a.log_every == 0 or last:
+            logged = {}
             for n in names:
                 value = float(loss_val[n])
                 if not math.isfinite(value):
                     raise FloatingPointError(f"{n}: non-finite training loss {value} at step {step}")
                 logs[n].append({"step": step, "lr": lr, "loss": value, "seconds": time.perf_counter() - start})
+                logged[n] = value
             bar.set_postfix({n: f"{float(v):.3f}" for n, v in loss_val.items()})
         for mon in monitors.values():
             if mon.step(step) is None and last:
                 mon.probe(step)
         if step % a.eval_every == 0 or last:
             evaluate()
+        if logged is not None:  # after this step's probes and evaluation: the seconds include them
+            progress.step(step, logged, monitors.values())
     bar.close()
     if not evals[names[0]] or evals[names[0]][-1]["step"] != step:
         evaluate()

@@ -14,6 +14,12 @@ accuracy single / twice every ``--eval-every``) and ``README.md``, a model card 
 configuration, the data, the final accuracy and the command that made it. OSDN models also report
 where their preconditioner ``d`` ended up (captured from the kernels on the held-out batch).
 
+Progress goes to stderr: at a terminal as a tqdm bar; elsewhere (nohup, a batch job, output to a file,
+where the bar is off) as lines, flushed as they are printed: one after the first step with its seconds
+(on a GPU the first step compiles the kernels), then one every ``--log-every`` steps and at the last
+with each model's training loss, the seconds so far and the seconds per step since the line before
+(and one when ``--time-budget`` stops the run). The checkpoints and ``train_summary.json`` are written at the end.
+
 On a GPU this takes minutes. ``--device cpu`` runs the same loop on a CPU (the delta-rule kernels are
 replaced by the differentiable reference recurrences; everything else runs under Triton's
 interpreter): only useful for a smoke test at a handful of steps.
@@ -119,6 +125,59 @@ def d_statistics(model, ids: torch.Tensor, amp, d_min: float, d_max: float) -> d
         "fraction_at_d_max": float((d >= d_max - tol).double().mean()),
         "fraction_moved": float(((d - 1).abs() > 1e-3).double().mean()),
     }
+
+
+class ProgressLines:
+    """A training loop's progress as lines on stderr where its tqdm bar is off (``disable=None`` turns
+    it off when stderr is not a terminal: nohup, a batch job, output to a file), so that a run stopped
+    by a time limit has said how far it got. ``on`` follows the bar: at a terminal the bar alone reports
+    and nothing is printed here. ``start`` is the loop's ``time.perf_counter()`` at its start."""
+
+    def __init__(self, bar, total: int, start: float):
+        self.on = bool(bar.disable)
+        self.total = total
+        self.start = start
+        self._step, self._time = 0, start
+
+    def _print(self, text: str) -> None:
+        print(f"[train] {text}", file=sys.stderr, flush=True)
+
+    def first_step(self, on_gpu: bool) -> None:
+        """After step 1: its seconds (on a GPU the first step compiles the kernels, which can look like
+        a hang). The GPU is synchronised for the figure once, and only when the line is printed."""
+        if not self.on:
+            return
+        if on_gpu:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - self.start
+        self._print(f"step 1/{self.total} took {seconds:.1f} s"
+                    + (" (the first step compiles the GPU kernels; the next ones are faster)" if on_gpu else ""))
+
+    def step(self, step: int, losses: dict[str, float], monitors=()) -> None:
+        """A logged step: each model's loss (floats the loop has already read, so no GPU
+        synchronisation here), the seconds so far and per step since the line before, and where
+        ``monitors`` (:class:`osdn_diag.monitor.Monitor`) are on, their probes' seconds so far and
+        share of those seconds (:meth:`~osdn_diag.monitor.Monitor.overhead`, summed over the models)."""
+        if not self.on:
+            return
+        now = time.perf_counter()
+        elapsed = now - self.start
+        steps = step - self._step
+        rate = (now - self._time) / steps
+        self._step, self._time = step, now
+        text = (f"step {step}/{self.total}: " + ", ".join(f"{n} {v:.3f}" for n, v in losses.items())
+                + f" · {elapsed:.1f} s, {rate:.2f} s/step (last {steps})")
+        overheads = [m.overhead(elapsed) for m in monitors]
+        if overheads:
+            seconds = sum(o["probe_seconds"] for o in overheads)
+            share = sum(o["fraction"] for o in overheads)  # each over the same elapsed seconds
+            text += f" · monitor {seconds:.2f} s ({100 * share:.1f} %)"
+        self._print(text)
+
+    def stopped(self, step: int, budget: float) -> None:
+        """The loop stopped at ``--time-budget`` before its last step."""
+        if self.on:
+            self._print(f"--time-budget of {budget:g} s reached after step {step} of {self.total}")
 
 
 def _save(target: Path, model, log: list[dict], card: str, task: dict) -> None:
@@ -240,8 +299,10 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     step, loss_val = 0, {}
     bar = tqdm(total=a.steps, desc="train " + "/".join(a.arch), unit="step", disable=None)
+    progress = ProgressLines(bar, a.steps, start)  # lines on stderr where the bar is off
     while step < a.steps:
         if a.time_budget is not None and time.perf_counter() - start > a.time_budget:
+            progress.stopped(step, a.time_budget)
             break
         ids, labels = mixed_batch(spec, a.batch, gen, device)
         lr = lr_at(step)
@@ -257,18 +318,25 @@ def main(argv=None) -> dict:
             loss_val[arch] = loss.detach()
         step += 1
         bar.update(1)
+        if step == 1:
+            progress.first_step(on_gpu)
         last = step == a.steps
+        logged = None
         if step % a.log_every == 0 or last:
+            logged = {}
             for arch in a.arch:
                 value = float(loss_val[arch])  # one host sync per log line, not per step
                 if not math.isfinite(value):
                     raise FloatingPointError(f"{arch}: non-finite training loss {value} at step {step}")
                 logs[arch].append({"step": step, "lr": lr, "loss": value, "seconds": time.perf_counter() - start})
+                logged[arch] = value
             bar.set_postfix({arch: f"{float(v):.3f}" for arch, v in loss_val.items()})
         if step % a.eval_every == 0 or last:
             for arch, model in models.items():
                 logs[arch].append({"step": step, "accuracy_single": recall(model, *eval_single, amp),
                                    "accuracy_twice": recall(model, *eval_twice, amp)})
+        if logged is not None:
+            progress.step(step, logged)
     bar.close()
     seconds = time.perf_counter() - start
 

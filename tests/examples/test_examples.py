@@ -9,6 +9,7 @@ import ast
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -47,7 +48,8 @@ def _script(name: str, *args, timeout: float = 300) -> subprocess.CompletedProce
 
 ARCHS = {"deltanet": ("DeltaNetForCausalLM", "delta_net"), "osdn": ("OSDNForCausalLM", "osdn")}
 TRAIN_ARGS = ["--device", "cpu", "--arch", "deltanet", "osdn", "--steps", "2", "--batch", "4",
-              "--eval-size", "4", "--pairs", "4", "--vocab", "32", "--hidden", "32", "--heads", "2"]
+              "--eval-size", "4", "--pairs", "4", "--vocab", "32", "--hidden", "32", "--heads", "2",
+              "--log-every", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +103,28 @@ def test_train_mqar_logs_and_summary(trained):
     d = summary["results"]["osdn"]["d"]  # OSDN's preconditioner, read from the kernels
     assert d is not None and 0.5 - 1e-6 <= d["min"] <= d["mean"] <= d["max"] <= 2.0 + 1e-6
     assert "d" not in summary["results"]["deltanet"]
+
+
+def test_train_mqar_prints_progress_lines_where_stderr_is_not_a_terminal(trained):
+    """stderr to a pipe (as under nohup or a batch job): no tqdm bar but lines, flushed: the first
+    step's seconds, then one per logged step (--log-every 1) with each model's loss as its
+    train_log.jsonl records it, the seconds so far and per step since the line before."""
+    out, proc = trained
+    assert "train deltanet/osdn:" not in proc.stderr  # tqdm's bar (its desc) is off
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[train] ")]
+    assert lines, f"no progress lines on stderr:\n{proc.stderr[-2000:]}"
+    assert re.fullmatch(r"\[train\] step 1/2 took \d+\.\d s", lines[0]), lines
+    logged = {arch: {r["step"]: r["loss"] for r in map(json.loads, (out / f"mqar-{arch}" / "train_log.jsonl")
+                                                           .read_text().splitlines()) if "loss" in r}
+              for arch in ARCHS}
+    before = 0.0
+    assert len(lines) == 3
+    for step, line in zip((1, 2), lines[1:]):
+        m = re.fullmatch(r"\[train\] step (\d)/2: (.+) · (\d+\.\d) s, (\d+\.\d\d) s/step \(last 1\)", line)
+        assert m and int(m[1]) == step, line  # no monitor in this script
+        assert m[2] == ", ".join(f"{arch} {logged[arch][step]:.3f}" for arch in ARCHS)
+        assert float(m[3]) >= before and abs(float(m[4]) - (float(m[3]) - before)) <= 0.11
+        before = float(m[3])
 
 
 # --- hook_your_model.py ---------------------------------------------------------------------------

@@ -12,11 +12,14 @@ bytecode caches, not UTF-8, not ``.py``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import random
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -92,14 +95,21 @@ def prepared(tmp_path_factory, script):
 
 
 @pytest.fixture(scope="module")
-def trained(prepared, script, fla_interpreter):
+def training(prepared, script, fla_interpreter):
+    """The three models trained 2 steps, logged at each; stderr (not a terminal) as printed."""
     _, _, data, _ = prepared
     out = data.parent / "runs"
-    argv = [*TRAIN_ARGV, "--data", str(data), "--out", str(out)]
-    with pytest.MonkeyPatch.context() as mp, torch.random.fork_rng():
+    argv = [*TRAIN_ARGV, "--log-every", "1", "--data", str(data), "--out", str(out)]
+    err = io.StringIO()  # not a terminal: tqdm's bar is off, the progress lines are printed
+    with pytest.MonkeyPatch.context() as mp, torch.random.fork_rng(), contextlib.redirect_stderr(err):
         mp.setattr(sys, "argv", ["examples/train_lm.py", *argv])  # what the card's "Made by" quotes
         results = script.main(argv)
-    return out, results, argv
+    return out, results, argv, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def trained(training):
+    return training[:3]
 
 
 def _split(files, split):
@@ -323,6 +333,75 @@ def test_train_with_the_monitor_trains_as_without_it(prepared, script, tmp_path)
     assert (on["loss"], on["heldout_nll"], on["heldout_nll_twice"]) == \
         (off["loss"], off["heldout_nll"], off["heldout_nll_twice"])
     assert not (tmp_path / "0" / "monitor.parquet").exists()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+PROGRESS = re.compile(r"\[train\] step (\d+)/(\d+): (.+) · (\d+\.\d) s, (\d+\.\d\d) s/step \(last (\d+)\)"
+                      r"(?: · monitor (\d+\.\d\d) s \((\d+\.\d) %\))?")
+FIRST_STEP = re.compile(r"\[train\] step 1/(\d+) took (\d+\.\d) s")
+
+
+def _progress_lines(stderr: str, out: Path, names: list[str], steps: list[int], total: int) -> list[re.Match]:
+    """Check the progress lines train printed on a stderr that is not a terminal: the first step's
+    seconds, then one line per logged step (``steps``) naming each model with the loss its
+    train_log.jsonl holds for that step, the seconds so far and per step since the line before.
+    Returns the step lines' matches."""
+    assert f"train {'/'.join(names)}:" not in stderr  # no training bar drawn (tqdm's desc: ...)
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("[train] ")]
+    assert lines, f"no progress lines on stderr:\n{stderr[-2000:]}"
+    first = FIRST_STEP.fullmatch(lines[0])
+    assert first and int(first[1]) == total, lines
+    matches = [PROGRESS.fullmatch(ln) for ln in lines[1:]]
+    assert all(matches), lines
+    assert [int(m[1]) for m in matches] == steps and {int(m[2]) for m in matches} == {total}
+    logged = {n: {r["step"]: r["loss"] for r in map(json.loads, (out / f"lm-{n}" / "train_log.jsonl").read_text()
+                                                        .splitlines()) if "loss" in r} for n in names}
+    before_step, before_seconds = 0, 0.0
+    for m in matches:
+        step = int(m[1])
+        assert m[3] == ", ".join(f"{n} {logged[n][step]:.3f}" for n in names)
+        seconds, rate, interval = float(m[4]), float(m[5]), int(m[6])
+        assert interval == step - before_step and seconds >= before_seconds
+        assert abs(rate * interval - (seconds - before_seconds)) <= 0.1 + 0.005 * interval  # as rounded
+        before_step, before_seconds = step, seconds
+    assert float(first[2]) <= float(matches[0][4])
+    return matches
+
+
+def test_train_prints_progress_lines_where_stderr_is_not_a_terminal(training):
+    """Output to a file (nohup, a batch job): the first step's seconds, then a line at each logged step
+    (--log-every 1) with every model's loss as train_log.jsonl records it, and the monitor's seconds
+    and share; at the last step the seconds of its only probes, the ones train_summary.json reports."""
+    out, results, _, stderr = training
+    names = [name for name, _, _ in ARCHS.values()]
+    matches = _progress_lines(stderr, out, names, [1, 2], 2)
+    step1, step2 = matches
+    assert (step1[7], step1[8]) == ("0.00", "0.0")  # --monitor-every 100: the only probes follow step 2
+    probe_seconds = sum(results[n]["monitor"]["probe_seconds"] for n in names)
+    assert step2[7] == f"{probe_seconds:.2f}" and float(step2[7]) > 0
+    share, seconds = float(step2[8]), float(step2[4])
+    assert 0 < share < 100 and share == pytest.approx(100 * probe_seconds / seconds, abs=1.0)
+
+
+def test_train_progress_lines_without_the_monitor_and_at_a_terminal(prepared, script, tmp_path):
+    """--monitor-every 0: the lines hold no monitor figures, and a last step that is no multiple of
+    --log-every has its line. At a terminal the tqdm bar is drawn and no line is printed."""
+    _, _, data, _ = prepared
+    argv = [*TRAIN_ARGV[:4], "osdn:0.03", *TRAIN_ARGV[7:], "--data", str(data), "--monitor-every", "0",
+            "--log-every", "2"]
+    argv[argv.index("--steps") + 1] = "3"
+    streams = {"file": io.StringIO(), "terminal": _Terminal()}
+    for where, stream in streams.items():
+        with torch.random.fork_rng(), contextlib.redirect_stderr(stream):
+            script.main([*argv, "--out", str(tmp_path / where)])
+    matches = _progress_lines(streams["file"].getvalue(), tmp_path / "file", ["osdn-eta0.03"], [2, 3], 3)
+    assert all(m[7] is None and m[8] is None for m in matches) and "monitor" not in streams["file"].getvalue()
+    terminal = streams["terminal"].getvalue()
+    assert "[train]" not in terminal and "\rtrain osdn-eta0.03: 100%" in terminal and "3/3" in terminal  # the bar
 
 
 def _eval_windows(data: Path, count: int) -> torch.Tensor:

@@ -301,7 +301,11 @@ def model_card(name: str, config, a, res: dict, info: dict, command: str, lockst
         f"weights (fp32 replay; the checkpoint here holds them rounded to bf16). Per layer, and the "
         f"preconditioner's d, in `monitor.parquet` beside the weights; "
         f"`osdn_diag.plot.training(\"monitor.parquet\")` draws q_geo against step. The probes took "
-        f"{100 * mon['fraction']:.2f} % of the training time.\n\n"
+        f"{100 * mon['fraction']:.2f} % of the training time"
+        + ("" if mon.get("fraction_after_first") is None or mon["probes"] < 2 else
+           f": the first {mon['first_probe_seconds']:.1f} s (it compiles the probe's kernels), the others "
+           f"{100 * mon['fraction_after_first']:.2f} % of the rest")
+        + ".\n\n"
         f"| step | q_geo | q_arith |\n|---|---|---|\n"
         + "\n".join(f"| {r['step']} | {r['q_geo']:.4f} | {r['q_arith']:.4f} |" for r in mon["q_by_step"]) + "\n"
     )
@@ -463,6 +467,9 @@ def train(a: argparse.Namespace) -> dict:
             o = mon.close(seconds)  # prints the probes' share of the training time
             res["monitor"] = {"every": a.monitor_every, "windows": a.monitor_windows, "probes": o["probes"],
                               "probe_seconds": o["probe_seconds"], "fraction": o["fraction"],
+                              "first_probe_seconds": o["first_probe_seconds"],
+                              "fraction_after_first": None if math.isnan(o["fraction_after_first"])
+                              else o["fraction_after_first"],
                               "q_by_step": [{k: r[k] for k in ("step", "q_geo", "q_arith")}
                                             for r in mon.rows if r["layer"] == -1]}
         results[name] = res

@@ -324,7 +324,28 @@ def test_overhead_is_measured_and_printed(trained, capsys):
     _, _, _, mon, _, _, _ = trained
     o = mon.close(total_seconds=1000.0)
     assert o["probes"] == 4 and 0 < o["probe_seconds"] < 1000 and o["fraction"] == o["probe_seconds"] / 1000
-    assert "4 probes took" in capsys.readouterr().err
+    # the first probe apart (it compiles): its seconds are the first row's, the rest over the time left
+    by_step = {r["step"]: r["probe_seconds"] for r in mon.rows}
+    first = by_step[min(by_step)]
+    assert 0 < o["first_probe_seconds"] <= o["probe_seconds"]
+    # a row's clock stops before the rows are written and logged, the monitor's after: each probe's
+    # seconds are its row's and some, and the first's "some" is part of all probes' together
+    assert first <= o["first_probe_seconds"]
+    assert o["first_probe_seconds"] - first <= o["probe_seconds"] - sum(by_step.values()) + 1e-9
+    assert o["fraction_after_first"] == (o["probe_seconds"] - o["first_probe_seconds"]) / (1000 - o["first_probe_seconds"])
+    err = capsys.readouterr().err
+    assert f"4 probes took {o['probe_seconds']:.2f} s, {100 * o['fraction']:.2f} % of 1000.0 s of training" in err
+    assert (f"the first {o['first_probe_seconds']:.2f} s (it compiles the probe's kernels), the 3 others "
+            f"{100 * o['fraction_after_first']:.2f} % of the rest") in err
+
+
+def test_overhead_before_a_second_probe_has_no_recurring_share():
+    from osdn_diag.monitor import Monitor
+
+    mon = Monitor.__new__(Monitor)
+    mon.probes, mon.seconds, mon.first_seconds, mon.started = 1, 2.0, 2.0, 0.0
+    o = mon.overhead(10.0)
+    assert o["fraction"] == 0.2 and o["first_probe_seconds"] == 2.0 and math.isnan(o["fraction_after_first"])
 
 
 def test_plot_training_draws_a_line_per_model_and_layer(trained):

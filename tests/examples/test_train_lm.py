@@ -313,6 +313,7 @@ def test_train_monitors_each_model_and_its_card_and_files_agree(trained, prepare
         assert tuple(own.column_names) == SCHEMA_FIELDS and own.to_pylist() == mine
         mon = results[name]["monitor"]
         assert mon["probes"] == 1 and mon["every"] == 100 and 0 < mon["fraction"] < 1
+        assert mon["first_probe_seconds"] == mon["probe_seconds"] and mon["fraction_after_first"] is None
         whole = mine[-1]
         assert mon["q_by_step"] == [{"step": 2, "q_geo": whole["q_geo"], "q_arith": whole["q_arith"]}]
         card = (out / f"lm-{name}" / "README.md").read_text()
@@ -330,6 +331,13 @@ def test_train_with_the_monitor_trains_as_without_it(prepared, script, tmp_path)
             runs[every] = script.main([*base, "--out", str(tmp_path / every), "--monitor-every", every])
     on, off = runs["1"]["osdn-eta0.03"], runs["0"]["osdn-eta0.03"]
     assert on["monitor"]["probes"] == 2 and "monitor" not in off
+    mon = on["monitor"]  # the second probe's share of the time the first did not take
+    assert 0 < mon["first_probe_seconds"] < mon["probe_seconds"]
+    assert mon["fraction_after_first"] == pytest.approx(
+        (mon["probe_seconds"] - mon["first_probe_seconds"]) / (on["seconds"] - mon["first_probe_seconds"]), rel=1e-12)
+    card = (tmp_path / "1" / "lm-osdn-eta0.03" / "README.md").read_text()
+    assert (f"the first {mon['first_probe_seconds']:.1f} s (it compiles the probe's kernels), the others "
+            f"{100 * mon['fraction_after_first']:.2f} % of the rest") in card
     assert (on["loss"], on["heldout_nll"], on["heldout_nll_twice"]) == \
         (off["loss"], off["heldout_nll"], off["heldout_nll_twice"])
     assert not (tmp_path / "0" / "monitor.parquet").exists()

@@ -8,8 +8,12 @@
 # further kernel families, bf16), hf_tests (transformers models, bf16), monitor (training with the
 # monitor, bf16 autocast), layers, phase1, replay, comparator, capture, e2e,
 # e2e_stored, e2e_1b, memory, e2e_hf (realistic transformers-model layer shapes), wall (the paper-scale
-# command as typed, timed from the shell: first run with an empty Triton cache of its own, then warm); and, not in the default list, e2e_ddp (every GPU of the machine under
-# torchrun) and device_map (the 1.3B shape spread over every GPU by --device-map, against the same on one GPU).
+# command as typed, timed from the shell: first run with an empty Triton cache of its own, then warm),
+# monitor_bench (the monitor's cost to the built-in LM recipe's training); and, not in the default list,
+# lm_recipe (the built-in language models' training recipe with the monitor on: the model cards'
+# q_geo-by-step curves; needs the corpus in $LMDATA, returned as lm_recipe.tgz.part-*), e2e_ddp (every
+# GPU of the machine under torchrun) and device_map (the 1.3B shape spread over every GPU by
+# --device-map, against the same on one GPU).
 # Two lanes on a two-GPU machine: pin each to its own cores (taskset, OMP_NUM_THREADS), or the
 # host-side work of one slows the other tenfold.
 # Each step runs under its own time limit (seconds; override with e.g. LIMIT_tests=300) and its
@@ -30,7 +34,12 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/osdn_diag_triton_cache}
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 PY=${PYTHON:-python3}
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall)
+[ ${#steps[@]} -eq 0 ] && steps=(tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall monitor_bench)
+# lm_recipe: the built-in language models' recipe (osdn_diag/builtin/lm_train_summary.json's command)
+# with the monitor on, from the corpus in $LMDATA, into $LM_OUT.
+LMDATA=${LMDATA:-.lmdata}
+LM_OUT=${LM_OUT:-/tmp/osdn_diag_lm_recipe}
+LM_RECIPE="--arch deltanet osdn:0.003 osdn:0.03 osdn:0.3 osdn-apf --steps 1600 --warmup 100 --eval-every 400 --eval-windows 32 --log-every 25 --monitor-every 100"
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 limit() { local v="LIMIT_$1"; echo "${!v:-$2}"; }
@@ -47,7 +56,7 @@ PYTEST_OPTS="-v --tb=short -rfE -p no:cacheprovider -o addopts="
 # is never half-written and never reads itself.
 pack() {
     local tmp="${OUT%/}.gpu_suite.tgz.tmp"
-    tar czf "$tmp" --exclude=gpu_suite.tgz -C "$OUT" . && mv -f "$tmp" "$OUT/gpu_suite.tgz"
+    tar czf "$tmp" --exclude=gpu_suite.tgz --exclude='lm_recipe.tgz.part-*' -C "$OUT" . && mv -f "$tmp" "$OUT/gpu_suite.tgz"
 }
 
 run_step() {
@@ -103,9 +112,19 @@ for step in "${steps[@]}"; do
                         CUDA_VISIBLE_DEVICES=0 "$0" benchmarks/bench_e2e.py "${common[@]}" --device-map balanced --dir /tmp/osdn_1gpu \
                             --json "$1/device_map_1gpu.json"
                         "$0" benchmarks/compare_runs.py --rtol 1e-5 /tmp/osdn_dm/stream /tmp/osdn_1gpu/stream' "$PY" "$OUT" ;;
+        monitor_bench) run_step monitor_bench 420 "$PY" benchmarks/bench_monitor.py --arch deltanet osdn \
+                        --json "$OUT/monitor_bench.json" ;;
+        lm_recipe)  if [ ! -f "$LMDATA/train.bin" ]; then
+                        echo "== lm_recipe: $LMDATA/train.bin is missing: make it with 'python examples/train_lm.py prepare --data $LMDATA' under Python 3.11.7 (the standard library the built-in corpus was read from: osdn_diag/builtin/lm-corpus/corpus.json) and carry it, or set LMDATA"
+                        continue
+                    fi
+                    rm -rf "$LM_OUT"
+                    run_step lm_recipe 580 "$PY" examples/train_lm.py train --data "$LMDATA" --out "$LM_OUT" $LM_RECIPE
+                    # the checkpoints in parts of at most 15 MB (some machines return no larger file)
+                    [ -d "$LM_OUT" ] && tar czf - -C "$LM_OUT" . | split -b 15M - "$OUT/lm_recipe.tgz.part-" ;;
         e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
                         benchmarks/bench_e2e.py --mode stream --json "$OUT/e2e_ddp.json" ;;
-        *) echo "unknown step $step (tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall e2e_ddp device_map)"; exit 2 ;;
+        *) echo "unknown step $step (tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall monitor_bench lm_recipe e2e_ddp device_map)"; exit 2 ;;
     esac
 done
 # The targets, each beside its measured value, from whatever the steps above left in $OUT.

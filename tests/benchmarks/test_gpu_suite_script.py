@@ -24,12 +24,15 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ta
                                 reason="needs bash and tar")
 
 
-def _suite(tmp_path: Path, *steps: str) -> subprocess.CompletedProcess:
+def _suite_env(tmp_path: Path, **more: str) -> dict:
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(0o755)
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(fake)}
-    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), *steps], env=env,
+    return {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": str(fake), **more}
+
+
+def _suite(tmp_path: Path, *steps: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), *steps], env=_suite_env(tmp_path),
                           capture_output=True, text=True, timeout=60)
 
 
@@ -72,3 +75,43 @@ def test_every_test_file_that_runs_on_a_gpu_is_in_a_step():
 
     missing = sorted(p for p in gpu_files - not_gpu if not covered(p))
     assert not missing, f"GPU test files no step of gpu_suite.sh runs: {missing}"
+
+
+def test_lm_recipe_trains_the_recipe_the_built_in_models_record(tmp_path):
+    """The lm_recipe step runs examples/train_lm.py with the arguments of the command that trained the
+    shipped language models (lm_train_summary.json), the monitor on, from $LMDATA; without the corpus
+    it says how to make it and runs nothing."""
+    import json
+    import shlex
+
+    missing = tmp_path / "nodata"
+    env_out = _suite_env(tmp_path, LMDATA=str(missing))
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "lm_recipe"], env=env_out,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"{missing}/train.bin is missing" in done.stdout
+    assert "examples/train_lm.py prepare" in done.stdout and not (tmp_path / "out" / "lm_recipe.txt").exists()
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.bin").write_bytes(b"\0\0")
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "lm_recipe"],
+                          env=_suite_env(tmp_path, LMDATA=str(data), LM_OUT=str(tmp_path / "lm")),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    ran = shlex.split((tmp_path / "out" / "lm_recipe.txt").read_text().removeprefix("ran "))
+    summary = json.loads((ROOT / "osdn_diag" / "builtin" / "lm_train_summary.json").read_text())
+    shipped = shlex.split(summary["command"])[2:]  # after "python examples/train_lm.py"
+
+    def options(argv):  # {option: its values}, less where the data and output go and the time budget
+        out, key = {}, None
+        for word in argv:
+            if word.startswith("--"):
+                key = word
+                out[key] = []
+            elif key is not None:
+                out[key].append(word)
+        return {k: v for k, v in out.items() if k not in ("--data", "--out", "--time-budget")}
+
+    assert ran[:2] == ["examples/train_lm.py", "train"] and shipped[0] == "train"
+    assert ran[ran.index("--data") + 1] == str(data) and ran[ran.index("--out") + 1] == str(tmp_path / "lm")
+    assert options(ran) == {**options(shipped), "--monitor-every": ["100"]}

@@ -299,7 +299,7 @@ def chunk_replay_states(
     block_k: int = 64,
     precision: str = "tf32x3",
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     out_block_v: int = 32,
     out_num_warps: int = 4,
     max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
@@ -323,7 +323,8 @@ def chunk_replay_states(
             at most four tiles (``⌈K / block_k⌉ ≤ 4``; default 64).
         precision: ``tl.dot``'s input precision, ``"tf32x3"`` or ``"ieee"``.
         num_warps, num_stages: warps per program of the state walk (a power of two, 1 to 16) and the
-            chunks it loads ahead (1 to 4).
+            chunks it loads ahead (1 to 4; default 2 where two chunks' tiles, ``4·C·(K·(1 + w) + block_v
+            + C)`` bytes each with ``w`` = 1 for a write key, take at most 160 KiB of shared memory, else 1).
         out_block_v, out_num_warps: state rows per program (16 to 128) and warps (1 to 16) of the output
             pass.
         max_state_bytes: the most bytes the stored chunk states may take (default 4 GiB); more is a
@@ -347,6 +348,9 @@ def chunk_replay_states(
         raise ValueError(f"{op}: block_k = {block_k} splits K = {K} key channels into {NK} tiles, at most "
                          f"{_MAX_TILES} are held: give block_k ≥ {triton.next_power_of_2(triton.cdiv(K, _MAX_TILES))}")
     warps = power_of_two(op, "num_warps", num_warps, 1, 16)
+    if num_stages is None:
+        per_stage = 4 * C * (K * (1 + (write_key is not None)) + BV + C)   # keys, write keys, values, A
+        num_stages = 2 if 2 * per_stage <= 160 << 10 else 1
     stages = int_in_range(op, "num_stages", num_stages, 1, 4)
     BVo = power_of_two(op, "out_block_v", out_block_v, 16, 128)
     BVo = min(BVo, max(triton.next_power_of_2(V), 16))

@@ -32,6 +32,17 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
 
 
+def _launch(text: str) -> dict:
+    """``NAME=VALUE,...`` as keyword arguments: ints where they parse, else strings (``precision``)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {item!r}")
+        out[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return out
+
+
 def _timed_once(fn) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -69,6 +80,9 @@ def main(argv=None) -> dict:
     p.add_argument("--states", action="store_true",
                    help="also time the two-pass chunked replay (osdn_diag.ops.replay_chunk_states; K <= 256, "
                         "no channel gate)")
+    p.add_argument("--states-launch", type=_launch, default={}, metavar="NAME=VALUE,...",
+                   help="--states' launch options instead of the op's defaults, e.g. "
+                        "chunk_size=64,block_v=16,num_warps=8,num_stages=1,out_block_v=64")
     p.add_argument("--states-sweep", action="store_true",
                    help="also time the two-pass replay's launch configurations: chunk size x state rows (block_v) "
                         "x warps x pipeline stages of its state walk, then the output pass's rows and warps at "
@@ -134,7 +148,7 @@ def main(argv=None) -> dict:
         from osdn_diag.ops.replay_chunk_states import chunk_replay_states
 
         # the benchmark's shape may store more than the op's default bound (a GPU has room for it)
-        states_kw = dict(max_state_bytes=1 << 40)
+        states_kw = dict(max_state_bytes=1 << 40, **a.states_launch)
         got = chunk_replay_states(q, k, v, beta, g=g, **states_kw)
         errors.update({f"states {n}": rel(getattr(got, n), getattr(ref, n))
                        for n in ("o", "loss_before", "loss_after", "final_state")})
@@ -255,6 +269,7 @@ def main(argv=None) -> dict:
         "sweep": sweep,
         "chunk_kernels_us": timeline,
         "states_kernels_us": states_timeline,
+        "states_launch": a.states_launch,
     }
     write_json(a.json, result)
     return result

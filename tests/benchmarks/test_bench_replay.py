@@ -60,11 +60,19 @@ def test_states_row_and_sweep_beside_the_chunked_and_fused_replays(bench_replay,
     assert "two-pass chunked replay (ours, fp32)" in printed
 
 
-def test_states_takes_keys_of_256_channels_where_the_chunked_replay_does_not(bench_replay, capsys):
+def test_states_takes_keys_of_256_channels_where_the_chunked_replay_does_not(bench_replay, monkeypatch):
+    """K = 256 (past the one-pass replay's 128), with the launch given on the command line."""
+    from osdn_diag.ops import replay_chunk_states
+
+    launches = []
+    real = replay_chunk_states.chunk_replay_states
+    monkeypatch.setattr(replay_chunk_states, "chunk_replay_states", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
     out = bench_replay.main(["--B", "1", "--T", "6", "--H", "1", "--skip-torch", "--K", "256", "--V", "16",
-                             "--chunk", "--states"])
+                             "--chunk", "--states", "--states-launch", "chunk_size=16,block_k=128,precision=ieee"])
+    assert out["states_launch"] == dict(chunk_size=16, block_k=128, precision="ieee")
     assert "two-pass chunked replay (ours, fp32)" in out["ms"] and "chunked replay (ours, fp32)" not in out["ms"]
     assert max(out["errors_vs_fp64"][f"states {n}"] for n in ("o", "loss_before", "loss_after", "final_state")) <= 1e-5
+    assert launches and all(kw["block_k"] == 128 and kw["chunk_size"] == 16 for kw in launches)
 
 
 def test_states_refuses_a_channel_gate_in_one_line(bench_replay, capsys):

@@ -1,12 +1,14 @@
 """Replay throughput: the fused Triton replay against the torch reference loop and fla's fp32
 ``fused_recurrent_delta_rule`` on the same inputs (GPU only).
 
-    python benchmarks/bench_replay.py [--B 8 --T 4096 --H 8 --K 128 --V 128] [--chunk] [--json FILE]
+    python benchmarks/bench_replay.py [--B 8 --T 4096 --H 8 --K 128 --V 128] [--chunk] [--states] [--json FILE]
     python benchmarks/bench_replay.py --captured RUN_DIR     (errors on a capture's own inputs)
 
 Prints a table (median time, measurements per second, ratios against both baselines measured in the
 same run) after checking the fused replay (and, with ``--chunk``, the chunked replay) against an fp64
-reference at the benchmark shape. ``--captured`` replays every call a capture stored (``osdn-diag
+reference at the benchmark shape. ``--states`` adds the two-pass chunked replay
+(``osdn_diag.ops.replay_chunk_states``, keys up to 256; its errors as ``states …``), ``--states-sweep`` its
+launch configurations. ``--captured`` replays every call a capture stored (``osdn-diag
 capture``; its keys are a model's, correlated as a model makes them) with both replays and prints
 their largest relative errors against the fp64 reference, field by field.
 """
@@ -20,6 +22,25 @@ import time
 
 import torch
 from _common import bench, kernel_timeline, rel, write_json
+
+#: Where the inputs live and the replays run. The tests set ``"cpu"`` (Triton's interpreter) with the
+#: timers replaced: the script's wiring runs there, its timings only on a GPU.
+DEVICE = "cuda"
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+
+
+def _launch(text: str) -> dict:
+    """``NAME=VALUE,...`` as keyword arguments: ints where they parse, else strings (``precision``)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {item!r}")
+        out[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return out
 
 
 def _timed_once(fn) -> float:
@@ -56,10 +77,32 @@ def main(argv=None) -> dict:
     p.add_argument("--chunk-sweep", action="store_true",
                    help="with --chunk: also time its launch configurations (chunk sizes x state rows x warps x "
                         "pipeline stages, and one point of plain fp32 products)")
+    p.add_argument("--states", action="store_true",
+                   help="also time the two-pass chunked replay (osdn_diag.ops.replay_chunk_states; K <= 256, "
+                        "no channel gate)")
+    p.add_argument("--states-launch", type=_launch, default={}, metavar="NAME=VALUE,...",
+                   help="--states' launch options instead of the op's defaults, e.g. "
+                        "chunk_size=64,block_v=16,num_warps=8,num_stages=1,out_block_v=64")
+    p.add_argument("--states-sweep", action="store_true",
+                   help="also time the two-pass replay's launch configurations: chunk size x state rows (block_v) "
+                        "x warps x pipeline stages of its state walk, then the output pass's rows and warps at "
+                        "the best of those")
+    p.add_argument("--states-chunks", type=ints, default=(32, 64), metavar="N,N,...",
+                   help="--states-sweep's chunk sizes (32,64)")
+    p.add_argument("--states-bv", type=ints, default=(16, 32), metavar="N,N,...",
+                   help="--states-sweep's state rows per program of the state walk (16,32)")
+    p.add_argument("--states-warps", type=ints, default=(4, 8), metavar="N,N,...",
+                   help="--states-sweep's warps of the state walk (4,8)")
+    p.add_argument("--states-stages", type=ints, default=(1, 2), metavar="N,N,...",
+                   help="--states-sweep's pipeline stages of the state walk (1,2)")
+    p.add_argument("--states-bk", type=ints, default=(64,), metavar="N,N,...",
+                   help="--states-sweep's key rows per state tile (64; at most 4 tiles)")
+    p.add_argument("--states-out", default="16x4,32x4,64x4,64x8", metavar="BVxW,...",
+                   help="--states-sweep's output-pass points, state rows x warps (16x4,32x4,64x4,64x8)")
     p.add_argument("--captured", metavar="RUN_DIR",
                    help="instead of timing: the errors of both replays against fp64 on every call a capture stored")
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_replay needs a CUDA GPU")
     if a.captured:
         return captured_errors(a.captured, a.json)
@@ -67,7 +110,7 @@ def main(argv=None) -> dict:
     from osdn_diag.math import delta_rule_recurrence
     from osdn_diag.ops.replay import STATE_ENTRIES, fused_replay
 
-    dev = "cuda"
+    dev = DEVICE
     gen = torch.Generator(device=dev).manual_seed(0)
     B, T, H, K, V = a.B, a.T, a.H, a.K, a.V
     q = torch.randn(B, T, H, K, device=dev, generator=gen)
@@ -95,6 +138,24 @@ def main(argv=None) -> dict:
         errors.update({f"chunk {n}": rel(getattr(got, n), getattr(ref, n))
                        for n in ("o", "loss_before", "loss_after", "final_state")})
 
+    from osdn_diag.ops.replay_chunk_states import MAX_KEY_DIM as STATES_MAX_KEY_DIM
+
+    states = (a.states or a.states_sweep) and a.gate != "channel" and K <= STATES_MAX_KEY_DIM
+    if (a.states or a.states_sweep) and not states:
+        print(f"--states: the two-pass replay takes keys of at most {STATES_MAX_KEY_DIM} channels and no "
+              f"channel gate (K = {K}, gate {a.gate}): not run", flush=True)
+    if states:
+        from osdn_diag.ops.replay_chunk_states import chunk_replay_states
+
+        # the benchmark's shape may store more than the op's default bound (a GPU has room for it)
+        states_kw = dict(max_state_bytes=1 << 40, **a.states_launch)
+        got = chunk_replay_states(q, k, v, beta, g=g, **states_kw)
+        errors.update({f"states {n}": rel(getattr(got, n), getattr(ref, n))
+                       for n in ("o", "loss_before", "loss_after", "final_state")})
+        if g is not None:
+            errors["states loss_before_decayed"] = rel(got.loss_before_decayed, ref.loss_before_decayed)
+        del got
+
     rows = []
     t_fused = bench(lambda: fused_replay(q, k, v, beta, g=g), rep=100)
     rows.append(("fused replay (ours, fp32)", t_fused))
@@ -119,6 +180,13 @@ def main(argv=None) -> dict:
         rows.append(("chunked replay (ours, fp32)", bench(lambda: chunk_replay(q, k, v, beta, g=g), rep=100)))
         timeline = kernel_timeline(lambda: chunk_replay(q, k, v, beta, g=g))
         print("chunked replay, kernel by kernel: " + ", ".join(f"{n[:40]} {us:.0f} us" for n, us in timeline), flush=True)
+    states_timeline = None
+    if states:
+        rows.append(("two-pass chunked replay (ours, fp32)",
+                     bench(lambda: chunk_replay_states(q, k, v, beta, g=g, **states_kw), rep=100)))
+        states_timeline = kernel_timeline(lambda: chunk_replay_states(q, k, v, beta, g=g, **states_kw))
+        print("two-pass replay, kernel by kernel: " + ", ".join(f"{n[:40]} {us:.0f} us" for n, us in states_timeline),
+              flush=True)
     t_torch = None
     if not a.skip_torch:
         delta_rule_recurrence(q[:, :8], k[:, :8], v[:, :8], beta[:, :8],
@@ -150,6 +218,8 @@ def main(argv=None) -> dict:
         rows.append(("chunked replay, best (" + ", ".join(f"{n}={best[n]}" for n in
                                                            ("chunk_size", "block_v", "num_warps", "num_stages", "precision")) + ")",
                      best["ms"]))
+    if a.states_sweep and states:
+        rows += _states_sweep(a, q, k, v, beta, g, ref, t_fla, sweep)
     if a.sweep:
         def timed(**launch):
             ms = bench(lambda: fused_replay(q, k, v, beta, g=g, **launch), rep=100)
@@ -182,7 +252,7 @@ def main(argv=None) -> dict:
                      best["ms"]))
 
     print(f"\nreplay, B={B} T={T} H={H} K={K} V={V} ({n_meas / 1e6:.3f} M token-head measurements), "
-          f"{torch.cuda.get_device_name()}")
+          f"{_device_name()}")
     print("fused vs fp64 reference, relative error: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
     print(f"{'method':40s} {'ms':>10s} {'M meas/s':>10s} {'vs torch':>9s} {'vs fla':>8s}")
     for name, ms in rows:
@@ -191,16 +261,66 @@ def main(argv=None) -> dict:
         print(f"{name:40s} {ms:10.3f} {n_meas / ms / 1e3:10.1f} {vs_t:>9s} {vs_f:>8s}")
     result = {
         "shape": dict(B=B, T=T, H=H, K=K, V=V), "gate": a.gate,
-        "device": torch.cuda.get_device_name(),
+        "device": _device_name(),
         "torch": torch.__version__,
         "host": platform.node(),
         "errors_vs_fp64": errors,
         "ms": {name: ms for name, ms in rows},
         "sweep": sweep,
         "chunk_kernels_us": timeline,
+        "states_kernels_us": states_timeline,
+        "states_launch": a.states_launch,
     }
     write_json(a.json, result)
     return result
+
+
+def _states_sweep(a, q, k, v, beta, g, ref, t_fla, sweep: list) -> list:
+    """``--states-sweep``: the two-pass replay at every (chunk size, block_v, block_k, warps, stages) of its
+    state walk given on the command line, then the output pass's (rows, warps) points of ``--states-out``
+    at the best of those, each launch timed and checked against fp64 (``sweep`` gets a row each, marked
+    ``kernel="states"``). Returns the table's rows for the best launch, with its kernels' times."""
+    from osdn_diag.ops.replay_chunk_states import chunk_replay_states
+
+    fields = ("o", "loss_before", "loss_after", "final_state")
+    rows_cap = max(1 << (v.shape[-1] - 1).bit_length(), 16)  # the op's rows per program at most
+    mine = []
+
+    def timed(launch):
+        try:
+            ms = bench(lambda: chunk_replay_states(q, k, v, beta, g=g, max_state_bytes=1 << 40, **launch), rep=50)
+            out = chunk_replay_states(q, k, v, beta, g=g, max_state_bytes=1 << 40, **launch)
+        except Exception as err:  # a configuration that does not compile (shared memory, registers) is skipped
+            print(f"states sweep {launch}: {type(err).__name__}: {str(err)[:160]}", flush=True)
+            return
+        err = max(rel(getattr(out, n), getattr(ref, n)) for n in fields)
+        del out
+        row = dict(launch, kernel="states", ms=ms, max_error=err)
+        sweep.append(row)
+        mine.append(row)
+        print("states sweep " + " ".join(f"{n}={x!s:4}" for n, x in launch.items()) + f": {ms:8.3f} ms"
+              + (f"  ({t_fla / ms:.2f}x fla)" if t_fla else "") + f", largest error vs fp64 {err:.1e}", flush=True)
+
+    for C, bv, bk, warps, stages in itertools.product(a.states_chunks, a.states_bv, a.states_bk, a.states_warps,
+                                                      a.states_stages):
+        if bv > rows_cap or -(-k.shape[-1] // bk) > 4:  # more rows than the padded V repeat a point
+            continue
+        timed(dict(chunk_size=C, block_v=bv, block_k=bk, num_warps=warps, num_stages=stages))
+    if not mine:
+        raise SystemExit("--states-sweep: no launch configuration ran (see the lines above)")
+    best = min(mine, key=lambda r: r["ms"])
+    walk = {n: best[n] for n in ("chunk_size", "block_v", "block_k", "num_warps", "num_stages")}
+    for point in a.states_out.split(","):
+        out_bv, out_warps = (int(x) for x in point.lower().split("x"))
+        if out_bv <= rows_cap:
+            timed(dict(walk, out_block_v=out_bv, out_num_warps=out_warps))
+    best = min(mine, key=lambda r: r["ms"])
+    launch = {n: x for n, x in best.items() if n not in ("kernel", "ms", "max_error")}
+    kernels = kernel_timeline(lambda: chunk_replay_states(q, k, v, beta, g=g, max_state_bytes=1 << 40, **launch))
+    print("two-pass replay, best launch, kernel by kernel: "
+          + ", ".join(f"{n[:40]} {us:.0f} us" for n, us in kernels), flush=True)
+    best["kernels_us"] = kernels
+    return [("two-pass chunked replay, best (" + ", ".join(f"{n}={x}" for n, x in launch.items()) + ")", best["ms"])]
 
 
 def captured_errors(run_dir: str, json_path: str | None) -> dict:

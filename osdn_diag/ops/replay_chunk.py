@@ -280,6 +280,80 @@ def _chunk_tables(bounds: list[int], C: int, device) -> tuple[int, torch.Tensor,
     return NC, table[: 2 * NC].view(NC, 2), table[2 * NC : 2 * NC + len(offsets)], table[2 * NC + len(offsets) :]
 
 
+def _check_inputs(op: str, q, k, v, beta, write_key, g, initial_state, precision) -> tuple[int, int, int, int, int]:
+    """``(B, T, H, K, V)`` of a chunked replay's inputs, checked without reading their values (shapes,
+    dtypes, one device; a per-head gate; ``precision``): ``ValueError`` names ``op``."""
+    B, T, H, K, V = check_recurrence_inputs(q, k, v, beta, write_key, g, device=q.device,
+                                            initial_state=initial_state)
+    if K < 1 or V < 1:
+        raise ValueError(f"{op}: keys and values need at least one channel, got K = {K} (k's last "
+                         f"dimension) and V = {V} (v's)")
+    if g is not None and g.dim() != 3:
+        raise ValueError(f"{op}: g must be a per-head log decay [B, T, H], got shape {list(g.shape)}; "
+                         "the key-channel gate is replayed by osdn_diag.ops.fused_replay")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{op}: precision must be one of {PRECISIONS}, got {precision!r}")
+    return B, T, H, K, V
+
+
+def _check_sequences(op: str, device, g, cu_seqlens, initial_state, B, T, H, K, V, kernel) -> list[int]:
+    """The sequences' token bounds ``[0, t_1, …, B·T]`` after the checks that read values (the gate's
+    sign, ``cu_seqlens``: they wait for the GPU), the initial state's shape and that ``kernel`` can run
+    on ``device``. ``ValueError`` (:class:`GrowingStateError`) names ``op``."""
+    # (reads g: waits for the work queued before it). "Not ≤ 0" refuses NaN too.
+    if g is not None and bool((~(g <= 0)).any()):
+        raise GrowingStateError(f"{op}: g must be a log decay, at most 0 everywhere and not NaN (a growing "
+                                "state makes the chunk's products cancel); osdn_diag.ops.fused_replay replays any g")
+    bounds = [n * T for n in range(B + 1)] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, device)
+    N = len(bounds) - 1
+    if initial_state is not None:
+        check_shape("initial_state", initial_state, [N, H, V, K], "[N, H, V, K]")
+    check_launchable(op, device, kernel)
+    return bounds
+
+
+def _fp32_inputs(q, k, v, beta, write_key, initial_state, g, scale):
+    """``(q, k, v, beta, write_key, initial_state, g, scale)`` as the kernels read them: contiguous fp32
+    (``None`` stays ``None``), the gate in fp64 and floored at −10⁴, the scale a one-entry fp32 tensor
+    (``K^-1/2`` where ``None``)."""
+    dtype = torch.float32
+    cast = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
+    q, k, v, beta, wk, h0 = map(cast, (q, k, v, beta, write_key, initial_state))
+    if g is not None:
+        # fp64: the kernels sum it within each chunk (see _chunk_decay). A log decay below −10⁴ reads as
+        # −10⁴: the decay is exactly 0 either way, and −inf would make −inf − (−inf) = nan of a ratio.
+        g = g.detach().to(torch.float64).clamp_min(-1e4).contiguous()
+    K = k.shape[-1]
+    scale_t = torch.full((1,), K**-0.5 if scale is None else scale, dtype=dtype, device=q.device)
+    return q, k, v, beta, wk, h0, g, scale_t
+
+
+def _no_token_state(h0, N, H, V, K, device) -> torch.Tensor:
+    """The final state where no sequence has a token: the initial state back (zeros where ``None``),
+    not attached to any graph."""
+    if h0 is None:
+        return torch.zeros(N, H, V, K, dtype=torch.float32, device=device)
+    return h0.detach().clone()
+
+
+def _chunk_prep(q, k, wk, beta, g, scale_t, chunks, gain, NC, H, K, C, precision):
+    """``(M, dec, NM)``: :func:`_chunk_prep_kernel` over the ``NC`` chunks of ``chunks`` and the ``H``
+    heads (fp32 inputs from :func:`_fp32_inputs`); it writes each token's gain into ``gain``. ``M``
+    ``[NC, H, NM, C, C]``; ``dec`` ``[NC, H, 3, C]`` with a gate, else a one-entry placeholder."""
+    dummy = q.new_empty(1)
+    NM = 5 if g is not None else 4
+    M = torch.empty(NC, H, NM, C, C, dtype=torch.float32, device=q.device)
+    dec = torch.empty(NC, H, 3, C, dtype=torch.float32, device=q.device) if g is not None else dummy
+    BK = max(triton.next_power_of_2(K), 16)
+    _chunk_prep_kernel[(NC, H)](
+        q, k, dummy if wk is None else wk, beta, dummy if g is None else g, chunks, scale_t, M, dec, gain,
+        H=H, K=K, C=C, BK=min(BK, 32), NM=NM, GATE=g is not None, HAS_WK=wk is not None, PRECISION=precision,
+        # one warp keeps the substitution's reductions inside a warp; 64-token chunks spill in one
+        num_warps=1 if C <= 32 else 4,
+    )
+    return M, dec, NM
+
+
 def chunk_replay(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -332,16 +406,7 @@ def chunk_replay(
 
     Returns a :class:`~osdn_diag.math.recurrence.RecurrenceResult` in fp32: outputs ``[B, T, H, V]``,
     the losses before and after each write ``[B, T, H]``, the final state ``[N, H, V, K]``."""
-    B, T, H, K, V = check_recurrence_inputs(q, k, v, beta, write_key, g, device=q.device,
-                                            initial_state=initial_state)
-    if K < 1 or V < 1:
-        raise ValueError(f"chunk_replay: keys and values need at least one channel, got K = {K} (k's last "
-                         f"dimension) and V = {V} (v's)")
-    if g is not None and g.dim() != 3:
-        raise ValueError(f"chunk_replay: g must be a per-head log decay [B, T, H], got shape {list(g.shape)}; "
-                         "the key-channel gate is replayed by osdn_diag.ops.fused_replay")
-    if precision not in PRECISIONS:
-        raise ValueError(f"chunk_replay: precision must be one of {PRECISIONS}, got {precision!r}")
+    B, T, H, K, V = _check_inputs("chunk_replay", q, k, v, beta, write_key, g, initial_state, precision)
     if K > MAX_KEY_DIM:
         raise ValueError(f"chunk_replay: keys of at most {MAX_KEY_DIM} channels, got K = {K}: a chunk's [C, K] key "
                          "tiles would not fit in one program's registers and shared memory; "
@@ -356,23 +421,11 @@ def chunk_replay(
         num_warps = 8 if g is None else 4
     warps = power_of_two("chunk_replay", "num_warps", num_warps, 1, 16)
     stages = 2 if num_stages is None else int_in_range("chunk_replay", "num_stages", num_stages, 1, 4)
-    # (reads g: waits for the work queued before it). "Not ≤ 0" refuses NaN too.
-    if g is not None and bool((~(g <= 0)).any()):
-        raise GrowingStateError("chunk_replay: g must be a log decay, at most 0 everywhere and not NaN (a growing "
-                                "state makes the chunk's products cancel); osdn_diag.ops.fused_replay replays any g")
-    bounds = [n * T for n in range(B + 1)] if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, q.device)
+    bounds = _check_sequences("chunk_replay", q.device, g, cu_seqlens, initial_state, B, T, H, K, V,
+                              _chunk_walk_kernel)
     N = len(bounds) - 1
-    if initial_state is not None:
-        check_shape("initial_state", initial_state, [N, H, V, K], "[N, H, V, K]")
-    check_launchable("chunk_replay", q.device, _chunk_walk_kernel)
+    q, k, v, beta, wk, h0, g, scale_t = _fp32_inputs(q, k, v, beta, write_key, initial_state, g, scale)
     dtype = torch.float32
-    cast = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
-    q, k, v, beta, wk, h0 = map(cast, (q, k, v, beta, write_key, initial_state))
-    if g is not None:
-        # fp64: the kernels sum it within each chunk (see _chunk_decay). A log decay below −10⁴ reads as
-        # −10⁴: the decay is exactly 0 either way, and −inf would make −inf − (−inf) = nan of a ratio.
-        g = g.detach().to(torch.float64).clamp_min(-1e4).contiguous()
-    scale_t = torch.full((1,), K**-0.5 if scale is None else scale, dtype=dtype, device=q.device)
     NV = triton.cdiv(V, BV)
     # every token is written (the walk writes the outputs and losses, the preparation the gains),
     # except the decayed loss without a gate, which is not reported
@@ -383,23 +436,14 @@ def chunk_replay(
     gain = torch.empty(B, T, H, dtype=dtype, device=q.device)
     NC, chunks, offsets, bounds_t = _chunk_tables(bounds, C, q.device)
     if not NC:  # no token: the initial state back, not attached to any graph
-        ht = torch.zeros(N, H, V, K, dtype=dtype, device=q.device) if h0 is None else h0.detach().clone()
+        ht = _no_token_state(h0, N, H, V, K, q.device)
     else:
         ht = torch.empty(N, H, V, K, dtype=dtype, device=q.device)  # every (sequence, head) is written
         dummy = q.new_empty(1)
-        wk_, g_ = dummy if wk is None else wk, dummy if g is None else g
-        NM = 5 if g is not None else 4
-        M = torch.empty(NC, H, NM, C, C, dtype=dtype, device=q.device)
-        dec = torch.empty(NC, H, 3, C, dtype=dtype, device=q.device) if g is not None else dummy
+        M, dec, NM = _chunk_prep(q, k, wk, beta, g, scale_t, chunks, gain, NC, H, K, C, precision)
         flags = dict(GATE=g is not None, HAS_WK=wk is not None, PRECISION=precision)
-        _chunk_prep_kernel[(NC, H)](
-            q, k, wk_, beta, g_, chunks, scale_t, M, dec, gain,
-            H=H, K=K, C=C, BK=min(BK, 32), NM=NM, **flags,
-            # one warp keeps the substitution's reductions inside a warp; 64-token chunks spill in one
-            num_warps=1 if C <= 32 else 4,
-        )
         _chunk_walk_kernel[(NV, N * H)](
-            q, k, v, wk_, M, dec, dummy if h0 is None else h0, bounds_t,
+            q, k, v, dummy if wk is None else wk, M, dec, dummy if h0 is None else h0, bounds_t,
             offsets, scale_t, o, parts[0], parts[1], parts[2], ht,
             H=H, K=K, V=V, C=C, BK=BK, BV=BV, NM=NM, HAS_H0=h0 is not None, **flags,
             STAGES=stages, num_warps=warps,

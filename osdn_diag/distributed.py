@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import threading
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from .runtime.launcher import launched_world
 
-__all__ = ["Ranks", "current", "fault_point", "init_from_env", "rendezvous_timeout", "shutdown"]
+__all__ = ["Ranks", "RendezvousError", "current", "fault_point", "init_from_env", "rendezvous_timeout", "shutdown"]
 
 #: how long joining the process group waits for the other ranks, in seconds (see :func:`init_from_env`)
 RENDEZVOUS_ENV = "OSDN_DIAG_RENDEZVOUS_TIMEOUT"
@@ -39,6 +40,59 @@ RENDEZVOUS_MAX = 7 * 24 * 3600.0
 
 #: test hook: ``RANK:POINT`` makes that rank kill itself (SIGKILL, as a preempted node) at ``POINT``
 FAULT_ENV = "OSDN_DIAG_FAULT"
+
+
+class RendezvousError(ConnectionError):
+    """The process group could not be joined at ``MASTER_ADDR``:``MASTER_PORT`` (a host name that does
+    not resolve, a port that is taken or not a port, torch's store unreachable): one line naming both
+    and what to check, where torch would end in its traceback (an ``OSError``: the user's setting)."""
+
+
+#: getaddrinfo's answers that a name does not resolve (EAI_AGAIN, a name server that did not answer in
+#: time, is left to torch, which tries again).
+_NOT_RESOLVED = frozenset(getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA", "EAI_FAIL", "EAI_ADDRFAMILY")
+                          if hasattr(socket, name))
+
+
+def _where() -> str:
+    return f"MASTER_ADDR={os.environ.get('MASTER_ADDR', '')!r}, MASTER_PORT={os.environ.get('MASTER_PORT', '')!r}"
+
+
+#: What to check, said by every refusal of the rendezvous address.
+_CHECK = ("check that MASTER_ADDR names the host of rank 0 as this machine reaches it and MASTER_PORT a free "
+          "port there that the other machines can reach (torchrun sets both from --master-addr and "
+          "--master-port, or --rdzv-endpoint)")
+
+
+def _check_rendezvous_address() -> None:
+    """Refuse (:class:`RendezvousError`) a ``MASTER_PORT`` that is not a port, or a ``MASTER_ADDR`` that
+    does not resolve, before torch tries them: torch retries a name that does not resolve until its
+    store's timeout (30 minutes), warning every second, then ends in a traceback. Unset, they are left
+    to torch (its one line names the variable)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if port is not None and not (port.strip().isascii() and port.strip().isdigit() and 0 <= int(port) <= 65535):
+        raise RendezvousError(f"{_where()}: MASTER_PORT is not a port number (0 to 65535); {_CHECK}")
+    if not addr:
+        return
+    try:
+        socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        if err.errno in _NOT_RESOLVED:
+            raise RendezvousError(f"{_where()}: the host name MASTER_ADDR does not resolve ({err.strerror}); "
+                                  f"{_CHECK}") from None
+    except (OSError, UnicodeError):  # left to torch
+        pass
+
+
+def _joining_failed(err: BaseException) -> RendezvousError:
+    """torch's failure to join (a :class:`torch.distributed.DistError`: the port taken, the store not
+    reached in time) as one line naming the address and what to check; its first line kept."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return RendezvousError(f"{_where()}: joining the process group failed ({first}); {_CHECK}")
+
+
+#: What torch raises where the group cannot be joined (its store's network errors and timeouts).
+_DIST_ERROR = getattr(dist, "DistError", RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -97,14 +151,20 @@ def init_from_env() -> Ranks:
     (:class:`TimeoutError`, one line: the other ranks never came, e.g. ``WORLD_SIZE`` set by hand for
     one process). On GPUs (NCCL) the calling thread joins, under torch's own timeout: CUDA's current
     device is a thread's own, and NCCL's communicators are bound to the device of the thread that
-    makes them."""
+    makes them. Either way a ``MASTER_ADDR`` that does not resolve or a ``MASTER_PORT`` that is not a
+    port is refused first, and torch's failure to join (the port taken, its store not reached) is
+    one line naming both (:class:`RendezvousError`), not torch's traceback."""
     world = launched_world()
     if world > 1 and not dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", 0))
         limit = rendezvous_timeout()
+        _check_rendezvous_address()
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
-            dist.init_process_group(backend="nccl")
+            try:
+                dist.init_process_group(backend="nccl")
+            except _DIST_ERROR as err:
+                raise _joining_failed(err) from err
             return current()
         failed = []
 
@@ -122,8 +182,11 @@ def init_from_env() -> Ranks:
             raise TimeoutError(
                 f"WORLD_SIZE={world}: the other processes of the group did not join within {limit:g} s "
                 f"(rendezvous at {where}); start every rank with torchrun, or unset WORLD_SIZE to run one "
-                f"process ({RENDEZVOUS_ENV} sets the wait)")
+                f"process ({RENDEZVOUS_ENV} sets the wait); if they were started, check MASTER_ADDR and "
+                "MASTER_PORT: rank 0's host as every machine reaches it, and a port open there")
         if failed:
+            if isinstance(failed[0], _DIST_ERROR):
+                raise _joining_failed(failed[0]) from failed[0]
             raise failed[0]
     return current()
 

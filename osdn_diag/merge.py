@@ -21,7 +21,8 @@ signals held back (:func:`~osdn_diag.runtime.signals.signals_held`), the new man
 one's place with no stage done, the old run's own files go, the copies are renamed in and the
 manifest says capture and replay are done; the report then makes it complete. A merge killed outright
 (SIGKILL) leaves the old run, or a run that says it is not complete (which ``--overwrite`` replaces),
-and its copies, which the next merge into ``OUT`` removes.
+and its copies, which the next merge into ``OUT`` removes, as does a command that writes a new run there
+(``run``, ``capture``, ``what-if``: :func:`~osdn_diag.rundir.prepare_output`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .runtime.signals import signals_held
 from .capture.store import IncompleteRunError
 from .rundir import (
     MANIFEST,
+    MERGE_STAGING_PREFIX,
     RANKS_DIR,
     UNREADABLE,
     RunDirectoryError,
@@ -46,6 +48,7 @@ from .rundir import (
     output_lock,
     reading_lock,
     read_rank_record,
+    remove_merge_staging,
     remove_run_files,
     run_manifest,
     stage_done,
@@ -173,17 +176,11 @@ def _merge(dirs: list[Path], out: Path, *, overwrite: bool, report: bool) -> Pat
     return out
 
 
-#: The prefix of the directory in OUT that a merge copies the run's files into before it replaces the
-#: run there: a killed merge's is removed by the next merge into OUT (under its lock: nobody else's).
-_STAGING = ".osdn-diag-merge."
-
-
 def _new_staging(out: Path) -> Path:
-    """A new, empty directory in ``out`` for the merged files, after removing those of killed merges."""
-    for entry in out.iterdir():
-        if entry.name.startswith(_STAGING) and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-    return Path(tempfile.mkdtemp(prefix=_STAGING, dir=out))
+    """A new, empty directory in ``out`` for the merged files, after removing those of killed merges
+    (under OUT's lock: nobody else's; a command that writes a new run into OUT removes them too)."""
+    remove_merge_staging(out)
+    return Path(tempfile.mkdtemp(prefix=MERGE_STAGING_PREFIX, dir=out))
 
 
 def _move_in(staging: Path, out: Path) -> None:

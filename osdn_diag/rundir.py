@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 import sys
 import uuid
@@ -91,6 +92,7 @@ __all__ = [
     "write_rank_record",
     "verify_files",
     "wait_for_lock",
+    "remove_merge_staging",
     "remove_rank_records",
     "remove_report_files",
     "remove_run_files",
@@ -369,8 +371,9 @@ def check_file_name(name, listed_in: str | os.PathLike, *, shard: bool = False) 
 
 def prepare_output(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     """Make ``out_dir`` ready for a new run: refuse it as :func:`check_output` does, and remove the
-    run it holds (with ``overwrite``): that run's own files only. Call only once the new run's inputs
-    have loaded, holding :func:`output_lock`.
+    run it holds (with ``overwrite``): that run's own files only, and the copies a merge killed
+    outright left there (:func:`remove_merge_staging`). Call only once the new run's inputs have
+    loaded, holding :func:`output_lock`.
 
     The manifest first says the run is not complete and lists no shard, and goes last: a command
     killed on the way (even by SIGKILL) leaves a run that says it is unfinished, which
@@ -378,13 +381,36 @@ def prepare_output(out_dir: str | os.PathLike, *, overwrite: bool) -> None:
     run" even with ``--overwrite``) nor a manifest that says complete over missing files."""
     out_dir = Path(out_dir)
     manifest = check_output(out_dir, overwrite=overwrite)
-    if manifest is None:
-        return
-    stages = manifest.get("stages")
-    _write(out_dir, {**manifest, "stages": dict.fromkeys(stages if isinstance(stages, dict) else (), False),
-                     "shards": {}, "complete": False})
-    remove_run_files(out_dir)
-    (out_dir / MANIFEST).unlink()
+    if manifest is not None:
+        stages = manifest.get("stages")
+        _write(out_dir, {**manifest, "stages": dict.fromkeys(stages if isinstance(stages, dict) else (), False),
+                         "shards": {}, "complete": False})
+        remove_run_files(out_dir)
+        (out_dir / MANIFEST).unlink()
+    remove_merge_staging(out_dir)
+
+
+#: The prefix of the hidden directory in OUT that ``merge`` copies a run's files into before they
+#: replace the run there (:mod:`osdn_diag.merge`); ``tempfile.mkdtemp`` adds 8 characters of [a-z0-9_].
+MERGE_STAGING_PREFIX = ".osdn-diag-merge."
+_MERGE_STAGING = re.compile(re.escape(MERGE_STAGING_PREFIX) + r"[a-z0-9_]{8}")
+
+
+def remove_merge_staging(out_dir: str | os.PathLike) -> list[Path]:
+    """Remove the copies that merges killed outright (SIGKILL) left in ``out_dir`` — directories of the
+    package's staging name (:data:`MERGE_STAGING_PREFIX` and 8 random characters), never a link nor
+    anything below one —, and return them. Only while this process holds ``out_dir``'s
+    :func:`output_lock` (a merge writing into it holds that lock: what is found then is no running
+    merge's); otherwise, as on a rank that does not lock, nothing is removed."""
+    out_dir = Path(out_dir)
+    if out_dir.resolve() not in _HELD or not out_dir.is_dir():
+        return []
+    removed = []
+    for entry in sorted(out_dir.iterdir()):
+        if _MERGE_STAGING.fullmatch(entry.name) and _real_dir(entry):
+            shutil.rmtree(entry)  # unlinks the links below it, never follows them
+            removed.append(entry)
+    return removed
 
 
 def remove_run_files(out_dir: str | os.PathLike) -> None:

@@ -56,8 +56,11 @@ class WhatIf:
             raise ValueError(error)
 
     def name(self) -> str:
+        """The default output's name: every setting written out exactly (:func:`_exact`), so that two
+        what-ifs of different settings never share a directory."""
         ba = "ba" if self.beta_aware else "nba"
-        return f"what-if_eta{self.eta:g}_box{self.d_min:g}-{self.d_max:g}_r{self.retention:g}_{ba}"
+        return (f"what-if_eta{_exact(self.eta)}_box{_exact(self.d_min)}-{_exact(self.d_max)}"
+                f"_r{_exact(self.retention)}_{ba}")
 
     def __call__(self, call: KernelCall) -> KernelCall:
         k = torch.nan_to_num(call.k)  # non-finite tokens are flagged by replay and left out anyway
@@ -71,6 +74,14 @@ class WhatIf:
         # describe the model's own writes, not these.
         return replace(call, d=pre.d.to(call.k.dtype), write_key=None, final_state=None,
                        flags={**call.flags, "what_if": asdict(self)})
+
+
+def _exact(x: float) -> str:
+    """``x`` as the short ``%g`` form (``0.003``, ``2``) where that reads back as ``x`` exactly, else as
+    ``repr`` (the shortest text that does: ``2.0000001``): ``%g`` alone keeps 6 significant digits, and
+    gave box bounds 2.0000001 and 2.0000002 the same directory, the second what-if replacing the first."""
+    short = f"{x:g}"
+    return short if float(short) == x else repr(float(x))
 
 
 def what_if_run(

@@ -106,6 +106,31 @@ def test_save_tuning_where_it_cannot_be_done_is_a_one_line_error(tmp_path, where
     assert not (tmp_path / where).exists() or (tmp_path / where).read_text() == '{"a": 1}'
 
 
+@pytest.mark.parametrize("where,message", [
+    ("link.json", "a symbolic link; osdn-diag never writes through a link nor replaces one"),
+    ("run/summary.json", "one of the files of the run"),
+    ("run/capture/tuning.json", "inside capture/ of the run"),
+])
+def test_save_tuning_is_checked_as_every_file_a_command_writes(tmp_path, capsys, where, message):
+    """--save-tuning went through fewer checks than `view --out` or `prove --json`: a symbolic link
+    (here dangling) was replaced by the table, and a path among a run's own files was written (a
+    table in RUN/capture/, which every later replay of RUN then refused). Now it is refused as theirs
+    are, before anything runs — on the CPU too, before the CPU's own refusal — and left as it was."""
+    from osdn_diag.cli import entry
+
+    (tmp_path / "link.json").symlink_to(tmp_path / "nowhere" / "table.json")
+    (tmp_path / "run" / "capture").mkdir(parents=True)
+    (tmp_path / "run" / "manifest.json").write_text(json.dumps({"run_id": "a" * 32, "stages": {"capture": True}}))
+    (tmp_path / "run" / "summary.json").write_text("{}")
+    before = {p: (p.is_symlink(), p.read_text() if p.is_file() else None) for p in tmp_path.rglob("*")}
+    capsys.readouterr()
+    assert entry(["warmup", "random:deltanet-tiny", "--device", "cpu", "--save-tuning", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("osdn-diag: error: argument --save-tuning ") and str(tmp_path / where) in err
+    assert message in err and err.count("\n") == 1, err
+    assert {p: (p.is_symlink(), p.read_text() if p.is_file() else None) for p in tmp_path.rglob("*")} == before
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="autotunes fla's kernels: needs a CUDA GPU")
 def test_save_tuning_records_the_choices_a_gpu_run_made(tmp_path):
     """On a GPU: warmup --save-tuning writes a table of this GPU holding fla's autotuned kernels,

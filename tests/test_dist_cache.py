@@ -78,7 +78,19 @@ def test_installing_or_removing_a_package_is_seen(cache, tmp_path, monkeypatch):
     assert len(keys) == len(set(keys)) <= dc.KEEP
 
 
-def test_a_damaged_or_unwritable_cache_changes_nothing(cache, tmp_path, monkeypatch):
+@pytest.fixture
+def default_cache(tmp_path, monkeypatch):
+    """The cache at its default place (the package's own folder), in a temporary XDG_CACHE_HOME."""
+    monkeypatch.delenv(dc.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    yield dc.cache_file()
+    dc.forget_distributions()
+
+
+def test_a_damaged_or_unwritable_cache_changes_nothing(default_cache, tmp_path, monkeypatch):
+    """At the default place, the package's own folder, a damaged cache is rewritten (a file that
+    OSDN_DIAG_DIST_CACHE names is the user's: see the next test)."""
+    cache = default_cache
     expected = _stdlib()
     dc.remember_distributions()
     cache.parent.mkdir(parents=True)
@@ -91,6 +103,60 @@ def test_a_damaged_or_unwritable_cache_changes_nothing(cache, tmp_path, monkeypa
     blocked.write_text("")
     monkeypatch.setenv(dc.ENV, str(blocked / "distributions.json"))  # its folder cannot be made
     assert importlib.metadata.packages_distributions() == expected
+
+
+def test_a_file_named_that_is_not_a_cache_of_ours_is_refused_never_replaced(tmp_path, monkeypatch, capsys):
+    """OSDN_DIAG_DIST_CACHE=FILE replaced FILE whatever it held: a file of notes became the cache, and a
+    symbolic link there was replaced by it. Now a model command refuses, as it starts, a FILE that is a
+    link or a file that is not a cache osdn-diag wrote (one line naming the variable and the file, exit
+    status 2, nothing written), and a file put there while it runs is not replaced; a new file, an
+    empty one and a cache of ours (also one an earlier version wrote, without its "format") are used."""
+    from osdn_diag.cli import entry
+
+    notes, target, link = tmp_path / "notes.txt", tmp_path / "target.json", tmp_path / "link.json"
+    notes.write_text("my notes, not a cache\n")
+    target.write_text("{}")
+    link.symlink_to(target)
+    out = tmp_path / "run"
+    for named, what in ((notes, "exists and is not a cache osdn-diag wrote"), (link, "is a symbolic link")):
+        monkeypatch.setenv(dc.ENV, str(named))
+        capsys.readouterr()
+        assert entry(["capture", "random:deltanet-tiny", "--prompts", "random", "--out", str(out), "-q"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"osdn-diag: error: {dc.ENV}={str(named)!r}: {named} {what}") and err.count("\n") == 1
+        assert importlib.metadata.packages_distributions is _STDLIB and not out.exists()
+    assert notes.read_text() == "my notes, not a cache\n" and link.is_symlink() and target.read_text() == "{}"
+    # Put there after the command started: computed, not replaced.
+    fresh = tmp_path / "fresh.json"
+    monkeypatch.setenv(dc.ENV, str(fresh))
+    try:
+        assert dc.remember_distributions()
+        fresh.write_text("[]")
+        assert importlib.metadata.packages_distributions() == _stdlib() and fresh.read_text() == "[]"
+        fresh.unlink()
+        assert importlib.metadata.packages_distributions() == _stdlib()  # new: written
+        assert json.loads(fresh.read_text())["format"] == dc.FORMAT
+    finally:
+        dc.forget_distributions()
+    for text in ("", json.dumps({"entries": []}), fresh.read_text()):  # empty, an earlier version's, ours
+        fresh.write_text(text)
+        try:
+            assert dc.remember_distributions()
+            assert importlib.metadata.packages_distributions() == _stdlib()
+        finally:
+            dc.forget_distributions()
+        assert json.loads(fresh.read_text())["format"] == dc.FORMAT
+    # At the default place a link is not refused (nobody named it), but neither read nor replaced.
+    monkeypatch.delenv(dc.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    dc.cache_file().parent.mkdir(parents=True)
+    dc.cache_file().symlink_to(target)
+    try:
+        assert dc.remember_distributions()
+        assert importlib.metadata.packages_distributions() == _stdlib()
+    finally:
+        dc.forget_distributions()
+    assert dc.cache_file().is_symlink() and target.read_text() == "{}"
 
 
 def test_off_leaves_the_function_alone(monkeypatch):

@@ -406,3 +406,32 @@ def test_a_killed_merge_leaves_the_old_run_and_the_next_merge_clears_its_copies(
     assert {k: v for k, v in _tree(out).items() if k.split("/")[0] not in left} == before  # the old run, whole
     assert _one_success(argv, capsys)["run_id"] == RUN_ID
     assert not any(p.name.startswith(".osdn-diag-merge.") for p in out.iterdir())
+
+
+def test_overwrite_by_a_run_removes_the_copies_a_killed_merge_left_and_nothing_else(tmp_path, capsys):
+    """A merge killed outright (SIGKILL) leaves its copies in OUT (``.osdn-diag-merge.XXXXXXXX``, as in
+    the test above); `osdn-diag capture|run ... --out OUT --overwrite` kept them, only a later merge
+    removed them. The command that replaces OUT's run removes them too: only real directories of the
+    staging name — a link of that name (and what it points to), a name that is not quite it and the
+    user's other files stay. (The copies are made here as the merge makes them: the test above kills
+    a merge to show they are left.)"""
+    import tempfile
+
+    from osdn_diag.rundir import MERGE_STAGING_PREFIX
+
+    out = tmp_path / "m"
+    merge_runs(_no_report(_nodes(tmp_path / "old", run_id="b" * 32)), out, report=False)
+    killed = Path(tempfile.mkdtemp(prefix=MERGE_STAGING_PREFIX, dir=out))  # as the merge makes it
+    _write(killed / "capture" / "batch_00000" / "layer_000.safetensors", b"a copied shard")
+    elsewhere = tmp_path / "elsewhere"
+    _write(elsewhere / "keep.txt", b"the user's")
+    (out / ".osdn-diag-merge.abcd1234").symlink_to(elsewhere, target_is_directory=True)
+    _write(out / ".osdn-diag-merge.notours" / "x", b"not a merge's name")
+    _write(out / "notes.txt", b"the user's")
+    assert entry(["capture", "random:deltanet-tiny", "--prompts", "random", "--num-prompts", "1", "--length", "4",
+                  "--out", str(out), "--overwrite", "--device", "cpu", "-q"]) == 0, capsys.readouterr().err
+    assert not killed.exists()
+    assert sorted(p.name for p in out.iterdir()) == [".osdn-diag-merge.abcd1234", ".osdn-diag-merge.notours",
+                                                     "capture", "manifest.json", "notes.txt", "tokens.parquet"]
+    assert (out / ".osdn-diag-merge.abcd1234").is_symlink() and (elsewhere / "keep.txt").read_bytes() == b"the user's"
+    assert json.loads((out / "manifest.json").read_text())["complete"] is True

@@ -81,7 +81,8 @@ def check_writable_file(path: str | os.PathLike, what: str) -> None:
 
 
 def check_output_file(path: str | os.PathLike, what: str) -> None:
-    """A file a command writes on its own (``view``'s page, ``prove``'s ledger): not a symbolic link
+    """A file a command writes on its own (``view``'s page, ``prove``'s ledger, ``warmup``'s tuning
+    table): not a symbolic link
     (never written through nor replaced), a file that can be written (:func:`check_writable_file`), and
     none of a run's own files nor among them (:func:`~osdn_diag.rundir.check_file_placement`)."""
     from ..rundir import RunDirectoryError, check_file_placement
@@ -253,7 +254,8 @@ def check_args(args) -> None:
         if args.save_tuning is not None:
             from ..runtime.tuning import check_table_file
 
-            check_writable_file(args.save_tuning, "argument --save-tuning")
+            # As every file a command writes on its own: not a link, a FIFO or a device, nor a run's file.
+            check_output_file(args.save_tuning, "argument --save-tuning")
             check_table_file(args.save_tuning)  # its GPU is checked once CUDA is up (cli._cmd_warmup)
     if cmd in ("run", "capture"):
         _positive("--num-prompts", args.num_prompts)

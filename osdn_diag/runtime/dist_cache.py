@@ -18,7 +18,9 @@ same time and size is not seen. Reading the key costs one listing per ``sys.path
 ``stat`` calls per package. Only ``packages_distributions`` is replaced, and only until
 :func:`forget_distributions`; a cache that cannot be read or written is ignored.
 ``OSDN_DIAG_DIST_CACHE=off`` leaves the function alone; ``OSDN_DIAG_DIST_CACHE=FILE`` keeps the mapping
-in ``FILE``.
+in ``FILE``, which must be new, empty or a cache osdn-diag wrote (:func:`check_cache_file`): any other
+file there is the user's, and is refused rather than replaced. A symbolic link is never read, written
+through nor replaced, at ``FILE`` or at the default place.
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ import stat
 import sys
 from pathlib import Path
 
-from .cache_paths import cache_path
+from .cache_paths import OFF, ON, cache_path
 
-__all__ = ["ENV", "KEEP", "cache_file", "distributions_key", "forget_distributions", "remember_distributions"]
+__all__ = ["ENV", "KEEP", "cache_file", "check_cache_file", "distributions_key", "forget_distributions",
+           "remember_distributions"]
 
 ENV = "OSDN_DIAG_DIST_CACHE"
+#: What the cache file says it is (its ``"format"``): files without it are not the package's to replace.
+FORMAT = "osdn-diag packages_distributions cache"
 
 
 def cache_file() -> Path | None:
@@ -98,13 +103,69 @@ KEEP = 4
 
 def _usable(where: Path) -> bool:
     """Whether ``where`` may be read and replaced: a regular file, or nothing yet (never a device such
-    as ``/dev/null``, a pipe or a folder)."""
+    as ``/dev/null``, a pipe, a folder, nor a symbolic link, whatever it points to)."""
     try:
-        return stat.S_ISREG(os.stat(where).st_mode)
+        return stat.S_ISREG(os.lstat(where).st_mode)
     except FileNotFoundError:
         return True
     except OSError:
         return False
+
+
+def _named() -> str | None:
+    """``OSDN_DIAG_DIST_CACHE`` where it names a file of the user's choosing (not off, not on)."""
+    setting = os.environ.get(ENV, "").strip()
+    return setting if setting and setting.lower() not in OFF + ON else None
+
+
+def _is_ours(text: str) -> bool:
+    """Whether ``text`` is a cache osdn-diag wrote, or nothing: ``{"format": FORMAT, "entries": [...]}``,
+    or the ``{"entries": [...]}`` alone of earlier versions; an empty file holds nothing to lose."""
+    if not text.strip():
+        return True
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    if not isinstance(value, dict) or not isinstance(value.get("entries"), list):
+        return False
+    return value.get("format") == FORMAT or set(value) == {"entries"}
+
+
+#: The largest cache file :func:`check_cache_file` reads (bytes): a few hundred installed names take
+#: tens of kilobytes.
+_LIMIT = 64 << 20
+
+
+def check_cache_file() -> None:
+    """Refuse (:class:`ValueError`, one line naming ``OSDN_DIAG_DIST_CACHE`` and the file) a ``FILE`` that
+    the variable names where it is a symbolic link, or a regular file that is not one of this cache's
+    (:func:`_is_ours`): the cache is written by a rename over its name, which would replace the user's
+    file or link. Nothing there, a file of this cache, or no file named (off, the default place): fine."""
+    setting = _named()
+    where = cache_file()
+    if setting is None or where is None:
+        return
+    if os.path.islink(where):
+        raise ValueError(f"{ENV}={setting!r}: {where} is a symbolic link; osdn-diag never writes through a link "
+                         f"nor replaces one: give the path of a file of its own, or {ENV}=off")
+    if not _usable(where):  # a FIFO, a device, a folder: never read nor written (computed every time)
+        return
+    try:
+        with open(where, "rb") as fh:
+            data = fh.read(_LIMIT + 1)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise ValueError(f"{ENV}={setting!r}: {where} cannot be read ({err.strerror or err}), so osdn-diag cannot "
+                         f"tell it is its cache before replacing it; give another file, or {ENV}=off") from None
+    try:
+        ours = len(data) <= _LIMIT and _is_ours(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        ours = False
+    if not ours:
+        raise ValueError(f"{ENV}={setting!r}: {where} exists and is not a cache osdn-diag wrote, which it would "
+                         f"replace; give a new file (or {ENV}=off), or remove that one if it is not needed")
 
 
 def _valid(mapping) -> bool:
@@ -129,21 +190,31 @@ def _answer(compute) -> dict[str, list[str]]:
     if not _usable(where):
         return compute()
     entries: list = []
+    # The file the variable names is rewritten only where it is nothing yet or a cache of ours
+    # (check_cache_file refused it otherwise as the command started); the default place is ours.
+    writable = _named() is None
     try:
-        entries = [e for e in json.loads(where.read_text())["entries"]
+        text = where.read_text()
+        writable = writable or _is_ours(text)
+        entries = [e for e in json.loads(text)["entries"]
                    if isinstance(e["key"], str) and _valid(e["distributions"])]
-    except Exception:  # missing, unreadable, or not ours (any shape, however deep): computed again below
+    except FileNotFoundError:
+        writable = True
+    except Exception:  # unreadable, or not ours (any shape, however deep): computed again below
         entries = []
     for entry in entries:
         if entry["key"] == key:
             return {name: list(dists) for name, dists in entry["distributions"].items()}
     mapping = dict(compute())
+    if not writable:
+        return {name: list(dists) for name, dists in mapping.items()}
     try:
-        from .atomic import atomic_write_text
+        from .atomic import atomic_write_text, refuse_link
 
         where.parent.mkdir(parents=True, exist_ok=True)
         entries = [{"key": key, "distributions": mapping}] + entries[: KEEP - 1]
-        atomic_write_text(where, json.dumps({"entries": entries}))
+        refuse_link(where)  # a link put there since: not replaced (LinkError is a ValueError)
+        atomic_write_text(where, json.dumps({"format": FORMAT, "entries": entries}))
     except (OSError, TypeError, ValueError):
         pass  # a read-only home, or names JSON cannot hold: computed every time, as before
     return {name: list(dists) for name, dists in mapping.items()}
@@ -160,10 +231,12 @@ def _remembered() -> dict[str, list[str]]:
 
 def remember_distributions() -> bool:
     """Answer ``importlib.metadata.packages_distributions()`` from the cache (the module docstring)
-    until :func:`forget_distributions`; ``False`` (nothing changed) if ``OSDN_DIAG_DIST_CACHE`` is off."""
+    until :func:`forget_distributions`; ``False`` (nothing changed) if ``OSDN_DIAG_DIST_CACHE`` is off.
+    A ``FILE`` it names that is a link or not a cache of ours is refused first (:func:`check_cache_file`)."""
     global _replaced
     if cache_file() is None:
         return False
+    check_cache_file()
     if importlib.metadata.packages_distributions is not _remembered:
         _replaced = importlib.metadata.packages_distributions
         importlib.metadata.packages_distributions = _remembered

@@ -97,6 +97,27 @@ def test_what_if_names_its_source_by_absolute_path_and_refuses_an_out_in_another
         what_if_out(run_dir, WhatIf(), tmp_path / "eta0" / "x")
 
 
+def test_default_outputs_of_settings_that_differ_past_the_rounding_are_two_directories(run_dir):
+    """The default --out was named from the settings rounded to 6 digits (``%g``): box bounds 2.0000001
+    and 2.0000002 both went to ``what-if_eta0.003_box0.5-2_r1_ba``, the second what-if refused there
+    (or, with --overwrite, replacing the first). Each exact setting has its own directory now; settings
+    that ``%g`` writes exactly keep their short name."""
+    assert WhatIf().name() == "what-if_eta0.003_box0.5-2_r1_ba"
+    assert WhatIf(eta=1e-05, retention=0.5, beta_aware=False).name() == "what-if_eta1e-05_box0.5-2_r0.5_nba"
+    from osdn_diag.whatif import what_if_run
+
+    for d_max in (2.0000001, 2.0000002):  # `what-if RUN --d-max X` without --out, less the report
+        what_if_run(run_dir, WhatIf(d_max=d_max), backend="torch", progress=False)
+    outs = sorted(p for p in run_dir.iterdir() if p.name.startswith("what-if_"))
+    assert [p.name for p in outs] == ["what-if_eta0.003_box0.5-2.0000001_r1_ba",
+                                      "what-if_eta0.003_box0.5-2.0000002_r1_ba"]
+    assert [json.loads((p / "manifest.json").read_text())["what_if"]["d_max"] for p in outs] == [2.0000001,
+                                                                                                  2.0000002]
+    # Exact past %g's 6 digits, and past any fixed count of them: no two settings share a name.
+    close = [WhatIf(eta=0.003 + i * 2**-60) for i in range(3)]
+    assert len({s.eta for s in close}) == 3 and len({s.name() for s in close}) == 3
+
+
 def test_bad_settings():
     with pytest.raises(ValueError, match="'retention'"):
         WhatIf(retention=1.5)

@@ -50,3 +50,18 @@ def assert_fields_close(got, ref, tol):
             assert getattr(got, name) is None, name
         else:
             assert_close(getattr(got, name), r, name, tol)
+
+
+def assert_fp32_fields_close(got, ref, tol=1e-5):
+    """Every field of a Triton replay within ``tol`` of the fp64 reference's, and in fp32 (the only
+    precision the chunked replays have)."""
+    for name in FIELDS:
+        x = getattr(got, name)
+        assert x is None or x.dtype == torch.float32, name
+    assert_fields_close(got, ref, tol)
+
+
+def to_device(kw: dict, device) -> dict:
+    """``kw`` with its tensors moved to ``device``."""
+    return {n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+

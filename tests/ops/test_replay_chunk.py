@@ -8,7 +8,7 @@ import torch
 
 from osdn_diag.math import delta_rule_recurrence
 
-from _replay_cases import FIELDS, assert_fields_close
+from _replay_cases import assert_fp32_fields_close, to_device
 from _replay_cases import replay_inputs as _inputs
 
 ops_chunk = pytest.importorskip("osdn_diag.ops.replay_chunk", reason="needs triton")
@@ -16,15 +16,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _to(kw):
-    return {n: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    return to_device(kw, DEVICE)
 
 
-def _assert_fields_close(got, ref, tol=1e-5):
-    """Every field within ``tol`` of the fp64 reference's, and in fp32 (the only precision it has)."""
-    for name in FIELDS:
-        x = getattr(got, name)
-        assert x is None or x.dtype == torch.float32, name
-    assert_fields_close(got, ref, tol)
+_assert_fields_close = assert_fp32_fields_close
 
 
 @pytest.mark.parametrize(

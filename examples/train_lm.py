@@ -260,6 +260,15 @@ def heldout_nll(model, windows: torch.Tensor, amp, batch: int = 16) -> tuple[flo
     return sums[0] / count, sums[1] / count
 
 
+#: The q_geo-by-step figure a checkpoint holds beside its monitor.parquet, shown by its model card.
+CURVE = "q_geo_by_step.png"
+
+
+def _curve_steps(rows: list[dict]) -> int:
+    """Probed steps among the monitor's whole-model rows (``q_by_step``'s or ``Monitor.rows``')."""
+    return len({r["step"] for r in rows if r.get("layer", -1) == -1})
+
+
 def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str, seq: int,
                     monitor: Monitor | None = None) -> None:
     """Write one checkpoint directory whole or not at all (a hidden sibling renamed at the end)."""
@@ -276,6 +285,14 @@ def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str,
         import pyarrow.parquet as pq
 
         pq.write_table(monitor.table(), partial / "monitor.parquet")
+        if _curve_steps(monitor.rows) >= 2:  # the card shows the curve (model_card)
+            import matplotlib.pyplot as plt
+
+            import osdn_diag.plot as odp
+
+            fig = odp.training(monitor)
+            fig.savefig(partial / CURVE, dpi=100)
+            plt.close(fig)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
 
@@ -306,7 +323,9 @@ def model_card(name: str, config, a, res: dict, info: dict, command: str, lockst
            f": the first {mon['first_probe_seconds']:.1f} s (it compiles the probe's kernels), the others "
            f"{100 * mon['fraction_after_first']:.2f} % of the rest")
         + ".\n\n"
-        f"| step | q_geo | q_arith |\n|---|---|---|\n"
+        + (f"![q_geo by training step: the whole model thick, each layer thin]({CURVE})\n\n"
+           if _curve_steps(mon["q_by_step"]) >= 2 else "")
+        + f"| step | q_geo | q_arith |\n|---|---|---|\n"
         + "\n".join(f"| {r['step']} | {r['q_geo']:.4f} | {r['q_arith']:.4f} |" for r in mon["q_by_step"]) + "\n"
     )
     return (

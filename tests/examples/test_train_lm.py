@@ -318,6 +318,8 @@ def test_train_monitors_each_model_and_its_card_and_files_agree(trained, prepare
         assert mon["q_by_step"] == [{"step": 2, "q_geo": whole["q_geo"], "q_arith": whole["q_arith"]}]
         card = (out / f"lm-{name}" / "README.md").read_text()
         assert "## Contraction during training" in card
+        # one probe is no curve: no figure, and the card shows none
+        assert "q_geo_by_step.png" not in card and not (out / f"lm-{name}" / "q_geo_by_step.png").exists()
         assert f"| 2 | {whole['q_geo']:.4f} | {whole['q_arith']:.4f} |" in card
 
 
@@ -338,6 +340,10 @@ def test_train_with_the_monitor_trains_as_without_it(prepared, script, tmp_path)
     card = (tmp_path / "1" / "lm-osdn-eta0.03" / "README.md").read_text()
     assert (f"the first {mon['first_probe_seconds']:.1f} s (it compiles the probe's kernels), the others "
             f"{100 * mon['fraction_after_first']:.2f} % of the rest") in card
+    # two probes: the card shows the curve, drawn from the checkpoint's own monitor.parquet
+    assert "](q_geo_by_step.png)" in card
+    png = tmp_path / "1" / "lm-osdn-eta0.03" / "q_geo_by_step.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (on["loss"], on["heldout_nll"], on["heldout_nll_twice"]) == \
         (off["loss"], off["heldout_nll"], off["heldout_nll_twice"])
     assert not (tmp_path / "0" / "monitor.parquet").exists()

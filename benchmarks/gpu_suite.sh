@@ -36,9 +36,10 @@ PY=${PYTHON:-python3}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall monitor_bench)
 # lm_recipe: the built-in language models' recipe (osdn_diag/builtin/lm_train_summary.json's command)
-# with the monitor on, from the corpus in $LMDATA, into $LM_OUT.
+# with the monitor on, from the corpus in $LMDATA, into $LM_OUT (a new or empty directory; default: a
+# new one under /tmp), stopped by --time-budget $LM_BUDGET (450 s) before the step's limit.
 LMDATA=${LMDATA:-.lmdata}
-LM_OUT=${LM_OUT:-/tmp/osdn_diag_lm_recipe}
+LM_OUT=${LM_OUT:-}
 LM_RECIPE="--arch deltanet osdn:0.003 osdn:0.03 osdn:0.3 osdn-apf --steps 1600 --warmup 100 --eval-every 400 --eval-windows 32 --log-every 25 --monitor-every 100"
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
@@ -118,10 +119,21 @@ for step in "${steps[@]}"; do
                         echo "== lm_recipe: $LMDATA/train.bin is missing: make it with 'python examples/train_lm.py prepare --data $LMDATA' under Python 3.11.7 (the standard library the built-in corpus was read from: osdn_diag/builtin/lm-corpus/corpus.json) and carry it, or set LMDATA"
                         continue
                     fi
-                    rm -rf "$LM_OUT"
-                    run_step lm_recipe 580 "$PY" examples/train_lm.py train --data "$LMDATA" --out "$LM_OUT" $LM_RECIPE
-                    # the checkpoints in parts of at most 15 MB (some machines return no larger file)
-                    [ -d "$LM_OUT" ] && tar czf - -C "$LM_OUT" . | split -b 15M - "$OUT/lm_recipe.tgz.part-" ;;
+                    # a new directory of its own, never one the user named that already holds something
+                    if [ -n "$LM_OUT" ] && [ -e "$LM_OUT" ] && [ -n "$(ls -A "$LM_OUT" 2>/dev/null)" ]; then
+                        echo "== lm_recipe: LM_OUT=$LM_OUT is not empty: name a new directory (or leave LM_OUT unset)"
+                        continue
+                    fi
+                    lm_out=${LM_OUT:-$(mktemp -d /tmp/osdn_diag_lm_recipe.XXXXXX)}
+                    # --time-budget: the checkpoints and summary are written at the end of training, so a
+                    # run stopped by the step's limit would leave none; stopped by its budget it writes them
+                    # (train_summary.json's steps say how far it got)
+                    run_step lm_recipe 580 "$PY" examples/train_lm.py train --data "$LMDATA" --out "$lm_out" $LM_RECIPE \
+                        --time-budget "${LM_BUDGET:-450}"
+                    # the checkpoints in parts of at most 15 MB (some machines return no larger file); the
+                    # parts of an earlier run first removed, or `cat` would join them to these
+                    rm -f "$OUT"/lm_recipe.tgz.part-*
+                    [ -d "$lm_out" ] && tar czf - -C "$lm_out" . | split -b 15M - "$OUT/lm_recipe.tgz.part-" ;;
         e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
                         benchmarks/bench_e2e.py --mode stream --json "$OUT/e2e_ddp.json" ;;
         *) echo "unknown step $step (tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall monitor_bench lm_recipe e2e_ddp device_map)"; exit 2 ;;

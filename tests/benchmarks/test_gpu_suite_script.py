@@ -115,3 +115,40 @@ def test_lm_recipe_trains_the_recipe_the_built_in_models_record(tmp_path):
     assert ran[:2] == ["examples/train_lm.py", "train"] and shipped[0] == "train"
     assert ran[ran.index("--data") + 1] == str(data) and ran[ran.index("--out") + 1] == str(tmp_path / "lm")
     assert options(ran) == {**options(shipped), "--monitor-every": ["100"]}
+
+
+def test_lm_recipe_never_empties_a_directory_it_did_not_make_and_returns_one_whole_archive(tmp_path):
+    """LM_OUT naming a directory that holds something is refused and left as it was; unset, the step
+    trains into a new directory of its own; the archive parts of an earlier run are removed before the
+    new ones are written, so that joined they are one readable archive."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.bin").write_bytes(b"\0\0")
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("important")
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "lm_recipe"],
+                          env=_suite_env(tmp_path, LMDATA=str(data), LM_OUT=str(precious)),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"LM_OUT={precious} is not empty" in done.stdout
+    assert (precious / "thesis.tex").read_text() == "important"
+    assert not (tmp_path / "out" / "lm_recipe.txt").exists()
+
+    out = tmp_path / "out"
+    (out / "lm_recipe.tgz.part-zz").write_bytes(b"stale")  # an earlier run's last part
+    env = _suite_env(tmp_path, LMDATA=str(data))
+    env.pop("LM_OUT", None)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "lm_recipe"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    ran = (out / "lm_recipe.txt").read_text().split()
+    made = Path(ran[ran.index("--out") + 1])
+    assert made.name.startswith("osdn_diag_lm_recipe.") and made.is_dir()
+    assert ran[ran.index("--time-budget") + 1] == "450"
+    parts = sorted(out.glob("lm_recipe.tgz.part-*"))
+    assert [p.name for p in parts] == ["lm_recipe.tgz.part-aa"]
+    joined = tmp_path / "joined.tgz"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(joined) as tar:
+        tar.getmembers()
+    made.rmdir()

@@ -294,13 +294,21 @@ def _check_fits(spec: str, directory: Path, file_tensors: dict, dtype: torch.dty
             f"they hold {held:,} values for the model's {count:,} parameters"]))
     target = _build_device(device, None)
     free = None if device_map is not None else available_bytes(target)
-    need = count * torch.empty((), dtype=dtype).element_size()
+    # the parameters in the dtype asked for, and the buffers as the model makes them (a causal mask of
+    # the context length in each layer can outweigh the parameters)
+    buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
+    need = count * torch.empty((), dtype=dtype).element_size() + buffers
     if free is not None and need > free:
+        ways = ([] if torch.empty((), dtype=dtype).element_size() <= 2 else ["in bfloat16 (--dtype bfloat16)"])
+        ways += ["on a device with more free memory"]
+        if target.type == "cuda":
+            ways += ["over several GPUs (--device-map auto)"]
+        extra = f" and {gib(buffers)} of buffers" if buffers >= 2**20 else ""
         raise ValueError(
             f"MODEL {spec!r}: the model {directory / 'config.json'} describes has {count:,} parameters, "
-            f"{gib(need)} in {str(dtype).removeprefix('torch.')}, more than the {gib(free)} free on {target}; "
-            "not built, since the system would end the process without a message: load it in bfloat16 "
-            "(--dtype bfloat16), on a device with more free memory, or over several GPUs (--device-map auto)")
+            f"{gib(need - buffers)} in {str(dtype).removeprefix('torch.')}{extra}, more than the {gib(free)} "
+            f"free on {target}; not built, since the system would end the process without a message: load it "
+            + (", ".join(ways[:-1]) + " or " + ways[-1] if len(ways) > 1 else ways[0]))
 
 
 def _check_weight_dtypes(spec: str, directory: Path, file_dtypes: dict, model: torch.nn.Module) -> None:

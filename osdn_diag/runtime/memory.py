@@ -16,14 +16,76 @@ import torch
 
 __all__ = ["available_bytes", "gib"]
 
-#: cgroup v2 and v1 files of the limit and usage of the container this process runs in.
-_CGROUP = (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))
+#: Per cgroup version: the folder below the cgroup mount that holds the memory controller's tree, and
+#: its files of the limit, the usage and, in ``memory.stat``, the page cache the kernel can reclaim.
+_CGROUP = (("", "memory.max", "memory.current", "inactive_file"),
+           ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
 
 
-def _host_available(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _reclaimable(folder: Path, key: str) -> int:
+    """Page cache the kernel can drop in the cgroup ``folder`` (``key`` of its ``memory.stat``), 0 where
+    unknown."""
+    try:
+        for line in (folder / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except (OSError, UnicodeDecodeError):
+        pass
+    return 0
+
+
+def _cgroup_free(root: Path, self_cgroup: Path) -> int | None:
+    """Bytes the cgroups this process belongs to still allow it: the least, over its own cgroup and
+    each one above it, of the limit less the usage — page cache the kernel can reclaim not counted as
+    used (a freshly copied checkpoint fills it). ``None`` where no limit applies or none can be read.
+    The own cgroup is read from ``self_cgroup`` (``/proc/self/cgroup``): under Slurm or a systemd slice
+    the limit is on it, not on the mount's root; where the mount shows the process's cgroup as its root
+    (a container's namespace), the root is it."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    own = {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            if parts[1] == "":
+                own[""] = parts[2]
+            elif "memory" in parts[1].split(","):
+                own["memory"] = parts[2]
+    free = None
+    for sub, limit_name, usage_name, stat_key in _CGROUP:
+        base = root / sub if sub else root
+        if not (base / limit_name).is_file():
+            continue
+        rel = Path(own.get(sub, "/").lstrip("/"))
+        folder = base / rel if (base / rel / limit_name).is_file() else base
+        while True:  # the own cgroup, then each above it up to the mount's root
+            limit, usage = _read_int(folder / limit_name), _read_int(folder / usage_name)
+            if limit is not None and usage is not None:  # "max" (v2) reads as no limit
+                left = max(limit - max(usage - _reclaimable(folder, stat_key), 0), 0)
+                free = left if free is None else min(free, left)
+            if folder == base:
+                break
+            folder = folder.parent
+        break  # one hierarchy: v2's where it is mounted, else v1's
+    return free
+
+
+def _host_available(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup"),
+                    self_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
     """Bytes the host can still give this process: ``MemAvailable + SwapFree`` from ``meminfo``,
-    less where the limit of the cgroup (v2 or v1, under ``cgroup``) leaves less. ``None`` where
-    ``meminfo`` cannot be read."""
+    less where a cgroup limit leaves less (:func:`_cgroup_free`). ``None`` where ``meminfo`` cannot be
+    read."""
     fields = {}
     try:
         for line in meminfo.read_text().splitlines():
@@ -31,21 +93,13 @@ def _host_available(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("
             parts = rest.split()
             if parts and parts[0].isdigit():
                 fields[name] = int(parts[0]) * 1024
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
     if "MemAvailable" not in fields:
         return None
     free = fields["MemAvailable"] + fields.get("SwapFree", 0)
-    for limit_name, usage_name in _CGROUP:
-        try:
-            limit = (cgroup / limit_name).read_text().strip()
-            usage = int((cgroup / usage_name).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit():  # "max": no limit; v1 writes a huge number, which min() ignores
-            free = min(free, max(int(limit) - usage, 0))
-        break
-    return free
+    limited = _cgroup_free(cgroup, self_cgroup)
+    return free if limited is None else min(free, limited)
 
 
 def available_bytes(device: torch.device) -> int | None:

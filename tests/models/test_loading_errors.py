@@ -398,27 +398,78 @@ def test_a_model_larger_than_the_free_memory_is_refused_naming_both_sizes(saved,
     assert msg.startswith(f"MODEL {str(saved)!r}: the model {saved / 'config.json'} describes has {count:,} "
                           "parameters, ") and "\n" not in msg
     assert f"{memory.gib(4 * count)} in float32, more than the {memory.gib(4 * count - 1)} free on cpu" in msg
-    assert "--dtype bfloat16" in msg
-    # in bf16 the same parameters take half: they fit, and the model loads as from_pretrained loads it
+    assert "load it in bfloat16 (--dtype bfloat16) or on a device with more free memory" in msg
+    assert "--device-map" not in msg  # one CPU: nothing to spread over
+    # in bf16 the same parameters take half: short of that, refused without advising bf16 again ...
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2 * count - 1)
+    with pytest.raises(ValueError, match=r"in bfloat16, more than .* free on cpu; not built, .*: load it on a "
+                                         r"device with more free memory$"):
+        load_model(str(saved), dtype=torch.bfloat16)
+    # ... and with that, they fit, and the model loads as from_pretrained loads it
     monkeypatch.undo()
     monkeypatch.setattr(memory, "available_bytes", lambda device: 2 * count)
     assert load_model(str(saved), dtype=torch.bfloat16).model.dtype == torch.bfloat16
 
 
+def test_buffers_count_toward_the_memory_a_model_needs(tmp_path, monkeypatch):
+    """GPT-Neo keeps a causal mask of its context length in each layer: at 2,048 positions, 4 MiB a
+    layer beside a few thousand parameters. Memory for the parameters but not the masks is refused,
+    naming the buffers."""
+    import osdn_diag.runtime.memory as memory
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+
+    config = GPTNeoConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, max_position_embeddings=2048,
+                          attention_types=[[["global"], 2]], intermediate_size=32)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
+    count = sum(t.numel() for t in _tensors(tmp_path).values())
+    masks = 2 * 2048 * 2048  # bool, one a layer
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 4 * count + masks - 1)
+    with pytest.raises(ValueError, match=rf"{count:,} parameters, .* in float32 and {memory.gib(masks)} of buffers"):
+        load_model(str(tmp_path))
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 4 * count + masks)
+    assert load_model(str(tmp_path)).source == "directory"
+
+
 def test_free_host_memory_is_meminfo_within_the_cgroup_limit(tmp_path):
     from osdn_diag.runtime.memory import _host_available, available_bytes
 
+    G = 2**30
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   10000000 kB\nSwapFree:        1000000 kB\n")
-    cgroup = tmp_path / "cgroup"
+    host = 11_000_000 * 1024
+    cgroup, own = tmp_path / "cgroup", tmp_path / "self_cgroup"
     cgroup.mkdir()
-    assert _host_available(meminfo, cgroup) == 11_000_000 * 1024  # no cgroup files: the host's
-    (cgroup / "memory.max").write_text("max\n")
-    (cgroup / "memory.current").write_text("123\n")
-    assert _host_available(meminfo, cgroup) == 11_000_000 * 1024  # no limit
-    (cgroup / "memory.max").write_text(f"{4 * 2**30}\n")
-    (cgroup / "memory.current").write_text(f"{2**30}\n")
-    assert _host_available(meminfo, cgroup) == 3 * 2**30  # the container's limit leaves less
-    assert _host_available(tmp_path / "absent", cgroup) is None
+    own.write_text("0::/\n")
+
+    def files(folder, **values):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, value in values.items():
+            (folder / name.replace("_", ".", 1)).write_text(f"{value}\n")
+
+    assert _host_available(meminfo, cgroup, own) == host  # no cgroup files: the host's
+    files(cgroup, memory_max="max", memory_current=123)
+    assert _host_available(meminfo, cgroup, own) == host  # no limit
+    files(cgroup, memory_max=4 * G, memory_current=G)
+    assert _host_available(meminfo, cgroup, own) == 3 * G  # a container's limit, its cgroup the root
+    # the page cache the kernel can drop is not used memory (a checkpoint just copied in fills it)
+    (cgroup / "memory.stat").write_text(f"anon 1\ninactive_file {G // 2}\nactive_file 7\n")
+    assert _host_available(meminfo, cgroup, own) == 3 * G + G // 2
+    # Slurm / a systemd slice: the limit is on the process's own cgroup and those above it, not the root
+    own.write_text("0::/job.slice/step_0\n")
+    files(cgroup / "job.slice" / "step_0", memory_max=8 * G, memory_current=5 * G)
+    files(cgroup / "job.slice", memory_max="max", memory_current=5 * G)
+    assert _host_available(meminfo, cgroup, own) == 3 * G  # the root's 3.5 GiB and the step's 3 GiB
+    files(cgroup / "job.slice", memory_max=6 * G)
+    assert _host_available(meminfo, cgroup, own) == G  # the slice above it leaves 1 GiB
+    own.write_text("0::/elsewhere\n")  # a cgroup the mount does not show (a namespace): the root's
+    assert _host_available(meminfo, cgroup, own) == 3 * G + G // 2
+    # cgroup v1: the memory controller's own tree, its limit and usage files
+    v1, own1 = tmp_path / "v1", tmp_path / "self_cgroup_v1"
+    own1.write_text("12:cpu,cpuacct:/x\n4:memory:/process_api/abc\n")
+    files(v1 / "memory", memory_limit_in_bytes=9223372036854771712, memory_usage_in_bytes=G)
+    files(v1 / "memory" / "process_api" / "abc", memory_limit_in_bytes=2 * G, memory_usage_in_bytes=G)
+    (v1 / "memory" / "process_api" / "abc" / "memory.stat").write_text(f"cache 9\ntotal_inactive_file {G // 4}\n")
+    assert _host_available(meminfo, v1, own1) == G + G // 4
+    assert _host_available(tmp_path / "absent", cgroup, own) is None
     free = available_bytes(torch.device("cpu"))
     assert free is None or free > 0

@@ -320,8 +320,8 @@ def model_card(name: str, config, a, res: dict, info: dict, command: str, lockst
         f"`osdn_diag.plot.training(\"monitor.parquet\")` draws q_geo against step. The probes took "
         f"{100 * mon['fraction']:.2f} % of the training time"
         + ("" if mon.get("fraction_after_first") is None or mon["probes"] < 2 else
-           f": the first {mon['first_probe_seconds']:.1f} s (it compiles the probe's kernels), the others "
-           f"{100 * mon['fraction_after_first']:.2f} % of the rest")
+           f": the first {mon['first_probe_seconds']:.2f} s (it compiles the probe's kernels), "
+           f"{'the other' if mon['probes'] == 2 else 'the others'} {100 * mon['fraction_after_first']:.2f} % of the rest")
         + ".\n\n"
         + (f"![q_geo by training step: the whole model thick, each layer thin]({CURVE})\n\n"
            if _curve_steps(mon["q_by_step"]) >= 2 else "")
@@ -376,6 +376,8 @@ def train(a: argparse.Namespace) -> dict:
     names = [n for n, _, _ in specs]
     if len(set(names)) != len(names):
         raise SystemExit("argument --arch: an architecture is named twice")
+    if a.log_every < 1 or a.eval_every < 1:
+        raise SystemExit("argument --log-every/--eval-every: expected at least 1 (steps between lines, evaluations)")
     if a.monitor_every < 0 or a.monitor_windows < 1:
         raise SystemExit("argument --monitor-every/--monitor-windows: expected --monitor-every >= 0 (0: off) "
                          "and --monitor-windows >= 1")
@@ -487,8 +489,7 @@ def train(a: argparse.Namespace) -> dict:
             res["monitor"] = {"every": a.monitor_every, "windows": a.monitor_windows, "probes": o["probes"],
                               "probe_seconds": o["probe_seconds"], "fraction": o["fraction"],
                               "first_probe_seconds": o["first_probe_seconds"],
-                              "fraction_after_first": None if math.isnan(o["fraction_after_first"])
-                              else o["fraction_after_first"],
+                              "fraction_after_first": o["fraction_after_first"],
                               "q_by_step": [{k: r[k] for k in ("step", "q_geo", "q_arith")}
                                             for r in mon.rows if r["layer"] == -1]}
         results[name] = res

@@ -255,6 +255,8 @@ def main(argv=None) -> dict:
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--log-every", type=int, default=50)
     a = p.parse_args(argv)
+    if a.log_every < 1 or a.eval_every < 1:
+        p.error("argument --log-every/--eval-every: expected at least 1 (steps between lines, evaluations)")
     command = "python examples/train_mqar.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
 
     from osdn_diag.runtime import prepare

@@ -343,22 +343,24 @@ class Monitor:
         "fraction_after_first"}``: the probes' share of ``total_seconds`` (default: the time since the
         monitor was made), and apart from it the first probe's seconds and the later probes' share of
         the time left without it — the recurring cost, where the first probe also pays a one-time
-        compilation (NaN before a second probe)."""
+        compilation (``None`` before a second probe: the dictionary goes into JSON files as it is)."""
         total = time.perf_counter() - self.started if total_seconds is None else float(total_seconds)
         later, rest = self.seconds - self.first_seconds, total - self.first_seconds
         return {"probes": self.probes, "probe_seconds": self.seconds, "total_seconds": total,
                 "fraction": self.seconds / total if total > 0 else math.nan,
                 "first_probe_seconds": self.first_seconds,
-                "fraction_after_first": later / rest if self.probes > 1 and rest > 0 else math.nan}
+                "fraction_after_first": later / rest if self.probes > 1 and rest > 0 else None}
 
     def close(self, total_seconds: float | None = None) -> dict:
         """Print the monitor's overhead on rank 0 (:meth:`overhead`) and return it."""
         o = self.overhead(total_seconds)
         if _rank() == 0:
-            after = ("" if o["probes"] < 2 else
-                     f"; the first {o['first_probe_seconds']:.2f} s (it compiles the probe's kernels), the "
-                     f"{o['probes'] - 1} others {100 * o['fraction_after_first']:.2f} % of the rest")
-            print(f"[monitor] {self.name}: {o['probes']} probes took {o['probe_seconds']:.2f} s, "
+            others = "the other" if o["probes"] == 2 else f"the {o['probes'] - 1} others"
+            after = ("" if o["fraction_after_first"] is None else
+                     f"; the first {o['first_probe_seconds']:.2f} s (it compiles the probe's kernels), "
+                     f"{others} {100 * o['fraction_after_first']:.2f} % of the rest")
+            print(f"[monitor] {self.name}: {o['probes']} probe{'s' if o['probes'] != 1 else ''} took "
+                  f"{o['probe_seconds']:.2f} s, "
                   f"{100 * o['fraction']:.2f} % of {o['total_seconds']:.1f} s of training{after}", file=sys.stderr)
         return o
 

@@ -339,13 +339,22 @@ def test_overhead_is_measured_and_printed(trained, capsys):
             f"{100 * o['fraction_after_first']:.2f} % of the rest") in err
 
 
-def test_overhead_before_a_second_probe_has_no_recurring_share():
+def test_overhead_before_a_second_probe_has_no_recurring_share(capsys):
     from osdn_diag.monitor import Monitor
 
     mon = Monitor.__new__(Monitor)
     mon.probes, mon.seconds, mon.first_seconds, mon.started = 1, 2.0, 2.0, 0.0
     o = mon.overhead(10.0)
-    assert o["fraction"] == 0.2 and o["first_probe_seconds"] == 2.0 and math.isnan(o["fraction_after_first"])
+    assert o["fraction"] == 0.2 and o["first_probe_seconds"] == 2.0 and o["fraction_after_first"] is None
+    json.dumps(o, allow_nan=False)  # it goes into results files as it is (scale_study.py)
+    mon.name = "m"
+    mon.close(10.0)  # one probe: nothing printed about the others
+    mon.probes, mon.seconds = 2, 2.5
+    assert mon.overhead(10.0)["fraction_after_first"] == 0.5 / 8.0
+    mon.close(10.0)
+    first, second = capsys.readouterr().err.splitlines()
+    assert first == "[monitor] m: 1 probe took 2.00 s, 20.00 % of 10.0 s of training"
+    assert second.endswith("; the first 2.00 s (it compiles the probe's kernels), the other 6.25 % of the rest")
 
 
 def test_plot_training_draws_a_line_per_model_and_layer(trained):

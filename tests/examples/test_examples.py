@@ -186,3 +186,12 @@ def test_theorem_suites_prints_every_claim_and_a_status_summary():
     assert [ln.split()[1] for ln in claims] == [c.id for c in ledger.CLAIMS]
     summary = ast.literal_eval(lines[-1])
     assert summary == dict(Counter(c.expected for c in ledger.CLAIMS))
+
+
+def test_train_mqar_refuses_zero_steps_between_lines():
+    """--log-every 0 ended in a ZeroDivisionError traceback at the first step: refused by its parser."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "train_mqar.py"), "--log-every", "0",
+                           "--out", "unused"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "argument --log-every/--eval-every: expected at least 1" in done.stderr
+    assert "Traceback" not in done.stderr
+

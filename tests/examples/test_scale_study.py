@@ -113,7 +113,10 @@ def test_a_stopped_and_resumed_run_ends_as_an_uninterrupted_one(data, script, tm
 
     assert rows("whole") == rows("parts")
     assert sorted({r["step"] for r in rows("whole")}) == [2, 4]
-    saved = json.loads((tmp_path / "parts" / "results.json").read_text())
+    def strict(constant):  # NaN or Infinity: not JSON
+        raise AssertionError(f"results.json holds {constant}")
+
+    saved = json.loads((tmp_path / "parts" / "results.json").read_text(), parse_constant=strict)
     assert saved["models"]["deltanet"]["q_geo_twice"] == second["models"]["deltanet"]["q_geo_twice"]
 
 

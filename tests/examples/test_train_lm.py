@@ -338,7 +338,7 @@ def test_train_with_the_monitor_trains_as_without_it(prepared, script, tmp_path)
     assert mon["fraction_after_first"] == pytest.approx(
         (mon["probe_seconds"] - mon["first_probe_seconds"]) / (on["seconds"] - mon["first_probe_seconds"]), rel=1e-12)
     card = (tmp_path / "1" / "lm-osdn-eta0.03" / "README.md").read_text()
-    assert (f"the first {mon['first_probe_seconds']:.1f} s (it compiles the probe's kernels), the others "
+    assert (f"the first {mon['first_probe_seconds']:.2f} s (it compiles the probe's kernels), the other "
             f"{100 * mon['fraction_after_first']:.2f} % of the rest") in card
     # two probes: the card shows the curve, drawn from the checkpoint's own monitor.parquet
     assert "](q_geo_by_step.png)" in card
@@ -546,3 +546,12 @@ def test_ship_with_a_better_step_size_adds_lm_osdn_tuned(trained, script, tmp_pa
         assert "(held-out NLL by η: η = 0.003: 1.7500, η = 0.03: 1.5000)." in section
     assert json.loads((dest / "lm-osdn-tuned" / "config.json").read_text())["eta"] == 0.03
     assert json.loads((dest / "lm-osdn" / "config.json").read_text())["eta"] == 0.003
+
+
+@pytest.mark.parametrize("option", ["--log-every", "--eval-every"])
+def test_steps_between_lines_or_evaluations_must_be_at_least_one(prepared, script, tmp_path, option):
+    """0 (or less) ended in a ZeroDivisionError traceback at the first step; it is refused up front."""
+    _, _, data, _ = prepared
+    with pytest.raises(SystemExit, match="argument --log-every/--eval-every: expected at least 1"):
+        script.main([*TRAIN_ARGV, "--data", str(data), "--out", str(tmp_path / "o"), option, "0"])
+    assert not (tmp_path / "o").exists()

@@ -70,8 +70,9 @@ def _check_rendezvous_address() -> None:
     store's timeout (30 minutes), warning every second, then ends in a traceback. Unset, they are left
     to torch (its one line names the variable)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if port is not None and not (port.strip().isascii() and port.strip().isdigit() and 0 <= int(port) <= 65535):
-        raise RendezvousError(f"{_where()}: MASTER_PORT is not a port number (0 to 65535); {_CHECK}")
+    # 0 is no port to meet at: rank 0's store would bind any free one, which the others cannot know
+    if port is not None and not (port.strip().isascii() and port.strip().isdigit() and 1 <= int(port) <= 65535):
+        raise RendezvousError(f"{_where()}: MASTER_PORT is not a port number (1 to 65535); {_CHECK}")
     if not addr:
         return
     try:

@@ -206,14 +206,16 @@ def test_a_group_whose_other_ranks_never_come_ends(tmp_path, how):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("case", ["host-does-not-resolve", "port-taken"])
+@pytest.mark.parametrize("case", ["host-does-not-resolve", "port-taken", "port-zero"])
 def test_a_wrong_rendezvous_address_is_one_line_naming_master_addr_and_port(tmp_path, case):
     """A MASTER_ADDR that does not resolve: torch warned every second until the wait ended (with a line
     blaming the other ranks; on GPUs torch's own traceback, after its store's timeout). A MASTER_PORT
     already taken on rank 0's host: torch's traceback (DistNetworkError, EADDRINUSE), exit status 1.
-    Now each is refused at once in one line naming MASTER_ADDR and MASTER_PORT and what to check, exit
-    status 2, nothing written. (gloo on the CPU, rank 0 of 2 started alone; the wait is set short, so
-    that without the refusal the first case ends in 5 s.)"""
+    MASTER_PORT=0 (no port to meet at: rank 0's store binds any free one, the others find none) was
+    taken, and rank 1 waited the whole rendezvous timeout. Now each is refused at once in one line
+    naming MASTER_ADDR and MASTER_PORT and what to check, exit status 2, nothing written. (gloo on the
+    CPU, one rank of 2 started alone; the wait is set short, so that without the refusal the first and
+    last cases end in 5 s.)"""
     import os
     import socket
 
@@ -221,9 +223,10 @@ def test_a_wrong_rendezvous_address_is_one_line_naming_master_addr_and_port(tmp_
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        addr, port = (("no-such-host.invalid", str(_free_port())) if case == "host-does-not-resolve"
-                      else ("127.0.0.1", str(taken.getsockname()[1])))
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "WORLD_SIZE": "2", "RANK": "0",
+        addr, port, rank = {"host-does-not-resolve": ("no-such-host.invalid", str(_free_port()), "0"),
+                            "port-taken": ("127.0.0.1", str(taken.getsockname()[1]), "0"),
+                            "port-zero": ("localhost", "0", "1")}[case]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "WORLD_SIZE": "2", "RANK": rank,
                "LOCAL_RANK": "0", "MASTER_ADDR": addr, "MASTER_PORT": port, "OSDN_DIAG_RENDEZVOUS_TIMEOUT": "5"}
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         done = subprocess.run([sys.executable, "-m", "osdn_diag", "capture", *ARGS, "--out", str(out)], env=env,
@@ -231,8 +234,9 @@ def test_a_wrong_rendezvous_address_is_one_line_naming_master_addr_and_port(tmp_
     err = done.stderr.strip()
     assert done.returncode == 2 and "\n" not in err, err[-3000:]
     assert err.startswith(f"osdn-diag: error: MASTER_ADDR={addr!r}, MASTER_PORT={port!r}: "), err
-    assert ("the host name MASTER_ADDR does not resolve" if case == "host-does-not-resolve"
-            else "joining the process group failed (The server socket has failed to listen") in err
+    assert {"host-does-not-resolve": "the host name MASTER_ADDR does not resolve",
+            "port-taken": "joining the process group failed (The server socket has failed to listen",
+            "port-zero": "MASTER_PORT is not a port number (1 to 65535)"}[case] in err
     assert "check that MASTER_ADDR names the host of rank 0" in err
     assert not out.exists()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import threading
 from dataclasses import dataclass
@@ -81,7 +82,11 @@ def _check_rendezvous_address() -> None:
         if err.errno in _NOT_RESOLVED:
             raise RendezvousError(f"{_where()}: the host name MASTER_ADDR does not resolve ({err.strerror}); "
                                   f"{_CHECK}") from None
-    except (OSError, UnicodeError):  # left to torch
+    except UnicodeError as err:  # not a host name (the idna codec: a label empty or past 63 characters)
+        why = re.search(r"UnicodeError: (.+)\)$", str(err))
+        raise RendezvousError(f"{_where()}: the host name MASTER_ADDR does not resolve (not a host name: "
+                              f"{why.group(1) if why else err}); {_CHECK}") from None
+    except OSError:  # left to torch
         pass
 
 

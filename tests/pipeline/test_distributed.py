@@ -206,16 +206,18 @@ def test_a_group_whose_other_ranks_never_come_ends(tmp_path, how):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("case", ["host-does-not-resolve", "port-taken", "port-zero"])
+@pytest.mark.parametrize("case", ["host-does-not-resolve", "label-too-long", "port-taken", "port-zero"])
 def test_a_wrong_rendezvous_address_is_one_line_naming_master_addr_and_port(tmp_path, case):
     """A MASTER_ADDR that does not resolve: torch warned every second until the wait ended (with a line
     blaming the other ranks; on GPUs torch's own traceback, after its store's timeout). A MASTER_PORT
     already taken on rank 0's host: torch's traceback (DistNetworkError, EADDRINUSE), exit status 1.
     MASTER_PORT=0 (no port to meet at: rank 0's store binds any free one, the others find none) was
-    taken, and rank 1 waited the whole rendezvous timeout. Now each is refused at once in one line
-    naming MASTER_ADDR and MASTER_PORT and what to check, exit status 2, nothing written. (gloo on the
-    CPU, one rank of 2 started alone; the wait is set short, so that without the refusal the first and
-    last cases end in 5 s.)"""
+    taken, and rank 1 waited the whole rendezvous timeout. A MASTER_ADDR with a label past 63
+    characters: getaddrinfo raised UnicodeError (not gaierror), which the check left to torch (its
+    warnings, then the whole wait). Now each is refused at once in one line naming MASTER_ADDR and
+    MASTER_PORT and what to check, exit status 2, nothing written. (gloo on the CPU, one rank of 2
+    started alone; the wait is set short, so that without the refusal the host, long-label and
+    port-zero cases end in 5 s.)"""
     import os
     import socket
 
@@ -224,6 +226,7 @@ def test_a_wrong_rendezvous_address_is_one_line_naming_master_addr_and_port(tmp_
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         addr, port, rank = {"host-does-not-resolve": ("no-such-host.invalid", str(_free_port()), "0"),
+                            "label-too-long": ("a" * 64 + ".example.com", str(_free_port()), "0"),
                             "port-taken": ("127.0.0.1", str(taken.getsockname()[1]), "0"),
                             "port-zero": ("localhost", "0", "1")}[case]
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "WORLD_SIZE": "2", "RANK": rank,
@@ -235,6 +238,7 @@ def test_a_wrong_rendezvous_address_is_one_line_naming_master_addr_and_port(tmp_
     assert done.returncode == 2 and "\n" not in err, err[-3000:]
     assert err.startswith(f"osdn-diag: error: MASTER_ADDR={addr!r}, MASTER_PORT={port!r}: "), err
     assert {"host-does-not-resolve": "the host name MASTER_ADDR does not resolve",
+            "label-too-long": "the host name MASTER_ADDR does not resolve (not a host name: ",
             "port-taken": "joining the process group failed (The server socket has failed to listen",
             "port-zero": "MASTER_PORT is not a port number (1 to 65535)"}[case] in err
     assert "check that MASTER_ADDR names the host of rank 0" in err

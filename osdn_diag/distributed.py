@@ -90,6 +90,13 @@ def _check_rendezvous_address() -> None:
         pass
 
 
+def _rendezvous_at() -> str:
+    """``MASTER_ADDR:MASTER_PORT`` as one address; an IPv6 host (it holds a colon) in brackets, as in a
+    URL, so that the port reads apart from it: ``[::1]:29521``, not ``::1:29521``."""
+    host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _joining_failed(err: BaseException) -> RendezvousError:
     """torch's failure to join (a :class:`torch.distributed.DistError`: the port taken, the store not
     reached in time) as one line naming the address and what to check; its first line kept."""
@@ -184,7 +191,7 @@ def init_from_env() -> Ranks:
         helper.start()
         helper.join(limit)  # interrupted by a signal's handler (SIGTERM, Ctrl-C) like any wait in Python
         if helper.is_alive():
-            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            where = _rendezvous_at()
             raise TimeoutError(
                 f"WORLD_SIZE={world}: the other processes of the group did not join within {limit:g} s "
                 f"(rendezvous at {where}); start every rank with torchrun, or unset WORLD_SIZE to run one "

@@ -245,6 +245,32 @@ def test_a_wrong_rendezvous_address_is_one_line_naming_master_addr_and_port(tmp_
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("addr", "where"), [("::1", "[::1]:29521"), ("fe80::1%eth0", "[fe80::1%eth0]:29521"),
+                                           ("127.0.0.1", "127.0.0.1:29521"), ("node-0", "node-0:29521")])
+def test_the_rendezvous_timeout_line_brackets_an_ipv6_address(monkeypatch, addr, where):
+    """An IPv6 MASTER_ADDR printed as "rendezvous at ::1:29521": which colon starts the port? Now a
+    host with a colon is bracketed, "[::1]:29521" (as in a URL); other hosts print as before. (The
+    joining is made to wait on an event, so the group never forms, and the wait is 0.2 s.)"""
+    import threading
+
+    from osdn_diag import distributed
+
+    release = threading.Event()
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **_: release.wait(30))
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(distributed, "_check_rendezvous_address", lambda: None)  # not what this tests
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0", "MASTER_ADDR": addr,
+                        "MASTER_PORT": "29521", distributed.RENDEZVOUS_ENV: "0.2"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        with pytest.raises(TimeoutError) as refused:
+            distributed.init_from_env()
+    finally:
+        release.set()
+    assert f"(rendezvous at {where});" in str(refused.value)
+
+
 @pytest.mark.parametrize("raw", ["abc", "nan", "-1", "0", "inf", "1e10", "1e300"])
 def test_a_rendezvous_timeout_out_of_range_is_refused_naming_the_variable(monkeypatch, raw):
     """Not a number above 0, or past a week (a thread's wait cannot take a deadline beyond the

@@ -76,9 +76,20 @@ def _time(argv: list[str]) -> tuple[float, subprocess.CompletedProcess]:
     return time.perf_counter() - t, done
 
 
+def _at_least_one(text: str) -> int:
+    """``--repeat``: a whole number of at least 1 (0 timed nothing, and the check of the last run had none)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
+    return value
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeat", type=int, default=5, help="timings of each case (median reported; 5)")
+    p.add_argument("--repeat", type=_at_least_one, default=5, help="timings of each case (median reported; 5)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     command = _command()

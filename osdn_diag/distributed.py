@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import threading
 from dataclasses import dataclass
@@ -70,8 +71,9 @@ def _check_rendezvous_address() -> None:
     store's timeout (30 minutes), warning every second, then ends in a traceback. Unset, they are left
     to torch (its one line names the variable)."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if port is not None and not (port.strip().isascii() and port.strip().isdigit() and 0 <= int(port) <= 65535):
-        raise RendezvousError(f"{_where()}: MASTER_PORT is not a port number (0 to 65535); {_CHECK}")
+    # 0 is no port to meet at: rank 0's store would bind any free one, which the others cannot know
+    if port is not None and not (port.strip().isascii() and port.strip().isdigit() and 1 <= int(port) <= 65535):
+        raise RendezvousError(f"{_where()}: MASTER_PORT is not a port number (1 to 65535); {_CHECK}")
     if not addr:
         return
     try:
@@ -80,8 +82,19 @@ def _check_rendezvous_address() -> None:
         if err.errno in _NOT_RESOLVED:
             raise RendezvousError(f"{_where()}: the host name MASTER_ADDR does not resolve ({err.strerror}); "
                                   f"{_CHECK}") from None
-    except (OSError, UnicodeError):  # left to torch
+    except UnicodeError as err:  # not a host name (the idna codec: a label empty or past 63 characters)
+        why = re.search(r"UnicodeError: (.+)\)$", str(err))
+        raise RendezvousError(f"{_where()}: the host name MASTER_ADDR does not resolve (not a host name: "
+                              f"{why.group(1) if why else err}); {_CHECK}") from None
+    except OSError:  # left to torch
         pass
+
+
+def _rendezvous_at() -> str:
+    """``MASTER_ADDR:MASTER_PORT`` as one address; an IPv6 host (it holds a colon) in brackets, as in a
+    URL, so that the port reads apart from it: ``[::1]:29521``, not ``::1:29521``."""
+    host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _joining_failed(err: BaseException) -> RendezvousError:
@@ -178,7 +191,7 @@ def init_from_env() -> Ranks:
         helper.start()
         helper.join(limit)  # interrupted by a signal's handler (SIGTERM, Ctrl-C) like any wait in Python
         if helper.is_alive():
-            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            where = _rendezvous_at()
             raise TimeoutError(
                 f"WORLD_SIZE={world}: the other processes of the group did not join within {limit:g} s "
                 f"(rendezvous at {where}); start every rank with torchrun, or unset WORLD_SIZE to run one "

@@ -79,7 +79,9 @@ class WhatIf:
 def _exact(x: float) -> str:
     """``x`` as the short ``%g`` form (``0.003``, ``2``) where that reads back as ``x`` exactly, else as
     ``repr`` (the shortest text that does: ``2.0000001``): ``%g`` alone keeps 6 significant digits, and
-    gave box bounds 2.0000001 and 2.0000002 the same directory, the second what-if replacing the first."""
+    gave box bounds 2.0000001 and 2.0000002 the same directory, the second what-if replacing the first.
+    -0.0 is written ``0``: it is the setting 0 (``--retention -0.0`` had its own ``_r-0`` directory)."""
+    x = float(x) + 0.0  # -0.0 + 0.0 is +0.0; every other number unchanged
     short = f"{x:g}"
     return short if float(short) == x else repr(float(x))
 

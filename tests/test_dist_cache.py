@@ -107,9 +107,10 @@ def test_a_damaged_or_unwritable_cache_changes_nothing(default_cache, tmp_path, 
 
 def test_a_file_named_that_is_not_a_cache_of_ours_is_refused_never_replaced(tmp_path, monkeypatch, capsys):
     """OSDN_DIAG_DIST_CACHE=FILE replaced FILE whatever it held: a file of notes became the cache, and a
-    symbolic link there was replaced by it. Now a model command refuses, as it starts, a FILE that is a
-    link or a file that is not a cache osdn-diag wrote (one line naming the variable and the file, exit
-    status 2, nothing written), and a file put there while it runs is not replaced; a new file, an
+    symbolic link there was replaced by it; a folder was taken without a word (the cache then never
+    kept). Now a model command refuses, as it starts, a FILE that is a link, a folder or a file that is
+    not a cache osdn-diag wrote (one line naming the variable and the file, exit status 2, nothing
+    written), and a file put there while it runs is not replaced; a new file, an
     empty one and a cache of ours (also one an earlier version wrote, without its "format") are used."""
     from osdn_diag.cli import entry
 
@@ -117,8 +118,11 @@ def test_a_file_named_that_is_not_a_cache_of_ours_is_refused_never_replaced(tmp_
     notes.write_text("my notes, not a cache\n")
     target.write_text("{}")
     link.symlink_to(target)
+    folder = tmp_path / "folder"
+    folder.mkdir()
     out = tmp_path / "run"
-    for named, what in ((notes, "exists and is not a cache osdn-diag wrote"), (link, "is a symbolic link")):
+    for named, what in ((notes, "exists and is not a cache osdn-diag wrote"), (link, "is a symbolic link"),
+                        (folder, "is a folder, not a file")):
         monkeypatch.setenv(dc.ENV, str(named))
         capsys.readouterr()
         assert entry(["capture", "random:deltanet-tiny", "--prompts", "random", "--out", str(out), "-q"]) == 2
@@ -126,6 +130,7 @@ def test_a_file_named_that_is_not_a_cache_of_ours_is_refused_never_replaced(tmp_
         assert err.startswith(f"osdn-diag: error: {dc.ENV}={str(named)!r}: {named} {what}") and err.count("\n") == 1
         assert importlib.metadata.packages_distributions is _STDLIB and not out.exists()
     assert notes.read_text() == "my notes, not a cache\n" and link.is_symlink() and target.read_text() == "{}"
+    assert folder.is_dir() and not any(folder.iterdir())
     # Put there after the command started: computed, not replaced.
     fresh = tmp_path / "fresh.json"
     monkeypatch.setenv(dc.ENV, str(fresh))

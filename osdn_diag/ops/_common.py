@@ -3,6 +3,7 @@ the replays' launch checks and results."""
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -29,6 +30,21 @@ def int_in_range(op: str, name: str, value, low: int, high: int) -> int:
     if n is None or not low <= n <= high:
         raise ValueError(f"{op}: {name} must be an int from {low} to {high}, got {value!r}")
     return n
+
+
+def finite_scale(op: str, scale) -> float | None:
+    """The read-out's ``scale`` checked: ``None`` (the op's default, ``K^-1/2``) or a finite number.
+    NaN or ±inf made every read-out non-finite, silently; they and anything that is not a number are
+    refused (``ValueError`` naming ``op`` and the argument), before any kernel runs."""
+    if scale is None:
+        return None
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"{op}: scale must be a finite number (or None: K^-1/2), got {scale!r}")
+    return value
 
 
 def power_of_two(op: str, name: str, value, low: int = 1, high: int | None = None) -> int:

@@ -36,7 +36,7 @@ import triton.language as tl
 from ..runtime.checks import check_cu_seqlens, check_recurrence_inputs, check_shape
 from ..runtime.interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
-from ._common import as_int, power_of_two, replay_result, sequence_bounds
+from ._common import as_int, finite_scale, power_of_two, replay_result, sequence_bounds
 
 __all__ = ["STATE_ENTRIES", "fused_replay"]
 
@@ -250,6 +250,8 @@ def fused_replay(
         g: log decay, ``[B, T, H]`` (head gate) or ``[B, T, H, K]`` (channel gate), or ``None``.
         initial_state: ``[N, H, V, K]`` (``V×K`` per head) or ``None`` (zeros).
         cu_seqlens: ``[N + 1]`` packed sequence bounds with ``B = 1``, or ``None`` (``N = B``).
+        scale: multiplies ``q`` in the read-out, a finite number (NaN, ±inf: ``ValueError``), or
+            ``None`` for ``K^-1/2``.
 
     Returns a :class:`~osdn_diag.math.recurrence.RecurrenceResult`: outputs ``[B, T, H, V]``, the
     losses before and after each write ``[B, T, H]``, the final state ``[N, H, V, K]``.
@@ -271,6 +273,7 @@ def fused_replay(
                          f"dimension) and V = {V} (v's)")
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"fused_replay: dtype must be torch.float32 or torch.float64, got {dtype}")
+    finite_scale("fused_replay", scale)
     BK = triton.next_power_of_2(K)
     gate = 0 if g is None else (1 if g.dim() == 3 else 2)
     # The launch options are checked before any input is copied.

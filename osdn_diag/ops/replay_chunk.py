@@ -49,7 +49,7 @@ import triton.language as tl
 from ..runtime.checks import check_cu_seqlens, check_recurrence_inputs, check_shape
 from ..runtime.interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
-from ._common import int_in_range, power_of_two, replay_result
+from ._common import finite_scale, int_in_range, power_of_two, replay_result
 
 __all__ = ["MAX_KEY_DIM", "PRECISIONS", "GrowingStateError", "chunk_replay"]
 
@@ -280,9 +280,12 @@ def _chunk_tables(bounds: list[int], C: int, device) -> tuple[int, torch.Tensor,
     return NC, table[: 2 * NC].view(NC, 2), table[2 * NC : 2 * NC + len(offsets)], table[2 * NC + len(offsets) :]
 
 
-def _check_inputs(op: str, q, k, v, beta, write_key, g, initial_state, precision) -> tuple[int, int, int, int, int]:
+def _check_inputs(op: str, q, k, v, beta, write_key, g, initial_state, precision,
+                  scale) -> tuple[int, int, int, int, int]:
     """``(B, T, H, K, V)`` of a chunked replay's inputs, checked without reading their values (shapes,
-    dtypes, one device; a per-head gate; ``precision``): ``ValueError`` names ``op``."""
+    dtypes, one device; a per-head gate; ``precision``; a finite ``scale`` or ``None``):
+    ``ValueError`` names ``op``."""
+    finite_scale(op, scale)
     B, T, H, K, V = check_recurrence_inputs(q, k, v, beta, write_key, g, device=q.device,
                                             initial_state=initial_state)
     if K < 1 or V < 1:
@@ -396,7 +399,8 @@ def chunk_replay(
             The defaults are the fastest launch measured on an H200 at K = V = 128
             (``benchmarks/RESULTS.md``).
 
-    Every input is checked (shapes, floating-point dtypes, one device) before a kernel runs. A
+    Every input is checked (shapes, floating-point dtypes, one device; ``scale``: finite, or ``None``
+    for ``K^-1/2``) before a kernel runs. A
     non-finite input makes its whole chunk non-finite, from the chunk's first token (products with
     zeros keep a NaN), where the fused replay and the reference are non-finite from that token on;
     earlier chunks, other heads and other sequences keep their values.
@@ -406,7 +410,8 @@ def chunk_replay(
 
     Returns a :class:`~osdn_diag.math.recurrence.RecurrenceResult` in fp32: outputs ``[B, T, H, V]``,
     the losses before and after each write ``[B, T, H]``, the final state ``[N, H, V, K]``."""
-    B, T, H, K, V = _check_inputs("chunk_replay", q, k, v, beta, write_key, g, initial_state, precision)
+    B, T, H, K, V = _check_inputs("chunk_replay", q, k, v, beta, write_key, g, initial_state, precision,
+                                  scale)
     if K > MAX_KEY_DIM:
         raise ValueError(f"chunk_replay: keys of at most {MAX_KEY_DIM} channels, got K = {K}: a chunk's [C, K] key "
                          "tiles would not fit in one program's registers and shared memory; "

@@ -334,7 +334,7 @@ def chunk_replay_states(
     non-finite from the chunk's first token, and the sequence's later chunks). Returns a
     :class:`~osdn_diag.math.recurrence.RecurrenceResult` in fp32."""
     op = "chunk_replay_states"
-    B, T, H, K, V = _check_inputs(op, q, k, v, beta, write_key, g, initial_state, precision)
+    B, T, H, K, V = _check_inputs(op, q, k, v, beta, write_key, g, initial_state, precision, scale)
     if K > MAX_KEY_DIM:
         raise ValueError(f"{op}: keys of at most {MAX_KEY_DIM} channels, got K = {K}; "
                          "osdn_diag.ops.fused_replay replays wider keys")

@@ -141,7 +141,7 @@ def check_cache_file() -> None:
     """Refuse (:class:`ValueError`, one line naming ``OSDN_DIAG_DIST_CACHE`` and the file) a ``FILE`` that
     the variable names where it is a symbolic link, or a regular file that is not one of this cache's
     (:func:`_is_ours`): the cache is written by a rename over its name, which would replace the user's
-    file or link. Nothing there, a file of this cache, or no file named (off, the default place): fine."""
+    file or link. A folder is refused too: no cache could be kept there, and a file was meant. Nothing there, a file of this cache, or no file named (off, the default place): fine."""
     setting = _named()
     where = cache_file()
     if setting is None or where is None:
@@ -149,7 +149,10 @@ def check_cache_file() -> None:
     if os.path.islink(where):
         raise ValueError(f"{ENV}={setting!r}: {where} is a symbolic link; osdn-diag never writes through a link "
                          f"nor replaces one: give the path of a file of its own, or {ENV}=off")
-    if not _usable(where):  # a FIFO, a device, a folder: never read nor written (computed every time)
+    if os.path.isdir(where):  # the cache would never be kept: a file was meant (the folder left as it is)
+        raise ValueError(f"{ENV}={setting!r}: {where} is a folder, not a file; give the path of a file (e.g. "
+                         f"{where / 'distributions.json'}), or {ENV}=off")
+    if not _usable(where):  # a FIFO, a device: never read nor written (computed every time)
         return
     try:
         with open(where, "rb") as fh:

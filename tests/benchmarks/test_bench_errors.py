@@ -29,3 +29,17 @@ def test_a_case_not_refused_as_promised_stops_the_benchmark(benchmark_script, mo
     monkeypatch.setattr(bench, "cases", lambda root: [("argument", "help exits 0", ["--help"], 2)] + real(root)[:0])
     with pytest.raises(SystemExit, match="help exits 0: exit 0 \\(expected 2\\)"):
         bench.main(["--repeat", "1"])
+
+
+def test_a_repeat_below_one_is_refused_by_argparse(benchmark_script, monkeypatch, capsys):
+    """--repeat 0 timed nothing and ended in UnboundLocalError (the loop's last run read after it);
+    now argparse refuses a repeat below 1 (exit status 2, its usage line), before any command runs."""
+    import pytest
+
+    bench = benchmark_script("bench_errors")
+    monkeypatch.setattr(bench, "_time", lambda argv: pytest.fail(f"ran {argv}"))
+    for value in ("0", "-1"):
+        with pytest.raises(SystemExit) as refused:
+            bench.main(["--repeat", value])
+        assert refused.value.code == 2
+        assert f"argument --repeat: expected a whole number of at least 1, not {value!r}" in capsys.readouterr().err

@@ -27,6 +27,8 @@ from osdn_diag.ops.osdn_recurrent import fused_recurrent_osdn  # noqa: E402
 from osdn_diag.ops.phase1 import osdn_precondition  # noqa: E402
 from osdn_diag.ops.phase1_parallel import parallel_fwd  # noqa: E402
 from osdn_diag.ops.replay import fused_replay  # noqa: E402
+from osdn_diag.ops.replay_chunk import chunk_replay  # noqa: E402
+from osdn_diag.ops.replay_chunk_states import chunk_replay_states  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 T, H, K, V = 16, 2, 16, 16
@@ -140,6 +142,22 @@ def test_parallel_fwd_refuses_a_sequence_count_that_is_not_the_offsets(no_launch
     x = _inputs()
     with pytest.raises(ValueError, match="argument 'N'"):
         parallel_fwd(x["k"], x["beta"], None, None, _cu(0, 5, T), 3, 0.003, 0.5, 2.0, True, 1e-6, False)
+
+
+REPLAYS = {"fused_replay": fused_replay, "chunk_replay": chunk_replay, "chunk_replay_states": chunk_replay_states}
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("op", list(REPLAYS))
+def test_a_non_finite_scale_is_refused_before_any_launch(no_launch, op, scale):
+    """scale=nan or ±inf ran in every replay, silently, and gave non-finite read-outs for every token
+    (the losses, which do not read q, stayed finite). Now each refuses it, naming the op and the
+    argument, before anything runs; a finite scale (the control) reaches the kernel."""
+    x = _inputs()
+    with pytest.raises(ValueError, match=rf"^{op}: scale must be a finite number .*got {scale!r}$"):
+        REPLAYS[op](x["q"], x["k"], x["v"], x["beta"], scale=scale)
+    with pytest.raises(KernelLaunched):
+        REPLAYS[op](x["q"], x["k"], x["v"], x["beta"], scale=0.5)
 
 
 def test_packed_chunk_osdn_writes_every_token(fla_kernels):

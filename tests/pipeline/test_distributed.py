@@ -206,14 +206,18 @@ def test_a_group_whose_other_ranks_never_come_ends(tmp_path, how):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("case", ["host-does-not-resolve", "port-taken"])
+@pytest.mark.parametrize("case", ["host-does-not-resolve", "label-too-long", "port-taken", "port-zero"])
 def test_a_wrong_rendezvous_address_is_one_line_naming_master_addr_and_port(tmp_path, case):
     """A MASTER_ADDR that does not resolve: torch warned every second until the wait ended (with a line
     blaming the other ranks; on GPUs torch's own traceback, after its store's timeout). A MASTER_PORT
     already taken on rank 0's host: torch's traceback (DistNetworkError, EADDRINUSE), exit status 1.
-    Now each is refused at once in one line naming MASTER_ADDR and MASTER_PORT and what to check, exit
-    status 2, nothing written. (gloo on the CPU, rank 0 of 2 started alone; the wait is set short, so
-    that without the refusal the first case ends in 5 s.)"""
+    MASTER_PORT=0 (no port to meet at: rank 0's store binds any free one, the others find none) was
+    taken, and rank 1 waited the whole rendezvous timeout. A MASTER_ADDR with a label past 63
+    characters: getaddrinfo raised UnicodeError (not gaierror), which the check left to torch (its
+    warnings, then the whole wait). Now each is refused at once in one line naming MASTER_ADDR and
+    MASTER_PORT and what to check, exit status 2, nothing written. (gloo on the CPU, one rank of 2
+    started alone; the wait is set short, so that without the refusal the host, long-label and
+    port-zero cases end in 5 s.)"""
     import os
     import socket
 
@@ -221,9 +225,11 @@ def test_a_wrong_rendezvous_address_is_one_line_naming_master_addr_and_port(tmp_
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        addr, port = (("no-such-host.invalid", str(_free_port())) if case == "host-does-not-resolve"
-                      else ("127.0.0.1", str(taken.getsockname()[1])))
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "WORLD_SIZE": "2", "RANK": "0",
+        addr, port, rank = {"host-does-not-resolve": ("no-such-host.invalid", str(_free_port()), "0"),
+                            "label-too-long": ("a" * 64 + ".example.com", str(_free_port()), "0"),
+                            "port-taken": ("127.0.0.1", str(taken.getsockname()[1]), "0"),
+                            "port-zero": ("localhost", "0", "1")}[case]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "WORLD_SIZE": "2", "RANK": rank,
                "LOCAL_RANK": "0", "MASTER_ADDR": addr, "MASTER_PORT": port, "OSDN_DIAG_RENDEZVOUS_TIMEOUT": "5"}
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         done = subprocess.run([sys.executable, "-m", "osdn_diag", "capture", *ARGS, "--out", str(out)], env=env,
@@ -231,10 +237,38 @@ def test_a_wrong_rendezvous_address_is_one_line_naming_master_addr_and_port(tmp_
     err = done.stderr.strip()
     assert done.returncode == 2 and "\n" not in err, err[-3000:]
     assert err.startswith(f"osdn-diag: error: MASTER_ADDR={addr!r}, MASTER_PORT={port!r}: "), err
-    assert ("the host name MASTER_ADDR does not resolve" if case == "host-does-not-resolve"
-            else "joining the process group failed (The server socket has failed to listen") in err
+    assert {"host-does-not-resolve": "the host name MASTER_ADDR does not resolve",
+            "label-too-long": "the host name MASTER_ADDR does not resolve (not a host name: ",
+            "port-taken": "joining the process group failed (The server socket has failed to listen",
+            "port-zero": "MASTER_PORT is not a port number (1 to 65535)"}[case] in err
     assert "check that MASTER_ADDR names the host of rank 0" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(("addr", "where"), [("::1", "[::1]:29521"), ("fe80::1%eth0", "[fe80::1%eth0]:29521"),
+                                           ("127.0.0.1", "127.0.0.1:29521"), ("node-0", "node-0:29521")])
+def test_the_rendezvous_timeout_line_brackets_an_ipv6_address(monkeypatch, addr, where):
+    """An IPv6 MASTER_ADDR printed as "rendezvous at ::1:29521": which colon starts the port? Now a
+    host with a colon is bracketed, "[::1]:29521" (as in a URL); other hosts print as before. (The
+    joining is made to wait on an event, so the group never forms, and the wait is 0.2 s.)"""
+    import threading
+
+    from osdn_diag import distributed
+
+    release = threading.Event()
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **_: release.wait(30))
+    monkeypatch.setattr(distributed.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(distributed, "_check_rendezvous_address", lambda: None)  # not what this tests
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0", "MASTER_ADDR": addr,
+                        "MASTER_PORT": "29521", distributed.RENDEZVOUS_ENV: "0.2"}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        with pytest.raises(TimeoutError) as refused:
+            distributed.init_from_env()
+    finally:
+        release.set()
+    assert f"(rendezvous at {where});" in str(refused.value)
 
 
 @pytest.mark.parametrize("raw", ["abc", "nan", "-1", "0", "inf", "1e10", "1e300"])

@@ -118,6 +118,13 @@ def test_default_outputs_of_settings_that_differ_past_the_rounding_are_two_direc
     assert len({s.eta for s in close}) == 3 and len({s.name() for s in close}) == 3
 
 
+def test_minus_zero_settings_have_the_default_output_of_zero():
+    """``--retention -0.0`` (a float that equals 0) was named ``…_r-0_ba``, a second default directory
+    for the settings of ``--retention 0`` (``…_r0_ba``); ``--eta -0.0`` likewise. Now -0.0 is named 0."""
+    assert WhatIf(retention=-0.0).name() == WhatIf(retention=0.0).name() == "what-if_eta0.003_box0.5-2_r0_ba"
+    assert WhatIf(eta=-0.0).name() == WhatIf(eta=0.0).name() == "what-if_eta0_box0.5-2_r1_ba"
+
+
 def test_bad_settings():
     with pytest.raises(ValueError, match="'retention'"):
         WhatIf(retention=1.5)

@@ -135,8 +135,8 @@ def load_model(
             directory = Path(spec)
         check_model_files(spec, directory)
         config = _refuse_remote_code(spec, directory)
-        file_dtypes = _checkpoint_dtypes(spec, directory)
-        _check_fits(spec, directory, file_dtypes, dtype, device, device_map)
+        file_tensors = _checkpoint_tensors(spec, directory)
+        _check_fits(spec, directory, file_tensors, dtype, device, device_map)
         # ignore_mismatched_sizes: transformers then reports a wrong shape in the loading info (which
         # we turn into our error) instead of raising its own, which names no tensor.
         from safetensors import SafetensorError
@@ -156,7 +156,7 @@ def load_model(
                 raise
             raise refused from err
         _check_loading_info(spec, directory, info)
-        _check_weight_dtypes(spec, directory, file_dtypes, model)
+        _check_weight_dtypes(spec, directory, file_tensors, model)
         source = "builtin" if builtin else "hub" if hub is not None else "directory"
     # No dtype cast here: ``to(dtype)`` would also cast what transformers keeps in fp32.
     if device_map is not None:
@@ -226,7 +226,7 @@ _NOT_FLOAT = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "
 _FLOATS = frozenset({"F64", "F32", "F16", "BF16"})
 
 
-def _checkpoint_dtypes(spec: str, directory: Path) -> dict[str, tuple[str, str, int]]:
+def _checkpoint_tensors(spec: str, directory: Path) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     """``{tensor name: (safetensors dtype, file name, shape)}`` of every tensor in
     ``directory``'s ``*.safetensors``, from their headers alone (no tensor is read)."""
     from safetensors import SafetensorError, safe_open
@@ -282,14 +282,11 @@ def _check_fits(spec: str, directory: Path, file_tensors: dict, dtype: torch.dty
     if held < count:
         # Names can differ between a file and its model (transformers renames some as it loads), values
         # cannot appear from nowhere: the count decides, the names are what the user reads.
-        absent = sorted(name for name in params if name not in file_tensors)
-        extra = sorted(set(file_tensors) - set(meta.state_dict()))
-        shapes = sorted(f"{name} {list(file_tensors[name][2])} in the file, {list(shape)} in the model"
-                        for name, shape in params.items()
-                        if name in file_tensors and file_tensors[name][2] != shape)
-        problems = [f"{_count(names)} {label} ({_few(names)})" for names, label in (
-            (absent, "missing from the file"), (extra, "in the file but not in the model"),
-            (shapes, "of the wrong shape")) if names]
+        problems = _problems(
+            [name for name in params if name not in file_tensors],
+            set(file_tensors) - set(meta.state_dict()),
+            [(name, file_tensors[name][2], shape) for name, shape in params.items()
+             if name in file_tensors and file_tensors[name][2] != shape])
         raise ValueError(_mismatch(spec, directory, problems or [
             f"they hold {held:,} values for the model's {count:,} parameters"]))
     target = _build_device(device, None)
@@ -297,27 +294,27 @@ def _check_fits(spec: str, directory: Path, file_tensors: dict, dtype: torch.dty
     # the parameters in the dtype asked for, and the buffers as the model makes them (a causal mask of
     # the context length in each layer can outweigh the parameters)
     buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
-    need = count * torch.empty((), dtype=dtype).element_size() + buffers
+    need = count * dtype.itemsize + buffers
     if free is not None and need > free:
-        ways = ([] if torch.empty((), dtype=dtype).element_size() <= 2 else ["in bfloat16 (--dtype bfloat16)"])
+        ways = ([] if dtype.itemsize <= 2 else ["in bfloat16 (--dtype bfloat16)"])
         ways += ["on a device with more free memory"]
         if target.type == "cuda":
             ways += ["over several GPUs (--device-map auto)"]
-        extra = f" and {gib(buffers)} of buffers" if buffers >= 2**20 else ""
+        with_buffers = f" and {gib(buffers)} of buffers" if buffers >= 2**20 else ""
         raise ValueError(
             f"MODEL {spec!r}: the model {directory / 'config.json'} describes has {count:,} parameters, "
-            f"{gib(need - buffers)} in {str(dtype).removeprefix('torch.')}{extra}, more than the {gib(free)} "
+            f"{gib(need - buffers)} in {str(dtype).removeprefix('torch.')}{with_buffers}, more than the {gib(free)} "
             f"free on {target}; not built, since the system would end the process without a message: load it "
             + (", ".join(ways[:-1]) + " or " + ways[-1] if len(ways) > 1 else ways[0]))
 
 
-def _check_weight_dtypes(spec: str, directory: Path, file_dtypes: dict, model: torch.nn.Module) -> None:
+def _check_weight_dtypes(spec: str, directory: Path, file_tensors: dict, model: torch.nn.Module) -> None:
     """Refuse a checkpoint that stores integer or boolean tensors where the model has no integer or
     boolean tensor of that name: transformers would cast them into floating-point parameters
     silently (a bool checkpoint loads as 0/1 weights), and a quantized checkpoint is not a model this
     package diagnoses."""
     integral = {name for name, t in model.state_dict().items() if not t.is_floating_point()}
-    wrong = sorted(f"{name} ({kind} in {file})" for name, (kind, file, _) in file_dtypes.items()
+    wrong = sorted(f"{name} ({kind} in {file})" for name, (kind, file, _) in file_tensors.items()
                    if kind in _NOT_FLOAT and name not in integral)
     if wrong:
         raise ValueError(f"MODEL {spec!r}: {_count(wrong)} in the *.safetensors weights in {directory} hold "
@@ -432,25 +429,28 @@ def _check_loading_info(spec: str, directory: Path, info: dict) -> None:
     """Refuse a checkpoint whose tensors are not exactly the model's (``from_pretrained``'s
     ``output_loading_info``). Tied weights and non-persistent buffers are not in that report: the
     former are filled from the tensor they share, the latter are not part of a state dict."""
-    problems = []
-    for key, label in (("missing_keys", "missing from the file"),
-                       ("unexpected_keys", "in the file but not in the model")):
-        names = sorted(info.get(key) or ())
-        if names:
-            problems.append(f"{_count(names)} {label} ({_few(names)})")
-    # transformers 5 reports (name, shape in the file, shape in the model).
-    shown = sorted(
-        f"{m[0]} {list(m[1])} in the file, {list(m[2])} in the model"
-        if isinstance(m, (tuple, list)) and len(m) == 3 else str(m)
-        for m in info.get("mismatched_keys") or ()
-    )
-    if shown:
-        problems.append(f"{_count(shown)} of the wrong shape ({_few(shown)})")
+    # transformers 5 reports a wrong shape as (name, shape in the file, shape in the model)
+    problems = _problems(info.get("missing_keys") or (), info.get("unexpected_keys") or (),
+                         info.get("mismatched_keys") or ())
     errors = [" ".join(str(e).split()) for e in info.get("error_msgs") or ()]
     if errors:
         problems.append(f"{len(errors)} loading error(s) ({_few(errors)})")
     if problems:
         raise ValueError(_mismatch(spec, directory, problems))
+
+
+def _problems(missing, unexpected, mismatched) -> list[str]:
+    """The differences between a checkpoint and its model as the user reads them: tensors missing from
+    the file, in the file but not in the model, and of the wrong shape (``(name, shape in the file,
+    shape in the model)``, or any other report as it is); each kind counted, a few named."""
+    shown = sorted(f"{m[0]} {list(m[1])} in the file, {list(m[2])} in the model"
+                   if isinstance(m, (tuple, list)) and len(m) == 3 else str(m) for m in mismatched)
+    out = []
+    for names, label in ((sorted(missing), "missing from the file"),
+                         (sorted(unexpected), "in the file but not in the model"), (shown, "of the wrong shape")):
+        if names:
+            out.append(f"{_count(names)} {label} ({_few(names)})")
+    return out
 
 
 def _mismatch(spec: str, directory: Path, problems: list[str]) -> str:

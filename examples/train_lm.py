@@ -319,9 +319,10 @@ def model_card(name: str, config, a, res: dict, info: dict, command: str, lockst
         f"preconditioner's d, in `monitor.parquet` beside the weights; "
         f"`osdn_diag.plot.training(\"monitor.parquet\")` draws q_geo against step. The probes took "
         f"{100 * mon['fraction']:.2f} % of the training time"
-        + ("" if mon.get("fraction_after_first") is None or mon["probes"] < 2 else
+        + ("" if mon["fraction_after_first"] is None else  # None before a second probe
            f": the first {mon['first_probe_seconds']:.2f} s (it compiles the probe's kernels), "
-           f"{'the other' if mon['probes'] == 2 else 'the others'} {100 * mon['fraction_after_first']:.2f} % of the rest")
+           f"{'the other' if mon['probes'] == 2 else 'the others'} "
+           f"{100 * mon['fraction_after_first']:.2f} % of the rest")
         + ".\n\n"
         + (f"![q_geo by training step: the whole model thick, each layer thin]({CURVE})\n\n"
            if _curve_steps(mon["q_by_step"]) >= 2 else "")

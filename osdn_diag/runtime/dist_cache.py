@@ -141,7 +141,8 @@ def check_cache_file() -> None:
     """Refuse (:class:`ValueError`, one line naming ``OSDN_DIAG_DIST_CACHE`` and the file) a ``FILE`` that
     the variable names where it is a symbolic link, or a regular file that is not one of this cache's
     (:func:`_is_ours`): the cache is written by a rename over its name, which would replace the user's
-    file or link. A folder is refused too: no cache could be kept there, and a file was meant. Nothing there, a file of this cache, or no file named (off, the default place): fine."""
+    file or link. A folder is refused too: no cache could be kept there, and a file was meant. Nothing
+    there, a file of this cache, or no file named (off, the default place): fine."""
     setting = _named()
     where = cache_file()
     if setting is None or where is None:

@@ -133,7 +133,8 @@ for step in "${steps[@]}"; do
                     # the checkpoints in parts of at most 15 MB (some machines return no larger file); the
                     # parts of an earlier run first removed, or `cat` would join them to these
                     rm -f "$OUT"/lm_recipe.tgz.part-*
-                    [ -d "$lm_out" ] && tar czf - -C "$lm_out" . | split -b 15M - "$OUT/lm_recipe.tgz.part-" ;;
+                    # (not a stopped run's state.pt: every model's optimiser, hundreds of MB)
+                    [ -d "$lm_out" ] && tar czf - --exclude=./state.pt -C "$lm_out" . | split -b 15M - "$OUT/lm_recipe.tgz.part-" ;;
         e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
                         benchmarks/bench_e2e.py --mode stream --json "$OUT/e2e_ddp.json" ;;
         *) echo "unknown step $step (tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall monitor_bench lm_recipe e2e_ddp device_map)"; exit 2 ;;

@@ -39,6 +39,16 @@ before, and with the monitor on, its probes' seconds so far and their share of t
 ``--time-budget`` stops the run). The checkpoints, their ``train_log.jsonl`` and ``train_summary.json``
 are written at the end.
 
+A run longer than one command can take (a GPU lent for ten minutes at a time): ``--time-budget SECONDS``
+or ``--stop-after STEPS`` stops this command before the last step and saves the whole training state —
+every model and optimiser, the batch generator, the logs, the monitors' rows and timings — to
+``OUT/state.pt`` (written atomically; ``--save-every N`` also saves it every N steps, so a killed
+command loses only the steps since). The same command run again resumes from it and continues as the
+uninterrupted run would (the same batches, schedule and probes); an option that changes the training
+(anything but ``--data``, ``--out``, ``--device``, the stopping options and ``--time-each``) is refused.
+A stopped command still writes its checkpoints and summary as they stand (``steps`` in
+``train_summary.json`` says how far); the run's last command removes ``state.pt``.
+
 On a GPU ``train`` takes minutes. ``--device cpu`` runs the same loop with the differentiable
 reference recurrences: only useful as a smoke test at a handful of steps.
 """
@@ -60,6 +70,7 @@ import torch
 from tqdm import tqdm
 
 from osdn_diag.capture.store import atomic_write_text
+from osdn_diag.runtime.atomic import atomic_path
 from osdn_diag.monitor import Monitor
 from osdn_diag.prompts import corpus
 
@@ -70,6 +81,8 @@ from train_mqar import ProgressLines, d_statistics, kernels  # noqa: E402
 #: ``--arch`` name -> the built-in name ``ship`` gives it (OSDN step sizes are handled apart).
 SHIP_NAMES = {"deltanet": "lm-deltanet", "osdn-apf": "lm-osdn-apf", "gated-deltanet": "lm-gdn", "osgdn": "lm-osgdn"}
 BASE_ARCHS = ("deltanet", "osdn", "osdn-apf", "gated-deltanet", "osgdn")
+#: The training state a stopped ``train`` leaves in ``--out`` and the same command resumes from.
+STATE = "state.pt"
 
 
 # ----------------------------------------------------------------------------------------------- prepare
@@ -379,6 +392,9 @@ def train(a: argparse.Namespace) -> dict:
         raise SystemExit("argument --arch: an architecture is named twice")
     if a.log_every < 1 or a.eval_every < 1:
         raise SystemExit("argument --log-every/--eval-every: expected at least 1 (steps between lines, evaluations)")
+    if (a.stop_after is not None and a.stop_after < 1) or a.save_every < 0:
+        raise SystemExit("argument --stop-after/--save-every: expected --stop-after >= 1 and --save-every >= 0 "
+                         "(0: only when stopped)")
     if a.monitor_every < 0 or a.monitor_windows < 1:
         raise SystemExit("argument --monitor-every/--monitor-windows: expected --monitor-every >= 0 (0: off) "
                          "and --monitor-windows >= 1")
@@ -407,9 +423,33 @@ def train(a: argparse.Namespace) -> dict:
     logs = {n: [] for n in names}
     evals = {n: [] for n in names}
     gen = torch.Generator().manual_seed(a.seed)
-    start = time.perf_counter()
     step, loss_val = 0, {}
     busy = {n: 0.0 for n in names}  # seconds of each model's steps, with --time-each
+    earlier = 0.0  # seconds of training in the commands before this one (a resumed run)
+    state_path = out / STATE
+    if state_path.exists():
+        state = load_state(state_path, a, device)
+        for n in names:
+            models[n].load_state_dict(state["models"][n])
+            opts[n].load_state_dict(state["optimizers"][n])
+            if n in monitors:
+                monitors[n].restore(state["monitors"][n])
+        gen.set_state(state["generator"])
+        step, earlier, logs, evals, busy = state["step"], state["seconds"], state["logs"], state["evals"], state["busy"]
+        loss_val = {n: torch.tensor(v) for n, v in state["loss"].items()}
+        print(f"[train] resumed {out} at step {step} of {a.steps}", file=sys.stderr, flush=True)
+    start = time.perf_counter() - earlier  # the run's clock: every seconds figure counts all its commands
+    here = time.perf_counter()  # this command's own start (--time-budget)
+    first = step
+
+    def save_state() -> None:
+        save_training_state(state_path, {
+            "recipe": _recipe(a), "step": step, "seconds": time.perf_counter() - start, "logs": logs,
+            "evals": evals, "busy": busy, "loss": {n: float(v) for n, v in loss_val.items()},
+            "generator": gen.get_state(), "models": {n: m.state_dict() for n, m in models.items()},
+            "optimizers": {n: o.state_dict() for n, o in opts.items()},
+            "monitors": {n: m.state() for n, m in monitors.items()},
+        })
 
     def evaluate():
         for n, model in models.items():
@@ -419,11 +459,18 @@ def train(a: argparse.Namespace) -> dict:
             logs[n].append(row)
             evals[n].append(row)
 
-    bar = tqdm(total=a.steps, desc="train " + "/".join(names), unit="step", disable=None)
+    bar = tqdm(total=a.steps, initial=step, desc="train " + "/".join(names), unit="step", disable=None)
     progress = ProgressLines(bar, a.steps, start)  # lines on stderr where the bar is off
+    stopped = False
     while step < a.steps:
-        if a.time_budget is not None and time.perf_counter() - start > a.time_budget:
-            progress.stopped(step, a.time_budget)
+        over = a.time_budget is not None and time.perf_counter() - here > a.time_budget
+        if over or (a.stop_after is not None and step - first >= a.stop_after):
+            if over:
+                progress.stopped(step, a.time_budget)
+            save_state()
+            print(f"[train] stopped after step {step} of {a.steps}, its state in {state_path}: the same command "
+                  "again goes on from there", file=sys.stderr, flush=True)
+            stopped = True
             break
         starts = torch.randint(0, len(stream) - a.seq - 1, (a.batch,), generator=gen)
         batch = torch.stack([stream[s:s + a.seq] for s in starts.tolist()]).to(device)
@@ -464,6 +511,8 @@ def train(a: argparse.Namespace) -> dict:
             evaluate()
         if logged is not None:  # after this step's probes and evaluation: the seconds include them
             progress.step(step, logged, monitors.values())
+        if a.save_every and step % a.save_every == 0 and step < a.steps:
+            save_state()
     bar.close()
     if not evals[names[0]] or evals[names[0]][-1]["step"] != step:
         evaluate()
@@ -499,7 +548,42 @@ def train(a: argparse.Namespace) -> dict:
         print(json.dumps({k: v for k, v in res.items() if k != "evals"}))
     summary = {"command": command, "corpus": info, "results": results}
     atomic_write_text(out / "train_summary.json", json.dumps(summary, indent=2) + "\n")
+    if not stopped:  # the run is complete: nothing to resume
+        state_path.unlink(missing_ok=True)
     return results
+
+
+#: ``train``'s options that may change between the commands of one run resumed from ``OUT/state.pt``.
+RESUME_FREE = ("command", "data", "out", "device", "time_budget", "stop_after", "save_every", "time_each")
+
+
+def _recipe(a: argparse.Namespace) -> dict:
+    """What a resumed run must share with the run that saved the state: every other option."""
+    return {k: v for k, v in sorted(vars(a).items()) if k not in RESUME_FREE}
+
+
+def save_training_state(path: Path, state: dict) -> None:
+    """Write the training state (models, optimisers, batch generator, logs, monitors) whole or not at all."""
+    with atomic_path(path, ".pt") as tmp:
+        torch.save(state, tmp)
+
+
+def load_state(path: Path, a: argparse.Namespace, device) -> dict:
+    """The state a stopped command saved, refused in one line if it was saved by another recipe."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:  # truncated, or not a state this script wrote
+        raise SystemExit(f"{path}: not a readable training state ({type(err).__name__}: {err}); "
+                         "remove it to start over, or choose another --out") from err
+    if not isinstance(state, dict) or "recipe" not in state:
+        raise SystemExit(f"{path}: not a training state of this script; remove it or choose another --out")
+    theirs, ours = state["recipe"], _recipe(a)
+    differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    if differ:
+        listed = ", ".join(f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ)
+        raise SystemExit(f"{path}: saved by a run with other options ({listed}); give the same options to go on, "
+                         "or choose another --out")
+    return state
 
 
 # -------------------------------------------------------------------------------------------------- ship
@@ -572,7 +656,12 @@ def main(argv=None):
     pt.add_argument("--seq", type=int, default=512)
     pt.add_argument("--batch", type=int, default=32)
     pt.add_argument("--steps", type=int, default=1500)
-    pt.add_argument("--time-budget", type=float, default=None)
+    pt.add_argument("--time-budget", type=float, default=None,
+                    help="stop after this many seconds of this command, saving OUT/state.pt to go on from")
+    pt.add_argument("--stop-after", type=int, default=None, metavar="N",
+                    help="stop after N steps of this command, saving OUT/state.pt to go on from")
+    pt.add_argument("--save-every", type=int, default=0, metavar="N",
+                    help="also save OUT/state.pt every N steps (0: only when stopped before the last step)")
     pt.add_argument("--lr", type=float, default=3e-3)
     pt.add_argument("--weight-decay", type=float, default=0.1)
     pt.add_argument("--warmup", type=int, default=100)

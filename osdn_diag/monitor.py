@@ -351,6 +351,19 @@ class Monitor:
                 "first_probe_seconds": self.first_seconds,
                 "fraction_after_first": later / rest if self.probes > 1 and rest > 0 else None}
 
+    def state(self) -> dict:
+        """What a training loop saves to resume this monitor in a later process (:meth:`restore`): its rows
+        and probe timings, as plain Python values (``torch.load(..., weights_only=True)`` reads them)."""
+        return {"rows": [dict(r) for r in self.rows], "probes": self.probes, "seconds": self.seconds,
+                "first_seconds": self.first_seconds}
+
+    def restore(self, state: Mapping) -> None:
+        """Take back a :meth:`state` saved by the same monitor in an earlier process: :attr:`rows` and the
+        probes' count and seconds (:meth:`overhead`) go on from there. ``monitor.parquet`` already holds
+        the rows; probes at steps already recorded replace them there."""
+        self.rows = [dict(r) for r in state["rows"]]
+        self.probes, self.seconds, self.first_seconds = state["probes"], state["seconds"], state["first_seconds"]
+
     def close(self, total_seconds: float | None = None) -> dict:
         """Print the monitor's overhead on rank 0 (:meth:`overhead`) and return it."""
         o = self.overhead(total_seconds)

@@ -349,6 +349,48 @@ def test_train_with_the_monitor_trains_as_without_it(prepared, script, tmp_path)
     assert not (tmp_path / "0" / "monitor.parquet").exists()
 
 
+def _without_seconds(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
+
+
+def test_train_stopped_and_resumed_trains_as_one_command(prepared, script, tmp_path):
+    """Stopped after each step by --stop-after and run again, the run ends where one command ends: the
+    same weights bit for bit, the same losses, evaluations and probes; state.pt exists between the
+    commands and is removed by the last; a command with another recipe is refused, naming the option."""
+    import pyarrow.parquet as pq
+    from safetensors.torch import load_file
+
+    _, _, data, _ = prepared
+    argv = [*TRAIN_ARGV[:4], "osdn:0.03", *TRAIN_ARGV[7:], "--data", str(data), "--steps", "3",
+            "--monitor-every", "1", "--eval-every", "1", "--log-every", "1"]
+    with torch.random.fork_rng():
+        whole = script.main([*argv, "--out", str(tmp_path / "whole")])["osdn-eta0.03"]
+    out = tmp_path / "parts"
+    for part in range(2):
+        with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()) as err:
+            stopped = script.main([*argv, "--out", str(out), "--stop-after", "1"])["osdn-eta0.03"]
+        assert stopped["steps"] == part + 1 and (out / "state.pt").is_file()
+        assert f"stopped after step {part + 1} of 3" in err.getvalue()
+        if part == 0:
+            with pytest.raises(SystemExit, match=r"state.pt: saved by a run with other options \(--lr 0.01 there"):
+                script.main([*argv, "--out", str(out), "--lr", "0.02"])
+    with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()) as err:
+        resumed = script.main([*argv, "--out", str(out)])["osdn-eta0.03"]
+    assert "resumed" in err.getvalue() and not (out / "state.pt").exists()
+    for key in ("steps", "loss", "heldout_nll", "heldout_nll_twice", "d"):
+        assert resumed[key] == whole[key], key
+    assert _without_seconds(resumed["evals"]) == _without_seconds(whole["evals"])
+    assert resumed["monitor"]["probes"] == whole["monitor"]["probes"] == 3
+    assert resumed["monitor"]["q_by_step"] == whole["monitor"]["q_by_step"]
+    a, b = (load_file(d / "lm-osdn-eta0.03" / "model.safetensors") for d in (tmp_path / "whole", out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    logs = [[json.loads(x) for x in (d / "lm-osdn-eta0.03" / "train_log.jsonl").read_text().splitlines()]
+            for d in (tmp_path / "whole", out)]
+    assert _without_seconds(logs[0]) == _without_seconds(logs[1])
+    tables = [_without_seconds(pq.read_table(d / "monitor.parquet").to_pylist()) for d in (tmp_path / "whole", out)]
+    assert tables[0] == tables[1] and sorted({r["step"] for r in tables[1]}) == [1, 2, 3]
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True

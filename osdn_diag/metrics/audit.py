@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..capture.record import KernelCall
+from ..runtime.host import to_device
 from . import hypotheses
 
 __all__ = ["AuditAccumulator", "HeadAudit"]
@@ -133,10 +134,13 @@ class AuditAccumulator:
         read_as = str(call.flags.get("qk_read_as", "float32"))
         rounding = hypotheses.key_rounding_bound(read_as)
         flags = self._stream_checks(call, k2, beta, valid, self.unit_tol + rounding)
-        # One transfer for every head's numbers (reading them one by one would synchronise each time).
-        rows = torch.stack(stats).cpu().T.tolist()
+        # One transfer for every head's numbers and every stream's checks (reading them one by one, or
+        # in two parts, would synchronise each time); the checks' booleans travel as 0.0 / 1.0.
         per_head = torch.stack([flags[name] for name in (*hypotheses.HYPOTHESES, "hypotheses_hold")], -1)
-        per_head = per_head.reshape(-1, call.num_heads, per_head.shape[-1]).cpu()  # [S, H, checks + 1]
+        stacked = torch.stack(stats)  # [statistics, H]
+        host = torch.cat([stacked.reshape(-1), per_head.double().reshape(-1)]).cpu()
+        rows = host[:stacked.numel()].reshape(stacked.shape).T.tolist()
+        per_head = host[stacked.numel():].bool().reshape(-1, call.num_heads, per_head.shape[-1])  # [S, H, checks + 1]
         for h, row in enumerate(rows):
             n, dev, b_lo, b_hi, n_zero, n_newton = row[:6]
             streams = per_head[:, h]
@@ -173,17 +177,19 @@ class AuditAccumulator:
         seq = torch.full((B, T), -1, dtype=torch.long)
         for i, (row, start, end) in enumerate(segs):
             seq[row, start:end] = i
-        seq = seq.to(dev)
-        m = valid.bool() & (seq >= 0)[..., None]  # [B, T, H]
+        seq = to_device(seq, dev)
+        m = (valid.bool() & (seq >= 0)[..., None]).reshape(-1)  # [B·T·H]
         P = len(segs) * H
         idx = (seq.clamp_min(0)[..., None] * H + torch.arange(H, device=dev)).reshape(-1)
-        m = m.reshape(-1)
 
+        # Every token is scattered, the ones left out as the reduction's identity (``empty``, or a count
+        # of 0): selecting the valid ones (``x[m]``) would make the host wait for the GPU to learn how
+        # many there are, eight times a call.
         def reduce(x, how, empty):
             out = torch.full((P,), empty, dtype=torch.float64, device=dev)
-            return out.scatter_reduce(0, idx[m], x.reshape(-1)[m].double(), how, include_self=True)
+            return out.scatter_reduce(0, idx, torch.where(m, x.reshape(-1).double(), empty), how, include_self=True)
 
-        n_valid = torch.zeros(P, dtype=torch.long, device=dev).index_add_(0, idx[m], torch.ones_like(idx[m]))
+        n_valid = torch.zeros(P, dtype=torch.long, device=dev).index_add_(0, idx, m.long())
         inf = float("inf")
         dev_max = reduce((k2 - 1).abs(), "amax", -inf)
         b_lo, b_hi = reduce(beta, "amin", inf), reduce(beta, "amax", -inf)

@@ -76,8 +76,16 @@ def check(
         ``{name: [P] bool}`` for each of :data:`HYPOTHESES`, then ``hypotheses_hold`` (all of them).
     """
     has = n_valid > 0
-    decay = torch.as_tensor(decay, device=has.device).expand_as(has)
-    tol = torch.as_tensor(tol, dtype=torch.float64, device=has.device)
+    # A Python bool or number stays one (a tensor made from it on a GPU would be a copy from the host
+    # that waits for the GPU's queued work).
+    if isinstance(decay, torch.Tensor):
+        decay = decay.to(has.device).expand_as(has)
+    else:
+        decay = torch.full_like(has, bool(decay))
+    if isinstance(tol, torch.Tensor):
+        tol = tol.to(device=has.device, dtype=torch.float64)
+    else:
+        tol = float(tol)
     flags = {
         "unit_keys": ~has | (max_unit_dev.double() <= tol),
         "beta_in_open_unit_interval": ~has | ((beta_min > 0) & (beta_max < 1)),

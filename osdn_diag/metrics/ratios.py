@@ -68,6 +68,15 @@ class RatioStats:
 Key = tuple[int, int, str, int]  # (layer, head, task, position bin)
 
 
+def _cell_sums(code: torch.Tensor, values: torch.Tensor, size: int, dev) -> torch.Tensor:
+    """``[size, 5]``: the sums of ``values`` ``[N, 5]`` over the rows of each cell ``0..size−1``, where
+    ``code`` ``[N]`` (non-decreasing) names each row's cell; one segmented sum per cell. Where ``code``
+    is out of order the sums are meaningless but the segments stay inside the rows (the bounds are
+    made non-decreasing), so that a caller may sum first and check the order after."""
+    bounds = torch.cummax(torch.searchsorted(code, torch.arange(size + 1, device=dev)), 0).values
+    return torch.segment_reduce(values, "sum", lengths=bounds.diff(), axis=0, unsafe=True)
+
+
 class RatioAccumulator:
     """Accumulates ratio statistics per (layer, head, task, relative-position bin).
 
@@ -120,12 +129,16 @@ class RatioAccumulator:
         size = len(lengths) * num_heads * self.num_bins
         w = finite.to(torch.float64)
         values = torch.stack([w, w * (q == 0), w * q.clamp_min(Q_FLOOR).log(), w * q, 1.0 - w], dim=1)
-        if not bool((code[1:] >= code[:-1]).all()):  # a replay's rows come in cell order already
+        # A replay's rows come in cell order already: summed as they come, with a flag that says whether
+        # they did, read in the same transfer as the sums (asking first would wait for the GPU once
+        # more); rows out of order are sorted and summed again, on the host's word.
+        ordered = (code[1:] >= code[:-1]).all().double().reshape(1)
+        sums = _cell_sums(code, values, size, dev)
+        host = torch.cat([sums.reshape(-1), ordered]).cpu().numpy()  # the one transfer
+        if not host[-1]:
             code, order = torch.sort(code, stable=True)
-            values = values[order]
-        bounds = torch.searchsorted(code, torch.arange(size + 1, device=dev))
-        sums = torch.segment_reduce(values, "sum", lengths=bounds.diff(), axis=0, unsafe=True)
-        sums = sums.cpu().numpy().reshape(len(lengths), num_heads * self.num_bins, 5)  # the one transfer
+            host = _cell_sums(code, values[order], size, dev).cpu().numpy()
+        sums = host[:size * 5].reshape(len(lengths), num_heads * self.num_bins, 5)
         for task in sorted(set(tasks)):
             part = sums[[i for i, t in enumerate(tasks) if t == task]].sum(0)  # [heads · bins, 5]
             for c in np.flatnonzero(part[:, 0]):

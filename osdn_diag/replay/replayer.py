@@ -468,12 +468,12 @@ class _Problems:
             y = x[row[:, None], t]  # [S, L, H, ...]
             return y.transpose(1, 2).reshape(S * H, L, *x.shape[3:])
 
-        mask = inside.repeat_interleave(H, 0)  # [P, L]
+        mask = inside[:, None].expand(S, H, L).reshape(S * H, L)  # [P, L] (repeat_interleave(H, 0), without a wait)
         k = torch.where(mask[..., None], streams(call.k).float(), 0.0)
         beta = torch.where(mask, streams(call.beta).float(), 0.0)
         d = None
         if call.d is not None:
-            d = torch.where((n > 0).repeat_interleave(H)[:, None, None], streams(call.d).float(), 1.0)
+            d = torch.where((n > 0)[:, None].expand(S, H).reshape(S * H)[:, None, None], streams(call.d).float(), 1.0)
         # The call's ratios and Theorem D.7's tokens, as the replay's zero-residual mode set them.
         q = torch.where(mask, streams(res.grid["residual_ratio"]).double(), 1.0)
         valid = mask & streams(res.grid["theorem_valid"])

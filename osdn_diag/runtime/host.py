@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["from_host"]
+__all__ = ["from_host", "to_device"]
 
 
 def from_host(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -22,6 +22,15 @@ def from_host(values: Sequence, dtype: torch.dtype, device: torch.device | str) 
     stream rather than waited for."""
     device = torch.device(device)
     host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``; on a GPU, copied through pinned memory and queued on the current
+    stream rather than waited for (as :func:`from_host`)."""
+    device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

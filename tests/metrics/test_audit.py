@@ -48,6 +48,22 @@ def test_audit_of_a_clean_layer_and_of_broken_hypotheses():
     assert s["share_newton_infeasible"] == 1.0
 
 
+def test_stream_checks_read_only_the_valid_tokens():
+    """A stream's hypotheses are checked over its tokens with a residual: a zero-residual token whose β,
+    key and d break every hypothesis leaves the stream's checks holding (the head's own extremes, over
+    every finite token, still show it)."""
+    k = torch.nn.functional.normalize(torch.ones(1, 10, 2, 4), dim=-1)
+    beta = torch.full((1, 10, 2), 0.7)
+    d = torch.ones(1, 10, 2, 4)
+    loss = torch.ones(1, 10, 2)
+    k[0, 3, 1], beta[0, 3, 1], d[0, 3, 1], loss[0, 3, 1] = 3.0, 5.0, 9.0, 0.0
+    acc = AuditAccumulator(box=(0.5, 2.0))
+    acc.add(_call(k, beta, d=d), loss, torch.ones(1, 10, 2, dtype=torch.bool))
+    s = acc.summary()
+    assert (s["streams"], s["hypotheses_hold"]) == (2, 2) and not any(s["hypotheses_failed"].values())
+    assert s["beta_max"] == 5.0 and s["d_max"] == 9.0
+
+
 def test_nonfinite_tokens_are_not_audited():
     k = torch.nn.functional.normalize(torch.ones(1, 4, 1, 2), dim=-1)
     beta = torch.tensor([[[0.5], [0.5], [7.0], [0.5]]]).reshape(1, 4, 1)

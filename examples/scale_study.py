@@ -16,7 +16,11 @@ The tokenizer and files are those of ``examples/train_lm.py prepare`` (byte-leve
 4096). With Python 3.11.7, transformers 5.25.0, sympy 1.14.0, numpy 2.4.6, scipy 1.17.1, networkx 3.6.1
 and fla 0.6.0 it read 8,232 train and 439 held-out files (145 M and 8.4 M characters): 45.8 M train
 tokens (train.bin 92 MB) and 2.69 M held-out, in about 20 minutes on two busy CPU cores (most of it
-the tokenizer's training).
+the tokenizer's training). ``--tokenizer FILE`` encodes with a ``tokenizer.json`` an earlier
+``prepare`` wrote instead of training one — the built-in language models' own,
+``osdn_diag/builtin/lm-corpus/``, makes every size share their vocabulary — so that a GPU machine
+that cannot receive ``train.bin`` builds the corpus from its own installed sources in the time the
+encoding takes (corpus.json records the tokenizer's sha256 and every source's version).
 
 ``train`` trains ``deltanet`` and ``osdn`` at ``--eta`` (the paper's 0.003), plus one OSDN model per
 ``--sweep`` step size, on the same batches in the same order with the same optimiser and schedule
@@ -137,7 +141,7 @@ def prepare(a: argparse.Namespace) -> dict:
     data = Path(a.data)
     info = {"source": "Python source files of the standard library and of installed packages",
             "sources": sources, "not_installed": missing,
-            **train_lm.write_corpus(docs, data, a.vocab)}
+            **train_lm.write_corpus(docs, data, a.vocab, a.tokenizer)}
     atomic_write_text(data / "corpus.json", json.dumps(info, indent=2) + "\n")
     print(json.dumps({k: v for k, v in info.items() if k != "tokenizer"}, indent=2))
     return info
@@ -331,6 +335,9 @@ def main(argv=None):
     pp.add_argument("--vocab", type=int, default=4096)
     pp.add_argument("--packages", nargs="*", default=list(PACKAGES),
                     help="installed packages whose .py files join the standard library's")
+    pp.add_argument("--tokenizer", default=None, metavar="FILE",
+                    help="encode with this tokenizer.json (or a directory holding one) that an earlier prepare "
+                         "wrote, e.g. osdn_diag/builtin/lm-corpus/, instead of training one (--vocab is then unused)")
     pt = sub.add_parser("train", help="train DeltaNet and OSDN in lockstep (resumable)")
     pt.add_argument("--data", required=True)
     pt.add_argument("--out", required=True)

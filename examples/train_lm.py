@@ -110,20 +110,27 @@ def prepare(a: argparse.Namespace) -> dict:
     return info
 
 
-def write_corpus(docs: dict[str, list[tuple[str, str]]], data: Path, vocab: int) -> dict:
-    """Train the tokenizer on ``docs["train"]`` (``(path, text)`` pairs) and write ``data/``'s tokenizer,
-    ``train.bin`` and ``heldout.safetensors``; returns corpus.json's fields that describe them."""
+def write_corpus(docs: dict[str, list[tuple[str, str]]], data: Path, vocab: int,
+                 tokenizer: Path | None = None) -> dict:
+    """Train the tokenizer on ``docs["train"]`` (``(path, text)`` pairs) — or take the one ``tokenizer``
+    names (a ``tokenizer.json`` this function wrote before, or the directory holding it) — and write
+    ``data/``'s tokenizer, ``train.bin`` and ``heldout.safetensors``; returns corpus.json's fields that
+    describe them."""
     from safetensors.numpy import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=[corpus.END_OF_TEXT], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator((text for _, text in docs["train"]), trainer)
+    if tokenizer is None:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab, special_tokens=[corpus.END_OF_TEXT], show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        tok.train_from_iterator((text for _, text in docs["train"]), trainer)
+        kind = "byte-level BPE (Hugging Face tokenizers), trained on the train split"
+    else:
+        tok, kind = _reused_tokenizer(Path(tokenizer))
     eot = tok.token_to_id(corpus.END_OF_TEXT)
     assert eot == 0, eot
 
@@ -158,13 +165,33 @@ def write_corpus(docs: dict[str, list[tuple[str, str]]], data: Path, vocab: int)
         "split": f"held out: files whose path's sha256 starts with a byte < {corpus.HELDOUT_BYTE}",
         "files": {split: len(docs[split]) for split in docs},
         "characters": {split: sum(len(t) for _, t in docs[split]) for split in docs},
-        "tokenizer": {"kind": "byte-level BPE (Hugging Face tokenizers), trained on the train split",
+        "tokenizer": {"kind": kind,
                       "vocab_size": tok.get_vocab_size(), "end_of_text": corpus.END_OF_TEXT, "end_of_text_id": eot},
         "vocab_size": tok.get_vocab_size(),
         "train_tokens": int(len(stream)),
         "heldout_tokens": int(offsets[-1]),
         "heldout_documents": len(held),
     }
+
+
+def _reused_tokenizer(path: Path):
+    """``(tokenizer, its corpus.json description)`` from a ``tokenizer.json`` (or a directory holding one)
+    that :func:`write_corpus` wrote: refused in one line if it is missing, unreadable, or has no
+    end-of-text token at id 0 or a vocabulary beyond int16 (the held-out ids are int16)."""
+    import hashlib
+
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json" if path.is_dir() else path
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as err:  # missing, not JSON, not a tokenizer
+        raise SystemExit(f"argument --tokenizer: {file} is not a readable tokenizer.json ({err})") from err
+    if tok.token_to_id(corpus.END_OF_TEXT) != 0 or tok.get_vocab_size() > 32768:
+        raise SystemExit(f"argument --tokenizer: {file} is not one that prepare wrote ({corpus.END_OF_TEXT} at id 0, "
+                         "at most 32768 tokens)")
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()
+    return tok, f"byte-level BPE (Hugging Face tokenizers), reused: {file.name} of sha256 {digest}"
 
 
 # ------------------------------------------------------------------------------------------------- train

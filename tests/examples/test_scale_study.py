@@ -76,6 +76,28 @@ def test_prepare_records_each_source_and_what_is_missing(data):
     assert info["heldout_documents"] >= 1 and info["train_tokens"] > 0
 
 
+def test_prepare_with_an_earlier_tokenizer_encodes_with_it(data, script, tmp_path):
+    """--tokenizer: the earlier prepare's tokenizer.json is used as it is (the same bytes written, the
+    same token files), recorded by its sha256; a file that is not a tokenizer is refused in one line."""
+    import hashlib
+
+    path, info = data
+    lib = path.parent / "lib"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(corpus, "stdlib_root", lambda: lib)
+        mp.syspath_prepend(str(path.parent / "pkgs"))
+        again = script.main(["prepare", "--data", str(tmp_path / "again"), "--vocab", "999",
+                             "--packages", "fakepkg", "no_such_package_here", "--tokenizer", str(path)])
+        for name in ("tokenizer.json", "train.bin", "heldout.safetensors"):
+            assert (tmp_path / "again" / name).read_bytes() == (path / name).read_bytes(), name
+        digest = hashlib.sha256((path / "tokenizer.json").read_bytes()).hexdigest()
+        assert again["tokenizer"]["kind"].endswith(f"reused: tokenizer.json of sha256 {digest}")
+        assert {k: v for k, v in again.items() if k != "tokenizer"} == {k: v for k, v in info.items() if k != "tokenizer"}
+        (tmp_path / "bad.json").write_text("{}")
+        with pytest.raises(SystemExit, match="argument --tokenizer: .*bad.json is not a readable tokenizer.json"):
+            script.main(["prepare", "--data", str(tmp_path / "bad"), "--tokenizer", str(tmp_path / "bad.json")])
+
+
 def _run(script, argv):
     with torch.random.fork_rng():
         return script.main(argv)

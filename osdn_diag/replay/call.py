@@ -358,17 +358,18 @@ def replay_call(
         norm = kernel_s.square().sum((-2, -1)).sqrt().reshape(-1)
         state_rel = diff / norm.clamp_min(torch.finfo(dtype).tiny)
         state_t = torch.where(ok_stream, state_rel, 0.0).amax()
-    # Everything the host needs in one transfer (each would wait for the GPU): the columns, the indices
-    # as integers of the columns' width carried in their bits, then the fidelity numbers.
+    # Everything the host needs in one transfer (each would wait for the GPU): the columns and the
+    # fidelity numbers as the bits of integers of their width, beside the indices in that width (an
+    # integer copy moves bits as they are), split again on the host.
     values_dev = torch.stack([per_token[name][row, t, head] for name in per_token])
     ints_dev = torch.stack([seq, head, pos, ok_stream[stream].long()]).to(torch.int32)
     wide = torch.int64 if dtype == torch.float64 else torch.int32
     worst_state = torch.stack([worst_t, worst_t if state_t is None else state_t, (~ok_stream).sum().to(dtype)])
-    host = torch.cat([values_dev.reshape(-1), ints_dev.to(wide).view(dtype).reshape(-1), worst_state]).cpu()
+    host = torch.cat([values_dev.reshape(-1).view(wide), ints_dev.to(wide).reshape(-1), worst_state.view(wide)]).cpu()
     n_values = values_dev.numel()
-    values = host[:n_values].view(values_dev.shape)
-    ints = host[n_values:n_values + ints_dev.numel()].view(wide).view(ints_dev.shape).to(torch.int32)
-    worst, state_err, nonfinite = host[-3:].tolist()
+    values = host[:n_values].view(dtype).view(values_dev.shape)
+    ints = host[n_values:n_values + ints_dev.numel()].view(ints_dev.shape).to(torch.int32)
+    worst, state_err, nonfinite = host[-3:].view(dtype).tolist()
     state_err, nonfinite = (None if state_t is None else state_err), int(nonfinite)
 
     streams_bad: list[tuple[int, int]] = []

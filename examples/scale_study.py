@@ -20,7 +20,9 @@ the tokenizer's training). ``--tokenizer FILE`` encodes with a ``tokenizer.json`
 ``prepare`` wrote instead of training one — the built-in language models' own,
 ``osdn_diag/builtin/lm-corpus/``, makes every size share their vocabulary — so that a GPU machine
 that cannot receive ``train.bin`` builds the corpus from its own installed sources in the time the
-encoding takes (corpus.json records the tokenizer's sha256 and every source's version).
+encoding takes (corpus.json records the tokenizer's sha256 and every source's version): with the
+built-in one, the same sources gave 51.9 M train and 3.0 M held-out tokens in 195 s on two busy CPU
+cores (8.4 GB of memory at its peak).
 
 ``train`` trains ``deltanet`` and ``osdn`` at ``--eta`` (the paper's 0.003), plus one OSDN model per
 ``--sweep`` step size, on the same batches in the same order with the same optimiser and schedule

@@ -363,13 +363,15 @@ def replay_call(
     # integer copy moves bits as they are), split again on the host.
     values_dev = torch.stack([per_token[name][row, t, head] for name in per_token])
     ints_dev = torch.stack([seq, head, pos, ok_stream[stream].long()]).to(torch.int32)
-    wide = torch.int64 if dtype == torch.float64 else torch.int32
+    vtype = values_dev.dtype  # the replay's dtype, fp32 or fp64
+    wide = torch.int64 if vtype.itemsize == 8 else torch.int32
     worst_state = torch.stack([worst_t, worst_t if state_t is None else state_t, (~ok_stream).sum().to(dtype)])
-    host = torch.cat([values_dev.reshape(-1).view(wide), ints_dev.to(wide).reshape(-1), worst_state.view(wide)]).cpu()
+    host = torch.cat([values_dev.reshape(-1).view(wide), ints_dev.to(wide).reshape(-1),
+                      worst_state.to(vtype).view(wide)]).cpu()
     n_values = values_dev.numel()
-    values = host[:n_values].view(dtype).view(values_dev.shape)
+    values = host[:n_values].view(vtype).view(values_dev.shape)
     ints = host[n_values:n_values + ints_dev.numel()].view(ints_dev.shape).to(torch.int32)
-    worst, state_err, nonfinite = host[-3:].view(dtype).tolist()
+    worst, state_err, nonfinite = host[-3:].view(vtype).tolist()
     state_err, nonfinite = (None if state_t is None else state_err), int(nonfinite)
 
     streams_bad: list[tuple[int, int]] = []

@@ -11,7 +11,8 @@
 # command as typed, timed from the shell: first run with an empty Triton cache of its own, then warm),
 # monitor_bench (the monitor's cost to the built-in LM recipe's training); and, not in the default list,
 # lm_recipe (the built-in language models' training recipe with the monitor on: the model cards'
-# q_geo-by-step curves; needs the corpus in $LMDATA, returned as lm_recipe.tgz.part-*), e2e_ddp (every
+# q_geo-by-step curves; needs the corpus in $LMDATA, returned as lm_recipe.tgz.part-*; resumable),
+# scale_prepare and scale (examples/scale_study.py at one size, resumable), e2e_ddp (every
 # GPU of the machine under torchrun) and device_map (the 1.3B shape spread over every GPU by
 # --device-map, against the same on one GPU).
 # Two lanes on a two-GPU machine: pin each to its own cores (taskset, OMP_NUM_THREADS), or the
@@ -36,10 +37,20 @@ PY=${PYTHON:-python3}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall monitor_bench)
 # lm_recipe: the built-in language models' recipe (osdn_diag/builtin/lm_train_summary.json's command)
-# with the monitor on, from the corpus in $LMDATA, into $LM_OUT (a new or empty directory; default: a
-# new one under /tmp), stopped by --time-budget $LM_BUDGET (450 s) before the step's limit.
+# with the monitor on, from the corpus in $LMDATA, into $LM_OUT (a new or empty directory, or one this
+# step left stopped, which it resumes; default: a new one under /tmp), stopped by --time-budget
+# $LM_BUDGET (450 s) before the step's limit with its state saved; the checkpoints are returned once done.
 LMDATA=${LMDATA:-.lmdata}
 LM_OUT=${LM_OUT:-}
+# scale_prepare / scale: examples/scale_study.py's corpus, built here from this machine's own sources with
+# the built-in LMs' tokenizer, into $SCALE_DATA; then DeltaNet and OSDN trained in lockstep at
+# $SCALE_PRESET (h256 h512 h768 h1024) into $SCALE_OUT, stopped at $SCALE_BUDGET (480 s) with its state
+# saved; the step again with the same SCALE_OUT on the same machine goes on, and at the last step
+# returns results.json and monitor.parquet. $SCALE_ARGS: more of scale_study.py train's options.
+SCALE_DATA=${SCALE_DATA:-/tmp/osdn_diag_scale_data}
+SCALE_PRESET=${SCALE_PRESET:-h512}
+SCALE_OUT=${SCALE_OUT:-/tmp/osdn_diag_scale_$SCALE_PRESET}
+SCALE_ARGS=${SCALE_ARGS:-}
 LM_RECIPE="--arch deltanet osdn:0.003 osdn:0.03 osdn:0.3 osdn-apf --steps 1600 --warmup 100 --eval-every 400 --eval-windows 32 --log-every 25 --monitor-every 100"
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
@@ -119,25 +130,41 @@ for step in "${steps[@]}"; do
                         echo "== lm_recipe: $LMDATA/train.bin is missing: make it with 'python examples/train_lm.py prepare --data $LMDATA' under Python 3.11.7 (the standard library the built-in corpus was read from: osdn_diag/builtin/lm-corpus/corpus.json) and carry it, or set LMDATA"
                         continue
                     fi
-                    # a new directory of its own, never one the user named that already holds something
-                    if [ -n "$LM_OUT" ] && [ -e "$LM_OUT" ] && [ -n "$(ls -A "$LM_OUT" 2>/dev/null)" ]; then
+                    # a new directory of its own, never one the user named that already holds something —
+                    # but for a run of this step stopped at its budget (train_lm.py's state.pt), which it resumes
+                    if [ -n "$LM_OUT" ] && [ -e "$LM_OUT" ] && [ -n "$(ls -A "$LM_OUT" 2>/dev/null)" ] \
+                            && [ ! -f "$LM_OUT/state.pt" ]; then
                         echo "== lm_recipe: LM_OUT=$LM_OUT is not empty: name a new directory (or leave LM_OUT unset)"
                         continue
                     fi
                     lm_out=${LM_OUT:-$(mktemp -d /tmp/osdn_diag_lm_recipe.XXXXXX)}
-                    # --time-budget: the checkpoints and summary are written at the end of training, so a
-                    # run stopped by the step's limit would leave none; stopped by its budget it writes them
-                    # (train_summary.json's steps say how far it got)
+                    # --time-budget: stopped there, train_lm.py saves its whole state (state.pt) beside the
+                    # checkpoints as they stand; the step run again with the same LM_OUT goes on from it
                     run_step lm_recipe 580 "$PY" examples/train_lm.py train --data "$LMDATA" --out "$lm_out" $LM_RECIPE \
                         --time-budget "${LM_BUDGET:-450}"
-                    # the checkpoints in parts of at most 15 MB (some machines return no larger file); the
-                    # parts of an earlier run first removed, or `cat` would join them to these
+                    # the parts of an earlier run first removed, or `cat` would join them to these
                     rm -f "$OUT"/lm_recipe.tgz.part-*
-                    # (not a stopped run's state.pt: every model's optimiser, hundreds of MB)
-                    [ -d "$lm_out" ] && tar czf - --exclude=./state.pt -C "$lm_out" . | split -b 15M - "$OUT/lm_recipe.tgz.part-" ;;
+                    if [ -f "$lm_out/state.pt" ]; then
+                        echo "== lm_recipe: stopped at its budget; its state is in $lm_out/state.pt: run this step again with LM_OUT=$lm_out on this machine to go on"
+                    elif [ -d "$lm_out" ]; then  # done: the checkpoints in parts of at most 15 MB (some machines return no larger file)
+                        tar czf - -C "$lm_out" . | split -b 15M - "$OUT/lm_recipe.tgz.part-"
+                    fi ;;
+        scale_prepare) run_step scale_prepare 400 "$PY" examples/scale_study.py prepare --data "$SCALE_DATA" \
+                        --tokenizer osdn_diag/builtin/lm-corpus/ ;;
+        scale)      if [ ! -f "$SCALE_DATA/train.bin" ]; then
+                        echo "== scale: $SCALE_DATA/train.bin is missing: run the scale_prepare step first (or set SCALE_DATA)"
+                        continue
+                    fi
+                    # resumable: the same step again (same SCALE_OUT, on this machine) goes on from its state.pt
+                    run_step "scale_$SCALE_PRESET" 580 "$PY" examples/scale_study.py train --data "$SCALE_DATA" \
+                        --out "$SCALE_OUT" --preset "$SCALE_PRESET" --time-budget "${SCALE_BUDGET:-480}" $SCALE_ARGS
+                    for f in results.json monitor.parquet; do
+                        [ -f "$SCALE_OUT/$f" ] && cp "$SCALE_OUT/$f" "$OUT/scale_${SCALE_PRESET}_$f"
+                    done
+                    pack ;;
         e2e_ddp)    run_step e2e_ddp 420 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
                         benchmarks/bench_e2e.py --mode stream --json "$OUT/e2e_ddp.json" ;;
-        *) echo "unknown step $step (tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall monitor_bench lm_recipe e2e_ddp device_map)"; exit 2 ;;
+        *) echo "unknown step $step (tests families hf_tests monitor layers phase1 replay comparator capture e2e e2e_stored e2e_1b memory e2e_hf wall monitor_bench lm_recipe scale_prepare scale e2e_ddp device_map)"; exit 2 ;;
     esac
 done
 # The targets, each beside its measured value, from whatever the steps above left in $OUT.

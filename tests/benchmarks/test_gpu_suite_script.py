@@ -152,3 +152,63 @@ def test_lm_recipe_never_empties_a_directory_it_did_not_make_and_returns_one_who
     with tarfile.open(joined) as tar:
         tar.getmembers()
     made.rmdir()
+
+
+def test_lm_recipe_resumes_a_run_it_stopped_and_returns_checkpoints_only_once_done(tmp_path):
+    """LM_OUT holding a stopped run (train_lm.py's state.pt) is trained on, not refused; while the state is
+    there nothing is archived and the step says how to go on; once training removed it, the checkpoints
+    come back as one archive."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.bin").write_bytes(b"\0\0")
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    (lm / "state.pt").write_bytes(b"state")  # the stand-in Python leaves it: still stopped
+    env = _suite_env(tmp_path, LMDATA=str(data), LM_OUT=str(lm))
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "lm_recipe"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    ran = (tmp_path / "out" / "lm_recipe.txt").read_text().split()
+    assert ran[ran.index("--out") + 1] == str(lm)
+    assert f"run this step again with LM_OUT={lm} on this machine to go on" in done.stdout
+    assert not list((tmp_path / "out").glob("lm_recipe.tgz.part-*"))
+
+    # This time the stand-in finishes the run as train_lm.py's last step does: state.pt removed.
+    finish = tmp_path / "finishing-python"
+    finish.write_text(FAKE_PYTHON.replace('echo "ran $*"', f'echo "ran $*"\nif [ "$1" = examples/train_lm.py ]; then '
+                                          f'rm {lm}/state.pt; echo {{}} > {lm}/train_summary.json; fi'))
+    finish.chmod(0o755)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "lm_recipe"],
+                          env={**env, "PYTHON": str(finish)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    parts = sorted((tmp_path / "out").glob("lm_recipe.tgz.part-*"))
+    joined = tmp_path / "joined.tgz"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(joined) as tar:
+        assert "./train_summary.json" in tar.getnames()
+
+
+def test_scale_steps_prepare_with_the_builtin_tokenizer_and_train_the_preset(tmp_path):
+    """scale without a corpus says to prepare first; scale_prepare encodes with the built-in LMs'
+    tokenizer; scale trains the preset into SCALE_OUT with its budget and returns its results."""
+    env = _suite_env(tmp_path, SCALE_DATA=str(tmp_path / "sd"), SCALE_OUT=str(tmp_path / "so"), SCALE_PRESET="h768",
+                     SCALE_ARGS="--steps 5")
+    suite = ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh")]
+    done = subprocess.run([*suite, "scale"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "run the scale_prepare step first" in done.stdout
+    done = subprocess.run([*suite, "scale_prepare"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    ran = (tmp_path / "out" / "scale_prepare.txt").read_text().split()
+    assert ran[:3] == ["ran", "examples/scale_study.py", "prepare"]
+    assert ran[ran.index("--tokenizer") + 1] == "osdn_diag/builtin/lm-corpus/"
+    assert (ROOT / "osdn_diag" / "builtin" / "lm-corpus" / "tokenizer.json").is_file()
+    (tmp_path / "sd").mkdir()
+    (tmp_path / "sd" / "train.bin").write_bytes(b"\0\0")
+    (tmp_path / "so").mkdir()
+    (tmp_path / "so" / "results.json").write_text('{"preset": "h768"}')
+    done = subprocess.run([*suite, "scale"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    ran = (tmp_path / "out" / "scale_h768.txt").read_text().split()
+    assert ran[ran.index("--out") + 1] == str(tmp_path / "so") and ran[ran.index("--preset") + 1] == "h768"
+    assert ran[ran.index("--time-budget") + 1] == "480" and ran[-2:] == ["--steps", "5"]
+    assert (tmp_path / "out" / "scale_h768_results.json").read_text() == '{"preset": "h768"}'

@@ -91,7 +91,8 @@ for step in "${steps[@]}"; do
                         tests/metrics/test_ratios.py tests/metrics/test_retention.py tests/replay/test_triton_replay.py \
                         tests/pipeline/test_beside_the_replay.py tests/test_cli_warmup.py tests/test_cli_errors.py \
                         tests/test_host.py tests/test_tuning_table.py ;;
-        monitor)    run_step monitor 300 "$PY" -m pytest $PYTEST_OPTS $XDIST tests/test_monitor_gpu.py ;;
+        monitor)    run_step monitor 300 "$PY" -m pytest $PYTEST_OPTS $XDIST tests/test_monitor_gpu.py \
+                        tests/examples/test_train_lm_gpu.py ;;
         families)   run_step families 540 "$PY" -m pytest $PYTEST_OPTS $XDIST tests/capture/test_family_*_gpu.py ;;
         hf_tests)   run_step hf_tests 420 "$PY" -m pytest $PYTEST_OPTS $XDIST tests/transformers/test_hf_capture_gpu.py ;;
         e2e_hf)     run_step e2e_hf 400 bash -c '

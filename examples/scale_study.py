@@ -222,7 +222,9 @@ def train(a: argparse.Namespace) -> dict:
     step, elapsed, logs = 0, 0.0, {n: [] for n in names}
     state_path = out / STATE
     if state_path.exists():
-        state = torch.load(state_path, map_location=device, weights_only=True)
+        # onto the CPU: the batch generator's state must be a CPU tensor (load_state_dict moves the
+        # models' and optimisers' tensors to their parameters' device)
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
         if state["names"] != names or state["size"] != size or state["steps"] != a.steps:
             raise SystemExit(f"{state_path}: saved by a run of other models, size or --steps "
                              f"({state['names']}, {state['size']}, {state['steps']} steps); choose another --out")

@@ -455,7 +455,7 @@ def train(a: argparse.Namespace) -> dict:
     earlier = 0.0  # seconds of training in the commands before this one (a resumed run)
     state_path = out / STATE
     if state_path.exists():
-        state = load_state(state_path, a, device)
+        state = load_state(state_path, a)
         for n in names:
             models[n].load_state_dict(state["models"][n])
             opts[n].load_state_dict(state["optimizers"][n])
@@ -595,10 +595,12 @@ def save_training_state(path: Path, state: dict) -> None:
         torch.save(state, tmp)
 
 
-def load_state(path: Path, a: argparse.Namespace, device) -> dict:
-    """The state a stopped command saved, refused in one line if it was saved by another recipe."""
+def load_state(path: Path, a: argparse.Namespace) -> dict:
+    """The state a stopped command saved, refused in one line if it was saved by another recipe. Read onto
+    the CPU: the batch generator's state must be a CPU tensor, and ``load_state_dict`` moves the models'
+    and optimisers' tensors to their parameters' device."""
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated, or not a state this script wrote
         raise SystemExit(f"{path}: not a readable training state ({type(err).__name__}: {err}); "
                          "remove it to start over, or choose another --out") from err

@@ -1,0 +1,69 @@
+"""On a GPU: ``examples/train_lm.py train`` stopped and resumed ends where one command ends.
+
+The CPU test (tests/examples/test_train_lm.py) checks the resumed run bit for bit; here what only a GPU
+run exercises: the state saved from CUDA tensors is read back (the batch generator's state onto the
+CPU, the models' and optimisers' onto the GPU) and training goes on under bf16 autocast with fla's
+compiled kernels and the monitor, to the same losses and probes as an uninterrupted run (to 1e-3: fla's
+backward kernels need not add in the same order twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (fla's compiled kernels)"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="TRITON_INTERPRET=1: fla's kernels would be interpreted, not compiled"),
+    pytest.mark.usefixtures("fla_kernels"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_lm_gpu_under_test", ROOT / "examples" / "train_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_resumed_gpu_run_ends_as_one_command(tmp_path):
+    from osdn_diag.prompts import corpus
+
+    script = _script()
+    lib = tmp_path / "lib"
+    for i, rel in enumerate(["mod1.py", "mod2.py", "mod3.py", "pkg/sub1.py", "mod28.py", "pkg/sub6.py"]):
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        (lib / rel).write_text("\n".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(200)))
+    data = tmp_path / "data"
+    script.main(["prepare", "--data", str(data), "--stdlib", str(lib), "--vocab", "300"])
+    assert corpus.corpus_info(data)["train_tokens"] > 0
+    argv = ["train", "--device", "cuda", "--arch", "deltanet", "osdn:0.03", "--hidden", "64", "--layers", "1",
+            "--heads", "2", "--intermediate", "128", "--seq", "64", "--batch", "4", "--steps", "3",
+            "--eval-windows", "2", "--warmup", "1", "--monitor-every", "1", "--monitor-windows", "1",
+            "--data", str(data)]
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        whole = script.main([*argv, "--out", str(tmp_path / "whole")])
+    out = tmp_path / "parts"
+    for _ in range(2):
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()]), contextlib.redirect_stderr(io.StringIO()):
+            script.main([*argv, "--out", str(out), "--stop-after", "1"])
+        assert (out / "state.pt").is_file()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]), contextlib.redirect_stderr(io.StringIO()) as err:
+        resumed = script.main([*argv, "--out", str(out)])
+    assert "resumed" in err.getvalue() and not (out / "state.pt").exists()
+    for name in whole:
+        a, b = whole[name], resumed[name]
+        assert b["steps"] == a["steps"] == 3 and b["monitor"]["probes"] == a["monitor"]["probes"] == 3
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3)
+        assert b["heldout_nll"] == pytest.approx(a["heldout_nll"], rel=1e-3)
+        for x, y in zip(a["monitor"]["q_by_step"], b["monitor"]["q_by_step"]):
+            assert x["step"] == y["step"] and y["q_geo"] == pytest.approx(x["q_geo"], rel=1e-3)

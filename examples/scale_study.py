@@ -67,7 +67,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from osdn_diag.runtime.atomic import atomic_path
 from osdn_diag.capture.store import atomic_write_text
 from osdn_diag.monitor import Monitor
 from osdn_diag.prompts import corpus
@@ -189,11 +188,6 @@ def _twice_q(model, windows: torch.Tensor, amp) -> tuple[float, float]:
     return stats.q_geo, stats.q_arith
 
 
-def _save_state(path: Path, state: dict) -> None:
-    with atomic_path(path, ".pt") as tmp:
-        torch.save(state, tmp)
-
-
 def train(a: argparse.Namespace) -> dict:
     command = "python examples/scale_study.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     data = Path(a.data)
@@ -239,7 +233,7 @@ def train(a: argparse.Namespace) -> dict:
                 for n, m in models.items()} if a.monitor_every else {}
 
     def save() -> None:
-        _save_state(state_path, {
+        train_lm.save_training_state(state_path, {
             "names": names, "size": size, "steps": a.steps, "step": step,
             "elapsed": elapsed + time.perf_counter() - start, "logs": logs, "generator": gen.get_state(),
             "models": {n: m.state_dict() for n, m in models.items()},

@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from ..runtime.checks import check_cu_seqlens, check_recurrence_inputs, check_shape
+from ..runtime.host import to_device
 from ..runtime.interpret import check_launchable
 from ..math.recurrence import RecurrenceResult
 from ._common import finite_scale, int_in_range, power_of_two, replay_result
@@ -274,9 +275,7 @@ def _chunk_tables(bounds: list[int], C: int, device) -> tuple[int, torch.Tensor,
     seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
     first = bos[seq] + (torch.arange(NC) - offsets[:-1][seq]) * C
     host = torch.cat([torch.stack([first, eos[seq]], 1).view(-1), offsets, edges])
-    if device.type == "cuda":
-        host = host.pin_memory()
-    table = host.to(device, non_blocking=True)
+    table = to_device(host, device)
     return NC, table[: 2 * NC].view(NC, 2), table[2 * NC : 2 * NC + len(offsets)], table[2 * NC + len(offsets) :]
 
 

@@ -20,16 +20,12 @@ __all__ = ["from_host", "to_device"]
 def from_host(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.tensor(values, dtype=dtype)`` on ``device``; on a GPU the copy is queued on the current
     stream rather than waited for."""
-    device = torch.device(device)
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device``; on a GPU, copied through pinned memory and queued on the current
-    stream rather than waited for (as :func:`from_host`)."""
+    stream rather than waited for."""
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)

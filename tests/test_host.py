@@ -31,6 +31,18 @@ def test_table_index_of_segments():
     assert t.tolist() == [segs[s][1] + p for s, _, p in expect]
 
 
+def test_table_index_is_built_once_per_layout():
+    """Kept per layout (every layer of a batch shares one); another layout, head count or segment list
+    given in another form gets its own index or the same one, never a neighbour's."""
+    a = [(0, 0, 5), (1, 2, 4)]
+    first = _table_index(a, 2, torch.device("cpu"))
+    assert all(x is y for x, y in zip(first, _table_index([list(s) for s in a], 2, "cpu")))
+    other = _table_index([(0, 0, 4), (1, 2, 4)], 2, torch.device("cpu"))
+    three = _table_index(a, 3, torch.device("cpu"))
+    assert other[0].numel() == 12 and three[0].numel() == 21 and first[0].numel() == 14
+    assert torch.equal(_table_index(a, 2, torch.device("cpu"))[4], first[4])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_no_synchronisation_on_a_gpu():
     dev = torch.device("cuda")

@@ -23,6 +23,7 @@ start — and left out of every statistic, with a count.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -254,7 +255,16 @@ def triton_replay(args: dict, *, chunked: bool = True):
 
 def _table_index(segments, H: int, device) -> tuple[torch.Tensor, ...]:
     """The per-token table's row order — sequence by sequence, head by head, position by position —
-    as index tensors ``[N]`` on ``device``: ``(sequence, head, pos, batch row, token)``."""
+    as index tensors ``[N]`` on ``device``: ``(sequence, head, pos, batch row, token)``.
+
+    Every layer of a forward batch has the same segments: the index is built once per layout and kept
+    (:func:`_cached_table_index`), which saves some fifteen small device operations per replayed call.
+    The tensors returned are shared between calls and must not be modified in place."""
+    return _cached_table_index(tuple(tuple(int(x) for x in s) for s in segments), int(H), torch.device(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_table_index(segments: tuple, H: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     S = len(segments)
     if S == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)

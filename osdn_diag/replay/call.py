@@ -264,6 +264,17 @@ def _table_index(segments, H: int, device) -> tuple[torch.Tensor, ...]:
 
 
 @functools.lru_cache(maxsize=8)
+def _cached_stream_lengths(segments: tuple, H: int, device: torch.device) -> torch.Tensor:
+    return from_host([e - s for _, s, e in segments for _ in range(H)], torch.long, device)
+
+
+def _stream_lengths(segments, H: int, device) -> torch.Tensor:
+    """``[S·H]``: the rows of each (sequence, head) stream of the per-token table, in its order (kept
+    per layout, as :func:`_table_index`)."""
+    return _cached_stream_lengths(tuple(tuple(int(x) for x in s) for s in segments), int(H), torch.device(device))
+
+
+@functools.lru_cache(maxsize=8)
 def _cached_table_index(segments: tuple, H: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     S = len(segments)
     if S == 0:
@@ -355,8 +366,12 @@ def replay_call(
     # Fidelity per (sequence, head): ‖o − o_kernel‖ / ‖o_kernel‖ over the stream's tokens.
     kernel_o = call.o.to(dtype)
     sq = torch.stack([(res.o.to(dtype) - kernel_o).square().sum(-1), kernel_o.square().sum(-1),
-                      (~finite).to(dtype)])[:, row, t, head]
-    per_stream = torch.zeros(3, len(segments) * H, dtype=dtype, device=sq.device).index_add_(1, stream, sq)
+                      (~finite).to(dtype)], -1)[row, t, head]
+    # Rows come stream by stream: one segmented sum per stream, in the same order on every run (a
+    # scattered add on a GPU adds with atomics, in another order each time, and the fidelity's last
+    # bits would differ between two identical runs).
+    per_stream = torch.segment_reduce(sq, "sum", lengths=_stream_lengths(segments, H, sq.device),
+                                      axis=0, unsafe=True).T
     ok_stream = per_stream[2] == 0  # heads whose inputs are all finite in this sequence
     rel = per_stream[0].sqrt() / per_stream[1].sqrt().clamp_min(torch.finfo(dtype).tiny)
     worst_t = torch.where(ok_stream, rel, 0.0).amax() if rel.numel() else rel.new_zeros(())

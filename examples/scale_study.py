@@ -189,9 +189,19 @@ def _twice_q(model, windows: torch.Tensor, amp) -> tuple[float, float]:
 
 
 def train(a: argparse.Namespace) -> dict:
+    """Train one size in lockstep into ``--out``, holding its lock (train_lm.holding): a second command on
+    the same directory is refused at once."""
+    if a.time_budget is not None and not (math.isfinite(a.time_budget) and a.time_budget > 0):
+        raise SystemExit(f"argument --time-budget: expected a number of seconds > 0, got {a.time_budget}")
+    with train_lm.holding(Path(a.out)):
+        return _train(a)
+
+
+def _train(a: argparse.Namespace) -> dict:
     command = "python examples/scale_study.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     data = Path(a.data)
     info = corpus.corpus_info(data)
+    reads = train_lm.corpus_identity(data, info)
     size = _size(a)
     ns = argparse.Namespace(**{**vars(a), **size, "vocab_size": info["vocab_size"]})
     specs = _specs(a)
@@ -211,7 +221,6 @@ def train(a: argparse.Namespace) -> dict:
     lr_at = train_lm.lr_schedule(a)
 
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(a.seed)
     step, elapsed, logs = 0, 0.0, {n: [] for n in names}
     state_path = out / STATE
@@ -222,6 +231,9 @@ def train(a: argparse.Namespace) -> dict:
         if state["names"] != names or state["size"] != size or state["steps"] != a.steps:
             raise SystemExit(f"{state_path}: saved by a run of other models, size or --steps "
                              f"({state['names']}, {state['size']}, {state['steps']} steps); choose another --out")
+        if state.get("reads") != reads:
+            raise SystemExit(f"{state_path}: saved by a run that read another corpus (the corpus or tokenizer of "
+                             f"--data {data} differ); give the same --data to go on, or choose another --out")
         for n in names:
             models[n].load_state_dict(state["models"][n])
             opts[n].load_state_dict(state["optimizers"][n])
@@ -234,7 +246,7 @@ def train(a: argparse.Namespace) -> dict:
 
     def save() -> None:
         train_lm.save_training_state(state_path, {
-            "names": names, "size": size, "steps": a.steps, "step": step,
+            "names": names, "size": size, "steps": a.steps, "reads": reads, "step": step,
             "elapsed": elapsed + time.perf_counter() - start, "logs": logs, "generator": gen.get_state(),
             "models": {n: m.state_dict() for n, m in models.items()},
             "optimizers": {n: o.state_dict() for n, o in opts.items()},

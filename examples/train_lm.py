@@ -45,9 +45,14 @@ every model and optimiser, the batch generator, the logs, the monitors' rows and
 ``OUT/state.pt`` (written atomically; ``--save-every N`` also saves it every N steps, so a killed
 command loses only the steps since). The same command run again resumes from it and continues as the
 uninterrupted run would (the same batches, schedule and probes); an option that changes the training
-(anything but ``--data``, ``--out``, ``--device``, the stopping options and ``--time-each``) is refused.
-A stopped command still writes its checkpoints and summary as they stand (``steps`` in
-``train_summary.json`` says how far); the run's last command removes ``state.pt``.
+(anything but ``--data``, ``--out``, ``--device``, the stopping options and ``--time-each``) is refused,
+and so is a ``--data`` whose corpus or tokenizer is not the one the run started on (the directory may
+move). A stopped command still writes its checkpoints and summary as they stand (``steps`` in
+``train_summary.json`` says how far; ``ship`` refuses them while ``state.pt`` is there); the run's last
+command saves the state before its final evaluation and checkpoints, so that a failure there loses no
+step, and removes ``state.pt`` once they are written. A new run starts in a new or empty ``--out``: a
+finished run's directory is refused, not trained over. While a command runs it holds ``--out``'s lock;
+a second command on the same directory is refused at once.
 
 On a GPU ``train`` takes minutes. ``--device cpu`` runs the same loop with the differentiable
 reference recurrences: only useful as a smoke test at a handful of steps.
@@ -409,10 +414,72 @@ def _synchronized_clock(on_gpu: bool) -> float:
 
 
 def train(a: argparse.Namespace) -> dict:
+    """Train in lockstep into ``--out``, held by its lock for the whole command (a second command on the
+    same directory is refused at once: two would resume from one state and overwrite each other)."""
+    with holding(Path(a.out)):
+        return _train(a)
+
+
+def holding(out: Path):
+    """``out``'s lock (:func:`osdn_diag.rundir.output_lock`), a refusal as one line; the temporaries a
+    killed save left there removed (nothing else writes into ``out`` while it is held)."""
+    import contextlib
+
+    from osdn_diag.rundir import RunDirectoryError, output_lock
+    from osdn_diag.runtime.atomic import remove_stale_temporaries
+
+    @contextlib.contextmanager
+    def held():
+        try:
+            lock = output_lock(out)
+            lock.__enter__()
+        except (RunDirectoryError, OSError) as err:
+            raise SystemExit(f"--out {out}: {err}") from None
+        try:
+            remove_stale_temporaries(out)
+            yield
+        finally:
+            lock.__exit__(None, None, None)
+
+    return held()
+
+
+def _check_fresh(out: Path) -> None:
+    """A run that is not resumed starts in a new or empty ``out``: a finished run's checkpoints would be
+    replaced by the first steps of another, and an earlier run's monitor rows would stay in
+    ``monitor.parquet`` beside this one's."""
+    from osdn_diag.rundir import LOCK_FILE
+
+    held = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE)
+    if not held:
+        return
+    if (out / "train_summary.json").exists():
+        raise SystemExit(f"--out {out}: holds a finished training run (train_summary.json, no {STATE} to go on "
+                         "from); a new run needs a new or empty directory")
+    raise SystemExit(f"--out {out}: not empty ({', '.join(held[:3])}{', …' if len(held) > 3 else ''}) and no "
+                     f"stopped run's {STATE} to go on from; a new run needs a new or empty directory")
+
+
+def corpus_identity(data: Path, info: dict) -> dict:
+    """What a resumed run must read that the stopped one read: the corpus (its ``corpus.json`` digest)
+    and the tokenizer (its file's sha256), wherever the directory now is."""
+    import hashlib
+
+    return {"corpus_sha256": info.get("sha256"),
+            "tokenizer_sha256": hashlib.sha256((data / "tokenizer.json").read_bytes()).hexdigest()}
+
+
+def _train(a: argparse.Namespace) -> dict:
     command = "python examples/train_lm.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     data = Path(a.data)
     info = corpus.corpus_info(data)
     a.vocab_size = info["vocab_size"]
+    if a.time_budget is not None and not (math.isfinite(a.time_budget) and a.time_budget > 0):
+        raise SystemExit(f"argument --time-budget: expected a number of seconds > 0, got {a.time_budget}")
+    out = Path(a.out)
+    state_path = out / STATE
+    if not state_path.exists():
+        _check_fresh(out)
     specs = [parse_arch(s, a.eta) for s in a.arch]
     names = [n for n, _, _ in specs]
     if len(set(names)) != len(names):
@@ -439,8 +506,6 @@ def train(a: argparse.Namespace) -> dict:
     models, opts = build_models(specs, a, a, device)
     lr_at = lr_schedule(a)
 
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     monitors = {}
     if a.monitor_every:
         probe = windows[:a.monitor_windows]
@@ -453,9 +518,9 @@ def train(a: argparse.Namespace) -> dict:
     step, loss_val = 0, {}
     busy = {n: 0.0 for n in names}  # seconds of each model's steps, with --time-each
     earlier = 0.0  # seconds of training in the commands before this one (a resumed run)
-    state_path = out / STATE
+    reads = corpus_identity(data, info)
     if state_path.exists():
-        state = load_state(state_path, a)
+        state = load_state(state_path, a, reads)
         for n in names:
             models[n].load_state_dict(state["models"][n])
             opts[n].load_state_dict(state["optimizers"][n])
@@ -471,7 +536,7 @@ def train(a: argparse.Namespace) -> dict:
 
     def save_state() -> None:
         save_training_state(state_path, {
-            "recipe": _recipe(a), "step": step, "seconds": time.perf_counter() - start, "logs": logs,
+            "recipe": _recipe(a), "reads": reads, "step": step, "seconds": time.perf_counter() - start, "logs": logs,
             "evals": evals, "busy": busy, "loss": {n: float(v) for n, v in loss_val.items()},
             "generator": gen.get_state(), "models": {n: m.state_dict() for n, m in models.items()},
             "optimizers": {n: o.state_dict() for n, o in opts.items()},
@@ -541,6 +606,10 @@ def train(a: argparse.Namespace) -> dict:
         if a.save_every and step % a.save_every == 0 and step < a.steps:
             save_state()
     bar.close()
+    if not stopped and step > first:
+        # Saved before the wrap-up (evaluation, cards, checkpoints): a failure there — a full disk, a
+        # path that cannot be written — leaves the trained steps to go on from, not the last save's.
+        save_state()
     if not evals[names[0]] or evals[names[0]][-1]["step"] != step:
         evaluate()
     seconds = time.perf_counter() - start
@@ -581,7 +650,8 @@ def train(a: argparse.Namespace) -> dict:
 
 
 #: ``train``'s options that may change between the commands of one run resumed from ``OUT/state.pt``.
-RESUME_FREE = ("command", "data", "out", "device", "time_budget", "stop_after", "save_every", "time_each")
+RESUME_FREE = ("command", "data", "out", "device", "time_budget", "stop_after", "save_every", "time_each",
+               "vocab_size")  # the corpus's, not an option: the corpus itself is compared (corpus_identity)
 
 
 def _recipe(a: argparse.Namespace) -> dict:
@@ -595,21 +665,27 @@ def save_training_state(path: Path, state: dict) -> None:
         torch.save(state, tmp)
 
 
-def load_state(path: Path, a: argparse.Namespace) -> dict:
+def load_state(path: Path, a: argparse.Namespace, reads: dict | None = None) -> dict:
     """The state a stopped command saved, refused in one line if it was saved by another recipe. Read onto
     the CPU: the batch generator's state must be a CPU tensor, and ``load_state_dict`` moves the models'
     and optimisers' tensors to their parameters' device."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated, or not a state this script wrote
-        raise SystemExit(f"{path}: not a readable training state ({type(err).__name__}: {err}); "
-                         "remove it to start over, or choose another --out") from err
+        first = (str(err).strip().splitlines() or [""])[0][:200]  # torch's later lines advise an unsafe load
+        raise SystemExit(f"{path}: not a readable training state ({type(err).__name__}: {first}); "
+                         "remove it to start over, or choose another --out") from None
     if not isinstance(state, dict) or "recipe" not in state:
         raise SystemExit(f"{path}: not a training state of this script; remove it or choose another --out")
     theirs, ours = state["recipe"], _recipe(a)
     differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    if reads is not None and state.get("reads") != reads:
+        what = [w for w, k in (("the corpus", "corpus_sha256"), ("the tokenizer", "tokenizer_sha256"))
+                if (state.get("reads") or {}).get(k) != reads[k]]
+        raise SystemExit(f"{path}: saved by a run that read another corpus ({' and '.join(what)} of --data "
+                         f"{a.data} differ); give the same --data to go on, or choose another --out")
     if differ:
-        listed = ", ".join(f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ)
+        listed = "; ".join(f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ)
         raise SystemExit(f"{path}: saved by a run with other options ({listed}); give the same options to go on, "
                          "or choose another --out")
     return state
@@ -618,6 +694,9 @@ def load_state(path: Path, a: argparse.Namespace) -> dict:
 # -------------------------------------------------------------------------------------------------- ship
 def ship(a: argparse.Namespace) -> dict:
     runs = Path(a.runs)
+    if (runs / STATE).exists():
+        raise SystemExit(f"--runs {runs}: a stopped run ({STATE}: its checkpoints are those of the step it "
+                         "stopped at); run its train command again to finish it, then ship")
     summary = json.loads((runs / "train_summary.json").read_text())
     results = summary["results"]
     chosen: dict[str, str] = {}
@@ -686,7 +765,8 @@ def main(argv=None):
     pt.add_argument("--batch", type=int, default=32)
     pt.add_argument("--steps", type=int, default=1500)
     pt.add_argument("--time-budget", type=float, default=None,
-                    help="stop after this many seconds of this command, saving OUT/state.pt to go on from")
+                    help="stop once this command has trained this many seconds (> 0; loading, the final "
+                         "evaluation and the checkpoints come on top), saving OUT/state.pt to go on from")
     pt.add_argument("--stop-after", type=int, default=None, metavar="N",
                     help="stop after N steps of this command, saving OUT/state.pt to go on from")
     pt.add_argument("--save-every", type=int, default=0, metavar="N",

@@ -147,3 +147,28 @@ def test_resume_refuses_a_state_of_other_models(data, script, tmp_path, fla_inte
     _run(script, [*TINY, "--data", str(path), "--out", str(tmp_path), "--stop-after", "1", "--monitor-every", "0"])
     with pytest.raises(SystemExit, match="saved by a run of other models"):
         _run(script, [*TINY, "--data", str(path), "--out", str(tmp_path), "--sweep", "0.03"])
+
+
+def test_resume_refuses_another_corpus_and_a_directory_in_use(data, script, tmp_path, fla_interpreter):
+    import fcntl
+    import os
+    import shutil
+
+    from osdn_diag.rundir import LOCK_FILE
+
+    path, _ = data
+    out = tmp_path / "run"
+    _run(script, [*TINY, "--data", str(path), "--out", str(out), "--stop-after", "1", "--monitor-every", "0"])
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text().replace('"', '"', 1) + " ")
+    with pytest.raises(SystemExit, match="saved by a run that read another corpus"):
+        _run(script, [*TINY, "--data", str(other), "--out", str(out), "--monitor-every", "0"])
+    with open(out / LOCK_FILE, "w") as held:  # another command's lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write(f"{os.getpid()}\n")
+        held.flush()
+        with pytest.raises(SystemExit, match="in use by another osdn-diag command"):
+            _run(script, [*TINY, "--data", str(path), "--out", str(out), "--monitor-every", "0"])
+    with pytest.raises(SystemExit, match="argument --time-budget: expected a number of seconds > 0, got 0"):
+        _run(script, [*TINY, "--data", str(path), "--out", str(out), "--time-budget", "0"])

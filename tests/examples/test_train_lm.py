@@ -597,3 +597,116 @@ def test_steps_between_lines_or_evaluations_must_be_at_least_one(prepared, scrip
     with pytest.raises(SystemExit, match="argument --log-every/--eval-every: expected at least 1"):
         script.main([*TRAIN_ARGV, "--data", str(data), "--out", str(tmp_path / "o"), option, "0"])
     assert not (tmp_path / "o").exists()
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_finished_or_foreign_out_is_refused_and_left_as_it_was(trained, prepared, script, tmp_path):
+    """The same command again after the run finished would retrain from scratch over its checkpoints (and
+    a new run in a directory holding other files would mix its monitor rows with theirs): refused in
+    one line, nothing written."""
+    out, _, argv = trained
+    done = tmp_path / "done"
+    shutil.copytree(out, done)
+    before = _files(done)
+    again = [*argv[:argv.index("--out")], "--out", str(done)]
+    with pytest.raises(SystemExit, match=r"holds a finished training run \(train_summary.json, no state.pt"):
+        script.main([*again, "--stop-after", "1"])
+    assert _files(done) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=r"not empty \(notes.txt\) and no stopped run's state.pt"):
+        script.main([*argv[:argv.index("--out")], "--out", str(other)])
+    assert _files(other) == {"notes.txt": b"mine"}
+
+
+def test_a_directory_in_use_is_refused_at_once(prepared, script, tmp_path):
+    """Two commands on one --out would both resume from its state and overwrite each other's steps."""
+    import fcntl
+    import os
+
+    from osdn_diag.rundir import LOCK_FILE
+
+    _, _, data, _ = prepared
+    out = tmp_path / "busy"
+    out.mkdir()
+    with open(out / LOCK_FILE, "w") as held:  # another command's lock (another open file: another holder)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write(f"{os.getpid()}\n")
+        held.flush()
+        with pytest.raises(SystemExit, match=rf"--out {out}: .*in use by another osdn-diag command"):
+            script.main([*TRAIN_ARGV, "--data", str(data), "--out", str(out)])
+
+
+def test_a_stopped_run_resumed_on_another_corpus_is_refused(prepared, script, tmp_path, fla_interpreter):
+    """--data may move, but what it holds may not change between the commands of one run."""
+    lib, _, data, _ = prepared
+    other_lib = tmp_path / "lib2"
+    shutil.copytree(lib, other_lib)
+    (other_lib / "mod1.py").write_text(_source(99, 40))  # another text: another corpus and tokenizer
+    data2 = tmp_path / "data2"
+    script.main(["prepare", "--data", str(data2), "--stdlib", str(other_lib), "--vocab", str(VOCAB)])
+    moved = tmp_path / "moved"
+    shutil.copytree(data, moved)
+    argv = [*TRAIN_ARGV[:4], "osdn:0.03", *TRAIN_ARGV[7:], "--steps", "2", "--monitor-every", "0"]
+    out = tmp_path / "run"
+    with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()):
+        script.main([*argv, "--data", str(data), "--out", str(out), "--stop-after", "1"])
+    with pytest.raises(SystemExit, match=r"read another corpus \(the corpus and the tokenizer of --data .*data2 differ"):
+        script.main([*argv, "--data", str(data2), "--out", str(out)])
+    assert (out / "state.pt").is_file()
+    with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()) as err:
+        script.main([*argv, "--data", str(moved), "--out", str(out)])  # the same corpus elsewhere: goes on
+    assert "resumed" in err.getvalue() and not (out / "state.pt").exists()
+
+
+@pytest.mark.parametrize("budget", ["0", "-5", "nan"])
+def test_a_time_budget_must_be_positive(prepared, script, tmp_path, budget):
+    """0 stopped every command before its first step: a run that never went on, with NaN in its summary."""
+    _, _, data, _ = prepared
+    with pytest.raises(SystemExit, match=f"argument --time-budget: expected a number of seconds > 0, got {budget}"):
+        script.main([*TRAIN_ARGV, "--data", str(data), "--out", str(tmp_path / "o"), "--time-budget", budget])
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_failed_wrap_up_keeps_the_trained_steps(prepared, script, tmp_path, fla_interpreter, monkeypatch):
+    """The last command saves the state before it evaluates and writes its checkpoints: a failure there
+    leaves every trained step to go on from, and the next command ends as one command would have."""
+    from safetensors.torch import load_file
+
+    _, _, data, _ = prepared
+    argv = [*TRAIN_ARGV[:4], "osdn:0.03", *TRAIN_ARGV[7:], "--data", str(data), "--steps", "3",
+            "--monitor-every", "0"]
+    with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()):
+        whole = script.main([*argv, "--out", str(tmp_path / "whole")])["osdn-eta0.03"]
+    out = tmp_path / "parts"
+    with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()):
+        script.main([*argv, "--out", str(out), "--stop-after", "1"])
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(script, "save_checkpoint", full_disk)
+        with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()), pytest.raises(OSError):
+            script.main([*argv, "--out", str(out)])
+    saved = torch.load(out / "state.pt", map_location="cpu", weights_only=True)
+    assert saved["step"] == 3
+    with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()):
+        resumed = script.main([*argv, "--out", str(out)])["osdn-eta0.03"]
+    assert resumed["loss"] == whole["loss"] and resumed["heldout_nll"] == whole["heldout_nll"]
+    a, b = (load_file(d / "lm-osdn-eta0.03" / "model.safetensors") for d in (tmp_path / "whole", out))
+    assert all(torch.equal(a[k], b[k]) for k in a) and not (out / "state.pt").exists()
+
+
+def test_ship_refuses_a_stopped_run(trained, script, tmp_path):
+    out, _, _ = trained
+    runs = tmp_path / "runs"
+    shutil.copytree(out, runs)
+    (runs / "state.pt").write_bytes(b"stopped")
+    with pytest.raises(SystemExit, match=r"--runs .*: a stopped run \(state.pt"):
+        _ship(script, runs, tmp_path / "dest")
+    assert not (tmp_path / "dest").exists()

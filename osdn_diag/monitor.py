@@ -355,14 +355,20 @@ class Monitor:
         """What a training loop saves to resume this monitor in a later process (:meth:`restore`): its rows
         and probe timings, as plain Python values (``torch.load(..., weights_only=True)`` reads them)."""
         return {"rows": [dict(r) for r in self.rows], "probes": self.probes, "seconds": self.seconds,
-                "first_seconds": self.first_seconds}
+                "first_seconds": self.first_seconds, "elapsed": time.perf_counter() - self.started}
 
     def restore(self, state: Mapping) -> None:
         """Take back a :meth:`state` saved by the same monitor in an earlier process: :attr:`rows` and the
         probes' count and seconds (:meth:`overhead`) go on from there. ``monitor.parquet`` already holds
-        the rows; probes at steps already recorded replace them there."""
+        the rows; probes at steps already recorded replace them there. The monitor's clock goes on from
+        the saved one too, so that :meth:`overhead` without ``total_seconds`` sets the probes of every
+        process against the time of every process (the time between the processes left out)."""
+        missing = [k for k in ("rows", "probes", "seconds", "first_seconds") if k not in state]
+        if missing:
+            raise ValueError(f"argument 'state': not a Monitor.state() (it lacks {', '.join(missing)})")
         self.rows = [dict(r) for r in state["rows"]]
         self.probes, self.seconds, self.first_seconds = state["probes"], state["seconds"], state["first_seconds"]
+        self.started = time.perf_counter() - float(state.get("elapsed", 0.0))
 
     def close(self, total_seconds: float | None = None) -> dict:
         """Print the monitor's overhead on rank 0 (:meth:`overhead`) and return it."""

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import time
 import math
 import os
 import random
@@ -355,6 +356,26 @@ def test_overhead_before_a_second_probe_has_no_recurring_share(capsys):
     first, second = capsys.readouterr().err.splitlines()
     assert first == "[monitor] m: 1 probe took 2.00 s, 20.00 % of 10.0 s of training"
     assert second.endswith("; the first 2.00 s (it compiles the probe's kernels), the other 6.25 % of the rest")
+
+
+def test_a_restored_monitor_sets_every_process_probes_against_every_process_time():
+    """overhead() without a total, after restore(): the saved probes' seconds against the saved clock
+    plus this process's, not against this process's seconds alone (it gave a share of 249.6)."""
+    from osdn_diag.monitor import Monitor
+
+    saved = Monitor.__new__(Monitor)
+    saved.rows, saved.probes, saved.seconds, saved.first_seconds = [], 5, 50.0, 40.0
+    saved.started = time.perf_counter() - 1000.0  # a process that ran for 1,000 s
+    state = saved.state()
+    assert state["elapsed"] == pytest.approx(1000.0, abs=1.0)
+    mon = Monitor.__new__(Monitor)
+    mon.started = time.perf_counter()  # made just now, in another process
+    mon.restore(state)
+    o = mon.overhead()
+    assert o["total_seconds"] == pytest.approx(1000.0, abs=1.0) and o["fraction"] == pytest.approx(0.05, rel=1e-2)
+    assert o["fraction_after_first"] == pytest.approx(10.0 / 960.0, rel=1e-2)
+    with pytest.raises(ValueError, match=r"not a Monitor.state\(\) \(it lacks seconds, first_seconds\)"):
+        mon.restore({"rows": [], "probes": 5})
 
 
 def test_plot_training_draws_a_line_per_model_and_layer(trained):

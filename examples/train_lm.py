@@ -476,14 +476,20 @@ def _train(a: argparse.Namespace) -> dict:
     a.vocab_size = info["vocab_size"]
     if a.time_budget is not None and not (math.isfinite(a.time_budget) and a.time_budget > 0):
         raise SystemExit(f"argument --time-budget: expected a number of seconds > 0, got {a.time_budget}")
-    out = Path(a.out)
-    state_path = out / STATE
-    if not state_path.exists():
-        _check_fresh(out)
     specs = [parse_arch(s, a.eta) for s in a.arch]
     names = [n for n, _, _ in specs]
     if len(set(names)) != len(names):
         raise SystemExit("argument --arch: an architecture is named twice")
+    out = Path(a.out)
+    # What this command writes into --out, checked before it trains: a link there is not ours to
+    # replace or write through (found only at the end, it would fail after every step was trained).
+    for name in (STATE, "monitor.parquet", "train_summary.json", *(f"lm-{n}" for n in names)):
+        if (out / name).is_symlink():
+            raise SystemExit(f"--out {out}: {name} is a link; this command writes {name} itself and does not "
+                             "replace or write through a link: remove it, or choose another --out")
+    state_path = out / STATE
+    if not state_path.exists():
+        _check_fresh(out)
     if a.log_every < 1 or a.eval_every < 1:
         raise SystemExit("argument --log-every/--eval-every: expected at least 1 (steps between lines, evaluations)")
     if (a.stop_after is not None and a.stop_after < 1) or a.save_every < 0:

@@ -710,3 +710,15 @@ def test_ship_refuses_a_stopped_run(trained, script, tmp_path):
     with pytest.raises(SystemExit, match=r"--runs .*: a stopped run \(state.pt"):
         _ship(script, runs, tmp_path / "dest")
     assert not (tmp_path / "dest").exists()
+
+
+@pytest.mark.parametrize("name", ["monitor.parquet", "lm-deltanet", "state.pt"])
+def test_a_link_where_train_writes_is_refused_before_training(prepared, script, tmp_path, name):
+    _, _, data, _ = prepared
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / name).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(SystemExit, match=rf"--out {out}: {name} is a link"):
+        script.main([*TRAIN_ARGV, "--data", str(data), "--out", str(out)])
+    assert list(elsewhere.iterdir()) == [] and sorted(p.name for p in out.iterdir()) == [name]

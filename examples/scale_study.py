@@ -36,10 +36,11 @@ cores (8.4 GB of memory at its peak).
 (``--hidden/--layers/--heads/--intermediate`` override a preset's fields). Every ``--monitor-every``
 steps each model is probed on ``--monitor-windows`` held-out windows (``OUT/monitor.parquet``). Every
 ``--save-every`` steps, when ``--time-budget`` seconds have passed, and at ``--stop-after`` steps of
-this command, the whole state — every model and optimiser, the batch generator, the logs — goes to
-``OUT/state.pt`` (written atomically); the same command run again resumes from it and continues exactly
-as an uninterrupted run would (the batches, the schedule, the probes). A killed command loses only the
-steps since the last save. At the last step it measures each model's held-out perplexity (single and
+this command, the whole state — every model and optimiser, the batch generator, the logs, the monitors'
+rows and timings — goes to ``OUT/state.pt`` (written atomically); the same command run again resumes
+from it and continues exactly as an uninterrupted run would (the batches, the schedule, the probes).
+A resume that reads another corpus or tokenizer is refused, and so is a second command on the same
+``OUT`` while one runs (its lock). A killed command loses only the steps since the last save. At the last step it measures each model's held-out perplexity (single and
 twice, as train_lm.py), q_geo on the held-out windows as written (*single*) and on the second copy of
 each window repeated (*twice*), and writes ``OUT/results.json``:
 
@@ -224,6 +225,7 @@ def _train(a: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(a.seed)
     step, elapsed, logs = 0, 0.0, {n: [] for n in names}
     state_path = out / STATE
+    state = None
     if state_path.exists():
         # onto the CPU: the batch generator's state must be a CPU tensor (load_state_dict moves the
         # models' and optimisers' tensors to their parameters' device)
@@ -243,11 +245,15 @@ def _train(a: argparse.Namespace) -> dict:
     monitors = {n: Monitor(m, windows[:a.monitor_windows], every=a.monitor_every, out=out / "monitor.parquet",
                            name=n, autocast=torch.bfloat16 if on_gpu else None)
                 for n, m in models.items()} if a.monitor_every else {}
+    for n, mon in monitors.items():  # their rows and probe timings so far: results.json's share covers every command
+        if state is not None and n in state.get("monitors", {}):
+            mon.restore(state["monitors"][n])
 
     def save() -> None:
         train_lm.save_training_state(state_path, {
             "names": names, "size": size, "steps": a.steps, "reads": reads, "step": step,
             "elapsed": elapsed + time.perf_counter() - start, "logs": logs, "generator": gen.get_state(),
+            "monitors": {n: m.state() for n, m in monitors.items()},
             "models": {n: m.state_dict() for n, m in models.items()},
             "optimizers": {n: o.state_dict() for n, o in opts.items()},
         })

@@ -125,6 +125,8 @@ def test_a_stopped_and_resumed_run_ends_as_an_uninterrupted_one(data, script, tm
         other = second["models"][name]
         for key in ("loss", "heldout_nll", "heldout_nll_twice", "q_geo_single", "q_geo_twice", "q_arith_twice"):
             assert res[key] == other[key], (name, key)
+        # the monitor's account covers both commands' probes, not the last command's alone
+        assert res["monitor"]["probes"] == other["monitor"]["probes"] == 2, name
     assert set(whole["models"]) == {"deltanet", "osdn-eta0.003"}
     assert whole["gap"]["q_geo_single"] == (whole["models"]["osdn-eta0.003"]["q_geo_single"]
                                             - whole["models"]["deltanet"]["q_geo_single"])

@@ -45,7 +45,8 @@ every model and optimiser, the batch generator, the logs, the monitors' rows and
 ``OUT/state.pt`` (written atomically; ``--save-every N`` also saves it every N steps, so a killed
 command loses only the steps since). The same command run again resumes from it and continues as the
 uninterrupted run would (the same batches, schedule and probes); an option that changes the training
-(anything but ``--data``, ``--out``, ``--device``, the stopping options and ``--time-each``) is refused,
+(anything but ``--data``, ``--out``, ``--device``, the stopping options, ``--time-each``, and ``--eta``
+where every ``--arch`` entry names its own step size) is refused,
 and so is a ``--data`` whose corpus or tokenizer is not the one the run started on (the directory may
 move). A stopped command still writes its checkpoints and summary as they stand (``steps`` in
 ``train_summary.json`` says how far; ``ship`` refuses them while ``state.pt`` is there); the run's last
@@ -558,7 +559,7 @@ def _train(a: argparse.Namespace) -> dict:
             evals[n].append(row)
 
     bar = tqdm(total=a.steps, initial=step, desc="train " + "/".join(names), unit="step", disable=None)
-    progress = ProgressLines(bar, a.steps, start)  # lines on stderr where the bar is off
+    progress = ProgressLines(bar, a.steps, start, initial=step, resumed_at=here)  # lines where the bar is off
     stopped = False
     while step < a.steps:
         over = a.time_budget is not None and time.perf_counter() - here > a.time_budget
@@ -661,8 +662,10 @@ RESUME_FREE = ("command", "data", "out", "device", "time_budget", "stop_after", 
 
 
 def _recipe(a: argparse.Namespace) -> dict:
-    """What a resumed run must share with the run that saved the state: every other option."""
-    return {k: v for k, v in sorted(vars(a).items()) if k not in RESUME_FREE}
+    """What a resumed run must share with the run that saved the state: every other option (``--eta``
+    only where an ``--arch`` entry takes it, one of osdn, osdn-apf and osgdn named without ``:ETA``)."""
+    eta_used = any(":" not in spec and spec in ("osdn", "osdn-apf", "osgdn") for spec in a.arch)
+    return {k: v for k, v in sorted(vars(a).items()) if k not in RESUME_FREE and (k != "eta" or eta_used)}
 
 
 def save_training_state(path: Path, state: dict) -> None:

@@ -131,13 +131,15 @@ class ProgressLines:
     """A training loop's progress as lines on stderr where its tqdm bar is off (``disable=None`` turns
     it off when stderr is not a terminal: nohup, a batch job, output to a file), so that a run stopped
     by a time limit has said how far it got. ``on`` follows the bar: at a terminal the bar alone reports
-    and nothing is printed here. ``start`` is the loop's ``time.perf_counter()`` at its start."""
+    and nothing is printed here. ``start`` is the loop's ``time.perf_counter()`` at its start; a loop
+    resumed at step ``initial`` passes the clock reading at which this command began as ``resumed_at``,
+    so that its first line's seconds per step are this command's steps', not the run's average."""
 
-    def __init__(self, bar, total: int, start: float):
+    def __init__(self, bar, total: int, start: float, *, initial: int = 0, resumed_at: float | None = None):
         self.on = bool(bar.disable)
         self.total = total
         self.start = start
-        self._step, self._time = 0, start
+        self._step, self._time = initial, start if resumed_at is None else resumed_at
 
     def _print(self, text: str) -> None:
         print(f"[train] {text}", file=sys.stderr, flush=True)

@@ -367,16 +367,22 @@ def test_train_stopped_and_resumed_trains_as_one_command(prepared, script, tmp_p
         whole = script.main([*argv, "--out", str(tmp_path / "whole")])["osdn-eta0.03"]
     out = tmp_path / "parts"
     for part in range(2):
+        # the second command with another --eta, which no --arch entry here takes (osdn:0.03 names its
+        # own): no part of the recipe, it resumes
+        eta = ["--eta", "0.5"] if part else []
         with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()) as err:
-            stopped = script.main([*argv, "--out", str(out), "--stop-after", "1"])["osdn-eta0.03"]
+            stopped = script.main([*argv, "--out", str(out), "--stop-after", "1", *eta])["osdn-eta0.03"]
         assert stopped["steps"] == part + 1 and (out / "state.pt").is_file()
         assert f"stopped after step {part + 1} of 3" in err.getvalue()
         if part == 0:
             with pytest.raises(SystemExit, match=r"state.pt: saved by a run with other options \(--lr 0.01 there"):
                 script.main([*argv, "--out", str(out), "--lr", "0.02"])
+
     with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()) as err:
         resumed = script.main([*argv, "--out", str(out)])["osdn-eta0.03"]
     assert "resumed" in err.getvalue() and not (out / "state.pt").exists()
+    # its progress line counts this command's one step, not the run's three
+    assert re.search(r"\[train\] step 3/3: .* s/step \(last 1\)", err.getvalue()), err.getvalue()
     for key in ("steps", "loss", "heldout_nll", "heldout_nll_twice", "d"):
         assert resumed[key] == whole[key], key
     assert _without_seconds(resumed["evals"]) == _without_seconds(whole["evals"])

@@ -75,6 +75,8 @@ def test_a_resumed_gpu_run_ends_as_one_command(tmp_path):
             # The resumed run is as close to the first as the second uninterrupted run is (four times that
             # distance, for the spread of a three-run sample), or equal to 1e-6 where those two agree.
             bound = max(4 * abs(z - x), 1e-6 * abs(x))
+            print(f"{name} {what}: the resumed run {abs(y - x):.3g} from the whole run, the whole run again "
+                  f"{abs(z - x):.3g}")  # seen with pytest -s or -rP: how reproducible GPU training is
             assert abs(y - x) <= bound, (f"{name} {what}: whole {x!r}, resumed {y!r}, whole again {z!r}: "
                                          f"the resumed run is {abs(y - x):.3g} away, two whole runs {abs(z - x):.3g}")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from osdn_diag.runtime.host import from_host
-from osdn_diag.replay.call import _table_index
+from osdn_diag.replay.call import _table_index, _table_layout
 
 
 @pytest.mark.parametrize("dtype", [torch.long, torch.float64, torch.int32])
@@ -29,6 +29,8 @@ def test_table_index_of_segments():
     assert list(zip(seq.tolist(), head.tolist(), pos.tolist())) == expect
     assert row.tolist() == [segs[s][0] for s, _, _ in expect]
     assert t.tolist() == [segs[s][1] + p for s, _, p in expect]
+    # the rows of each (sequence, head) stream, in the table's order
+    assert _table_layout(segs, 2, torch.device("cpu"))[5].tolist() == [5, 5, 2, 2, 0, 0]
 
 
 def test_table_index_is_built_once_per_layout():

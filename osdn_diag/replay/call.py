@@ -255,23 +255,19 @@ def triton_replay(args: dict, *, chunked: bool = True):
 
 def _table_index(segments, H: int, device) -> tuple[torch.Tensor, ...]:
     """The per-token table's row order — sequence by sequence, head by head, position by position —
-    as index tensors ``[N]`` on ``device``: ``(sequence, head, pos, batch row, token)``.
+    as index tensors ``[N]`` on ``device``: ``(sequence, head, pos, batch row, token)``
+    (:func:`_table_layout`'s first five)."""
+    return _table_layout(segments, H, device)[:5]
 
-    Every layer of a forward batch has the same segments: the index is built once per layout and kept
-    (:func:`_cached_table_index`), which saves some fifteen small device operations per replayed call.
-    The tensors returned are shared between calls and must not be modified in place."""
+
+def _table_layout(segments, H: int, device) -> tuple[torch.Tensor, ...]:
+    """:func:`_table_index`'s five index tensors and, sixth, ``[S·H]``: the rows of each (sequence, head)
+    stream, in the table's order.
+
+    Every layer of a forward batch has the same segments: the layout is built once and kept (an LRU of
+    eight), which saves some fifteen small device operations per replayed call. The tensors returned
+    are shared between calls and must not be modified in place."""
     return _cached_table_index(tuple(tuple(int(x) for x in s) for s in segments), int(H), torch.device(device))
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_stream_lengths(segments: tuple, H: int, device: torch.device) -> torch.Tensor:
-    return from_host([e - s for _, s, e in segments for _ in range(H)], torch.long, device)
-
-
-def _stream_lengths(segments, H: int, device) -> torch.Tensor:
-    """``[S·H]``: the rows of each (sequence, head) stream of the per-token table, in its order (kept
-    per layout, as :func:`_table_index`)."""
-    return _cached_stream_lengths(tuple(tuple(int(x) for x in s) for s in segments), int(H), torch.device(device))
 
 
 @functools.lru_cache(maxsize=8)
@@ -279,7 +275,7 @@ def _cached_table_index(segments: tuple, H: int, device: torch.device) -> tuple[
     S = len(segments)
     if S == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)
-        return (empty,) * 5
+        return (empty,) * 6
     rows, starts, lengths = from_host(list(zip(*segments)), torch.long, device)
     lengths = lengths - starts
     block = lengths * H
@@ -289,7 +285,8 @@ def _cached_table_index(segments: tuple, H: int, device: torch.device) -> tuple[
     j = torch.arange(seq.numel(), device=device) - (torch.cumsum(block, 0) - block)[seq]
     L = lengths[seq]
     head, pos = j // L, j % L
-    return seq, head, pos, rows[seq], starts[seq] + pos
+    stream_lengths = lengths[:, None].expand(S, H).reshape(-1)
+    return seq, head, pos, rows[seq], starts[seq] + pos, stream_lengths
 
 
 def replay_call(
@@ -356,7 +353,7 @@ def replay_call(
         per_token["loss_before_decayed"] = res.loss_before_decayed
         per_token["residual_ratio_post"] = post
     per_token.update(res.columns)
-    seq, head, pos, row, t = _table_index(segments, H, finite.device)
+    seq, head, pos, row, t, stream_lengths = _table_layout(segments, H, finite.device)
     # A family that makes several writes per token (GatedDeltaProduct) records them as a sequence
     # ``micro_steps`` times longer: its rows keep the token's position in ``pos``.
     micro = int(call.flags.get("micro_steps", 1))
@@ -370,8 +367,7 @@ def replay_call(
     # Rows come stream by stream: one segmented sum per stream, in the same order on every run (a
     # scattered add on a GPU adds with atomics, in another order each time, and the fidelity's last
     # bits would differ between two identical runs).
-    per_stream = torch.segment_reduce(sq, "sum", lengths=_stream_lengths(segments, H, sq.device),
-                                      axis=0, unsafe=True).T
+    per_stream = torch.segment_reduce(sq, "sum", lengths=stream_lengths, axis=0, unsafe=True).T
     ok_stream = per_stream[2] == 0  # heads whose inputs are all finite in this sequence
     rel = per_stream[0].sqrt() / per_stream[1].sqrt().clamp_min(torch.finfo(dtype).tiny)
     worst_t = torch.where(ok_stream, rel, 0.0).amax() if rel.numel() else rel.new_zeros(())

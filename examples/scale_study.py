@@ -192,8 +192,7 @@ def _twice_q(model, windows: torch.Tensor, amp) -> tuple[float, float]:
 def train(a: argparse.Namespace) -> dict:
     """Train one size in lockstep into ``--out``, holding its lock (train_lm.holding): a second command on
     the same directory is refused at once."""
-    if a.time_budget is not None and not (math.isfinite(a.time_budget) and a.time_budget > 0):
-        raise SystemExit(f"argument --time-budget: expected a number of seconds > 0, got {a.time_budget}")
+    train_lm.check_time_budget(a.time_budget)
     with train_lm.holding(Path(a.out)):
         return _train(a)
 
@@ -233,9 +232,7 @@ def _train(a: argparse.Namespace) -> dict:
         if state["names"] != names or state["size"] != size or state["steps"] != a.steps:
             raise SystemExit(f"{state_path}: saved by a run of other models, size or --steps "
                              f"({state['names']}, {state['size']}, {state['steps']} steps); choose another --out")
-        if state.get("reads") != reads:
-            raise SystemExit(f"{state_path}: saved by a run that read another corpus (the corpus or tokenizer of "
-                             f"--data {data} differ); give the same --data to go on, or choose another --out")
+        train_lm.check_reads(state_path, state, reads, data)
         for n in names:
             models[n].load_state_dict(state["models"][n])
             opts[n].load_state_dict(state["optimizers"][n])

@@ -62,6 +62,7 @@ reference recurrences: only useful as a smoke test at a handful of steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shlex
@@ -76,6 +77,7 @@ import torch
 from tqdm import tqdm
 
 from osdn_diag.capture.store import atomic_write_text
+from osdn_diag.rundir import sha256_file
 from osdn_diag.runtime.atomic import atomic_path
 from osdn_diag.monitor import Monitor
 from osdn_diag.prompts import corpus
@@ -184,8 +186,6 @@ def _reused_tokenizer(path: Path):
     """``(tokenizer, its corpus.json description)`` from a ``tokenizer.json`` (or a directory holding one)
     that :func:`write_corpus` wrote: refused in one line if it is missing, unreadable, or has no
     end-of-text token at id 0 or a vocabulary beyond int16 (the held-out ids are int16)."""
-    import hashlib
-
     from tokenizers import Tokenizer
 
     file = path / "tokenizer.json" if path.is_dir() else path
@@ -196,7 +196,7 @@ def _reused_tokenizer(path: Path):
     if tok.token_to_id(corpus.END_OF_TEXT) != 0 or tok.get_vocab_size() > 32768:
         raise SystemExit(f"argument --tokenizer: {file} is not one that prepare wrote ({corpus.END_OF_TEXT} at id 0, "
                          "at most 32768 tokens)")
-    digest = hashlib.sha256(file.read_bytes()).hexdigest()
+    digest = sha256_file(file)
     return tok, f"byte-level BPE (Hugging Face tokenizers), reused: {file.name} of sha256 {digest}"
 
 
@@ -421,28 +421,38 @@ def train(a: argparse.Namespace) -> dict:
         return _train(a)
 
 
+@contextlib.contextmanager
 def holding(out: Path):
-    """``out``'s lock (:func:`osdn_diag.rundir.output_lock`), a refusal as one line; the temporaries a
-    killed save left there removed (nothing else writes into ``out`` while it is held)."""
-    import contextlib
-
+    """``out``'s lock (:func:`osdn_diag.rundir.output_lock`) while the block runs, a refusal to take it as
+    one line; the temporaries a killed save left there removed (nothing else writes into ``out`` while
+    it is held)."""
     from osdn_diag.rundir import RunDirectoryError, output_lock
     from osdn_diag.runtime.atomic import remove_stale_temporaries
 
-    @contextlib.contextmanager
-    def held():
+    with contextlib.ExitStack() as stack:
         try:
-            lock = output_lock(out)
-            lock.__enter__()
+            stack.enter_context(output_lock(out))
         except (RunDirectoryError, OSError) as err:
             raise SystemExit(f"--out {out}: {err}") from None
-        try:
-            remove_stale_temporaries(out)
-            yield
-        finally:
-            lock.__exit__(None, None, None)
+        remove_stale_temporaries(out)
+        yield
 
-    return held()
+
+def check_time_budget(seconds: float | None) -> None:
+    """``--time-budget``: none, or a number of seconds > 0 (0 stopped every command before its first step)."""
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise SystemExit(f"argument --time-budget: expected a number of seconds > 0, got {seconds}")
+
+
+def check_reads(path: Path, saved: dict, reads: dict, data) -> None:
+    """Refuse, in one line, a state ``path`` saved by a run that read another corpus or tokenizer than
+    ``reads`` (:func:`corpus_identity`) of ``--data data``."""
+    if saved.get("reads") == reads:
+        return
+    what = [w for w, k in (("the corpus", "corpus_sha256"), ("the tokenizer", "tokenizer_sha256"))
+            if (saved.get("reads") or {}).get(k) != reads[k]]
+    raise SystemExit(f"{path}: saved by a run that read another corpus ({' and '.join(what)} of --data "
+                     f"{data} differ); give the same --data to go on, or choose another --out")
 
 
 def _check_fresh(out: Path) -> None:
@@ -464,10 +474,7 @@ def _check_fresh(out: Path) -> None:
 def corpus_identity(data: Path, info: dict) -> dict:
     """What a resumed run must read that the stopped one read: the corpus (its ``corpus.json`` digest)
     and the tokenizer (its file's sha256), wherever the directory now is."""
-    import hashlib
-
-    return {"corpus_sha256": info.get("sha256"),
-            "tokenizer_sha256": hashlib.sha256((data / "tokenizer.json").read_bytes()).hexdigest()}
+    return {"corpus_sha256": info.get("sha256"), "tokenizer_sha256": sha256_file(data / "tokenizer.json")}
 
 
 def _train(a: argparse.Namespace) -> dict:
@@ -475,8 +482,7 @@ def _train(a: argparse.Namespace) -> dict:
     data = Path(a.data)
     info = corpus.corpus_info(data)
     a.vocab_size = info["vocab_size"]
-    if a.time_budget is not None and not (math.isfinite(a.time_budget) and a.time_budget > 0):
-        raise SystemExit(f"argument --time-budget: expected a number of seconds > 0, got {a.time_budget}")
+    check_time_budget(a.time_budget)
     specs = [parse_arch(s, a.eta) for s in a.arch]
     names = [n for n, _, _ in specs]
     if len(set(names)) != len(names):
@@ -688,11 +694,8 @@ def load_state(path: Path, a: argparse.Namespace, reads: dict | None = None) -> 
         raise SystemExit(f"{path}: not a training state of this script; remove it or choose another --out")
     theirs, ours = state["recipe"], _recipe(a)
     differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-    if reads is not None and state.get("reads") != reads:
-        what = [w for w, k in (("the corpus", "corpus_sha256"), ("the tokenizer", "tokenizer_sha256"))
-                if (state.get("reads") or {}).get(k) != reads[k]]
-        raise SystemExit(f"{path}: saved by a run that read another corpus ({' and '.join(what)} of --data "
-                         f"{a.data} differ); give the same --data to go on, or choose another --out")
+    if reads is not None:
+        check_reads(path, state, reads, a.data)
     if differ:
         listed = "; ".join(f"--{k.replace('_', '-')} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ)
         raise SystemExit(f"{path}: saved by a run with other options ({listed}); give the same options to go on, "

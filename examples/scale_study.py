@@ -340,6 +340,99 @@ def _train(a: argparse.Namespace) -> dict:
     return {"step": step, "done": True, **summary}
 
 
+# ------------------------------------------------------------------------------------------------ report
+def _results(path: str) -> tuple[Path, dict]:
+    """One ``results.json`` (or the ``train --out`` directory holding it), read strictly."""
+    f = Path(path)
+    f = f / "results.json" if f.is_dir() else f
+    if not f.is_file():
+        raise SystemExit(f"{path}: no results.json (a run not yet finished, or not a scale_study.py train --out)")
+
+    def refuse(constant):
+        raise SystemExit(f"{f}: holds {constant}, which is not JSON")
+
+    try:
+        res = json.loads(f.read_text(), parse_constant=refuse)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{f}: not readable as JSON ({exc})") from None
+    if not {"models", "gap", "config", "tokens"} <= set(res) or "deltanet" not in res["models"]:
+        raise SystemExit(f"{f}: not a scale_study.py results.json (expected models with deltanet, gap, config, tokens)")
+    return f, res
+
+
+def _label(res: dict) -> str:
+    c = res["config"]
+    return f"{res.get('preset', '?')} ({c['hidden']}×{c['layers']})"
+
+
+def report_table(runs: list[dict]) -> str:
+    """The runs' results as two markdown tables: every model (held-out perplexity single and twice,
+    q_geo single and twice, OSDN's mean d) and the OSDN − DeltaNet gap by size. Rows by parameters."""
+    lines = ["| size | parameters | tokens | model | perplexity | perplexity twice | q_geo single | q_geo twice "
+             "| d mean |", "|---|---|---|---|---|---|---|---|---|"]
+    for res in runs:
+        for name, m in res["models"].items():
+            d = m.get("d") or {}
+            lines.append(f"| {_label(res)} | {m['parameters'] / 1e6:.1f} M | {res['tokens'] / 1e6:.1f} M | {name} "
+                         f"| {m['heldout_ppl']:.3f} | {m['heldout_ppl_twice']:.3f} | {m['q_geo_single']:.4f} "
+                         f"| {m['q_geo_twice']:.4f} | {'' if 'mean' not in d else format(d['mean'], '.4f')} |")
+    lines += ["", "| size | parameters | OSDN − DeltaNet q_geo single | q_geo twice | perplexity |",
+              "|---|---|---|---|---|"]
+    for res in runs:
+        g = res["gap"]
+        lines.append(f"| {_label(res)} | {res['models']['deltanet']['parameters'] / 1e6:.1f} M "
+                     f"| {g['q_geo_single']:+.4f} | {g['q_geo_twice']:+.4f} | {g['heldout_ppl']:+.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def report_figure(runs: list[dict]):
+    """q_geo (single, solid; twice, dashed) of every model name against DeltaNet's parameter count, and
+    the OSDN − DeltaNet gap beside it; returns the matplotlib figure."""
+    from osdn_diag.report.plots import _figure
+
+    fig = _figure((11, 4.0), layout="constrained")
+    ax, gap = fig.subplots(1, 2)
+    x = [res["models"]["deltanet"]["parameters"] for res in runs]
+    names = list(dict.fromkeys(n for res in runs for n in res["models"]))
+    for i, name in enumerate(names):
+        pts = [(res["models"]["deltanet"]["parameters"], res["models"][name]) for res in runs if name in res["models"]]
+        for key, style in (("q_geo_single", "-"), ("q_geo_twice", "--")):
+            ax.plot([p for p, _ in pts], [m[key] for _, m in pts], style, color=f"C{i}", marker="o",
+                    label=f"{name}, {key.split('_')[-1]}")
+    for key, style in (("q_geo_single", "-"), ("q_geo_twice", "--")):
+        gap.plot(x, [res["gap"][key] for res in runs], style, color="k", marker="o", label=key.split("_")[-1])
+    gap.axhline(0.0, color="0.6", lw=0.8)
+    for a, title in ((ax, "$q_{geo}$ by model size"), (gap, "OSDN − DeltaNet $q_{geo}$")):
+        a.set_xscale("log")
+        a.set_xlabel("parameters (DeltaNet)")
+        a.set_title(title)
+        a.legend(fontsize=7)
+    ax.set_ylabel("$q_{geo}$ (held-out)")
+    return fig
+
+
+def report(a: argparse.Namespace) -> str:
+    """The finished runs named, side by side: ``--out`` gets ``scale.md`` (the tables) and ``scale.png``."""
+    read = [_results(r) for r in a.runs]
+    seen: dict[str, Path] = {}
+    for f, res in read:
+        key = json.dumps(res["config"], sort_keys=True)
+        if key in seen:
+            raise SystemExit(f"{f}: the same size as {seen[key]}; name each size once")
+        seen[key] = f
+    runs = sorted((res for _, res in read), key=lambda res: res["models"]["deltanet"]["parameters"])
+    table = report_table(runs)
+    print(table, end="")
+    if a.out:
+        from osdn_diag.report.plots import save_as
+
+        out = Path(a.out)
+        atomic_write_text(out / "scale.md", table)
+        save_as(report_figure(runs), out / "scale.png")
+        print(f"[scale] wrote {out / 'scale.md'} and {out / 'scale.png'}", file=sys.stderr)
+    return table
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -378,10 +471,13 @@ def main(argv=None):
     pt.add_argument("--time-budget", type=float, default=None,
                     help="seconds of training in this command; then save and stop")
     pt.add_argument("--stop-after", type=int, default=None, help="steps in this command; then save and stop")
+    pr = sub.add_parser("report", help="the finished sizes side by side: a table, and a plot with --out")
+    pr.add_argument("runs", nargs="+", help="train --out directories (or their results.json)")
+    pr.add_argument("--out", default=None, help="write scale.md and scale.png here")
     a = p.parse_args(argv)
     if a.command == "train" and (a.steps < 1 or a.monitor_every < 0 or a.monitor_windows < 1):
         p.error("expected --steps >= 1, --monitor-every >= 0 and --monitor-windows >= 1")
-    return {"prepare": prepare, "train": train}[a.command](a)
+    return {"prepare": prepare, "train": train, "report": report}[a.command](a)
 
 
 if __name__ == "__main__":

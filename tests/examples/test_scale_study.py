@@ -174,3 +174,78 @@ def test_resume_refuses_another_corpus_and_a_directory_in_use(data, script, tmp_
             _run(script, [*TINY, "--data", str(path), "--out", str(out), "--monitor-every", "0"])
     with pytest.raises(SystemExit, match="argument --time-budget: expected a number of seconds > 0, got 0"):
         _run(script, [*TINY, "--data", str(path), "--out", str(out), "--time-budget", "0"])
+
+
+def _fake_results(preset: str, hidden: int, layers: int, params: int, q: dict[str, tuple[float, float]]) -> dict:
+    models = {}
+    for i, (name, (single, twice)) in enumerate(q.items()):
+        models[name] = {"arch": name.split("-")[0], "parameters": params + i, "heldout_ppl": 10.0 + i / 8,
+                        "heldout_ppl_twice": 7.0 + i / 16, "q_geo_single": single, "q_geo_twice": twice,
+                        **({"d": {"mean": 1.0 + i / 100}} if name != "deltanet" else {})}
+    paper = models["osdn-eta0.003"]
+    return {"preset": preset, "config": {"hidden": hidden, "layers": layers, "heads": 4, "intermediate": 2 * hidden},
+            "tokens": 1_000_000 * layers, "models": models,
+            "gap": {"q_geo_single": paper["q_geo_single"] - models["deltanet"]["q_geo_single"],
+                    "q_geo_twice": paper["q_geo_twice"] - models["deltanet"]["q_geo_twice"],
+                    "heldout_ppl": paper["heldout_ppl"] - models["deltanet"]["heldout_ppl"]}}
+
+
+def test_report_puts_the_sizes_side_by_side(script, tmp_path):
+    small = _fake_results("h256", 256, 4, 3_700_000, {"deltanet": (0.286, 0.281), "osdn-eta0.003": (0.282, 0.279)})
+    large = _fake_results("h512", 512, 8, 21_000_000, {"deltanet": (0.31, 0.30), "osdn-eta0.003": (0.25, 0.26),
+                                                       "osdn-eta0.03": (0.24, 0.23)})
+    for name, res in (("large", large), ("small", small)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(res))
+    out = tmp_path / "report"
+    # the larger first on the command line: the table orders by parameters
+    table = script.main(["report", str(tmp_path / "large"), str(tmp_path / "small" / "results.json"),
+                         "--out", str(out)])
+    assert (out / "scale.md").read_text() == table
+    assert (out / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    models_part, gap_part = table.split("\n\n")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in models_part.splitlines()[2:]]
+    expected = [(res, name) for res in (small, large) for name in res["models"]]
+    assert len(rows) == len(expected) == 5
+    for row, (res, name) in zip(rows, expected):
+        m = res["models"][name]
+        assert row[3] == name and row[0].startswith(res["preset"])
+        assert float(row[1].removesuffix(" M")) == pytest.approx(m["parameters"] / 1e6, abs=0.05)
+        assert float(row[2].removesuffix(" M")) == pytest.approx(res["tokens"] / 1e6, abs=0.05)
+        assert [float(x) for x in row[4:8]] == pytest.approx(
+            [m["heldout_ppl"], m["heldout_ppl_twice"], m["q_geo_single"], m["q_geo_twice"]], abs=6e-4)
+        assert (row[8] == "") == ("d" not in m)
+    gaps = [[c.strip() for c in line.strip("|").split("|")] for line in gap_part.splitlines()[2:]]
+    assert [g[0].split()[0] for g in gaps] == ["h256", "h512"]
+    for g, res in zip(gaps, (small, large)):
+        osdn, delta = res["models"]["osdn-eta0.003"], res["models"]["deltanet"]
+        assert [float(x) for x in g[2:5]] == pytest.approx(
+            [osdn["q_geo_single"] - delta["q_geo_single"], osdn["q_geo_twice"] - delta["q_geo_twice"],
+             osdn["heldout_ppl"] - delta["heldout_ppl"]], abs=6e-4)
+    # the figure's lines carry the same numbers
+    fig = script.report_figure([small, large])
+    q_ax, gap_ax = fig.axes
+    lines = {ln.get_label(): ln for ln in q_ax.get_lines()}
+    assert list(lines["deltanet, single"].get_ydata()) == [0.286, 0.31]
+    assert list(lines["osdn-eta0.03, twice"].get_ydata()) == [0.23]
+    assert list(lines["osdn-eta0.03, twice"].get_xdata()) == [21_000_000]
+    single = next(ln for ln in gap_ax.get_lines() if ln.get_label() == "single")
+    assert list(single.get_ydata()) == pytest.approx([0.282 - 0.286, 0.25 - 0.31])
+
+
+def test_report_refuses_what_it_cannot_compare(script, tmp_path):
+    res = _fake_results("h256", 256, 4, 3_700_000, {"deltanet": (0.3, 0.3), "osdn-eta0.003": (0.3, 0.3)})
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(res))
+    with pytest.raises(SystemExit, match="the same size as"):
+        script.main(["report", str(tmp_path / "a"), str(tmp_path / "b")])
+    (tmp_path / "stopped").mkdir()
+    with pytest.raises(SystemExit, match="no results.json"):
+        script.main(["report", str(tmp_path / "stopped")])
+    (tmp_path / "b" / "results.json").write_text(json.dumps(res).replace("0.3", "NaN", 1))
+    with pytest.raises(SystemExit, match="holds NaN"):
+        script.main(["report", str(tmp_path / "b")])
+    (tmp_path / "b" / "results.json").write_text('{"models": {}}')
+    with pytest.raises(SystemExit, match="not a scale_study.py results.json"):
+        script.main(["report", str(tmp_path / "b")])

@@ -4,6 +4,7 @@ by osdn_diag.monitor, resumable across commands.
     python examples/scale_study.py prepare --data data/scale
     python examples/scale_study.py train --data data/scale --out runs/scale-512 --preset h512 \\
         --time-budget 540                      # repeat the same command until it prints "done"
+    python examples/scale_study.py report runs/scale-256 runs/scale-512 --out runs/report
 
 ``prepare`` builds an offline corpus from Python sources already on the machine: the running
 interpreter's standard library (PSF License) and the installed packages named by ``--packages``
@@ -49,6 +50,11 @@ each window repeated (*twice*), and writes ``OUT/results.json``:
      "heldout_ppl"}}      # gap: OSDN at --eta minus DeltaNet
 
 ``--device cpu`` runs the loop with the reference recurrences: only for a smoke test at a tiny size.
+
+``report RUN... [--out DIR]`` prints the finished sizes side by side, ordered by parameters: every
+model's held-out perplexity (single, twice), q_geo (single, twice) and OSDN's mean d, then the
+OSDN − DeltaNet gap by size; ``--out`` writes that table as ``scale.md`` and ``scale.png`` (q_geo and
+the gap against parameters).
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ move). A stopped command still writes its checkpoints and summary as they stand 
 command saves the state before its final evaluation and checkpoints, so that a failure there loses no
 step, and removes ``state.pt`` once they are written. A new run starts in a new or empty ``--out``: a
 finished run's directory is refused, not trained over. While a command runs it holds ``--out``'s lock;
-a second command on the same directory is refused at once.
+a second command on the same directory is refused at once. The cards and the summary quote the
+command without its stopping options.
 
 On a GPU ``train`` takes minutes. ``--device cpu`` runs the same loop with the differentiable
 reference recurrences: only useful as a smoke test at a handful of steps.
@@ -477,8 +478,27 @@ def corpus_identity(data: Path, info: dict) -> dict:
     return {"corpus_sha256": info.get("sha256"), "tokenizer_sha256": sha256_file(data / "tokenizer.json")}
 
 
+#: Options that only say where this command stops; the recipe a card and the summary quote leaves them out.
+STOP_OPTIONS = ("--time-budget", "--stop-after")
+
+
+def recipe_command(argv: list[str]) -> str:
+    """The command line that made a run, for its card and summary: ``argv`` without :data:`STOP_OPTIONS`
+    (``--opt VALUE`` or ``--opt=VALUE``), which differ between the commands of one run and do not change
+    what it trains."""
+    kept, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in STOP_OPTIONS:
+            skip = True
+        elif not x.startswith(tuple(f"{o}=" for o in STOP_OPTIONS)):
+            kept.append(x)
+    return "python examples/train_lm.py " + " ".join(shlex.quote(x) for x in kept)
+
+
 def _train(a: argparse.Namespace) -> dict:
-    command = "python examples/train_lm.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    command = recipe_command(sys.argv[1:])
     data = Path(a.data)
     info = corpus.corpus_info(data)
     a.vocab_size = info["vocab_size"]

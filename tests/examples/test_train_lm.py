@@ -353,6 +353,11 @@ def _without_seconds(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
 
 
+def test_recipe_command_leaves_out_where_a_command_stopped(script):
+    assert script.recipe_command(["train", "--time-budget", "480", "--steps", "3", "--stop-after=2", "--out", "a b"]) \
+        == "python examples/train_lm.py train --steps 3 --out 'a b'"
+
+
 def test_train_stopped_and_resumed_trains_as_one_command(prepared, script, tmp_path):
     """Stopped after each step by --stop-after and run again, the run ends where one command ends: the
     same weights bit for bit, the same losses, evaluations and probes; state.pt exists between the
@@ -370,9 +375,16 @@ def test_train_stopped_and_resumed_trains_as_one_command(prepared, script, tmp_p
         # the second command with another --eta, which no --arch entry here takes (osdn:0.03 names its
         # own): no part of the recipe, it resumes
         eta = ["--eta", "0.5"] if part else []
-        with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()) as err:
-            stopped = script.main([*argv, "--out", str(out), "--stop-after", "1", *eta])["osdn-eta0.03"]
+        command = [*argv, "--out", str(out), "--stop-after", "1", *eta]
+        with torch.random.fork_rng(), contextlib.redirect_stderr(io.StringIO()) as err, \
+                pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sys, "argv", ["examples/train_lm.py", *command])  # what the card's "Made by" quotes
+            stopped = script.main(command)["osdn-eta0.03"]
         assert stopped["steps"] == part + 1 and (out / "state.pt").is_file()
+        # the card and summary quote the recipe, not where this command stopped
+        made_by = json.loads((out / "train_summary.json").read_text())["command"]
+        assert "--stop-after" not in made_by and made_by.endswith(f"--out {out}{' --eta 0.5' if part else ''}") and made_by in (
+            out / "lm-osdn-eta0.03" / "README.md").read_text()
         assert f"stopped after step {part + 1} of 3" in err.getvalue()
         if part == 0:
             with pytest.raises(SystemExit, match=r"state.pt: saved by a run with other options \(--lr 0.01 there"):

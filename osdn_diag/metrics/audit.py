@@ -30,6 +30,7 @@ The numbers are kept as running extrema and counts, so they combine across calls
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -108,10 +109,12 @@ class AuditAccumulator:
         self.heads: dict[tuple[int, int], HeadAudit] = {}
 
     def add(self, call: KernelCall, loss_before: torch.Tensor, finite: torch.Tensor,
-            valid: torch.Tensor | None = None) -> None:
+            valid: torch.Tensor | None = None, *, segments: list[tuple[int, int, int]] | None = None) -> None:
         """``loss_before``, ``finite`` and ``valid`` are ``[B, T, H]``: the replay's ``loss_before``, its
         finiteness, and Theorem D.7's valid tokens (the replay's ``theorem_valid``; by default the
-        finite tokens with a non-zero residual), over which each stream's hypotheses are checked."""
+        finite tokens with a non-zero residual), over which each stream's hypotheses are checked.
+        ``segments`` are ``call.segments()`` where the caller has them already (with ``cu_seqlens`` on
+        a GPU, reading them again would wait for it)."""
         if valid is None:
             valid = finite & (loss_before != 0)
         k2 = call.k.double().square().sum(-1)
@@ -133,21 +136,24 @@ class AuditAccumulator:
                       torch.where(ok[..., None], d, -inf).amax((0, 1, 3))]
         read_as = str(call.flags.get("qk_read_as", "float32"))
         rounding = hypotheses.key_rounding_bound(read_as)
-        flags = self._stream_checks(call, k2, beta, valid, self.unit_tol + rounding)
+        flags = self._stream_checks(call, k2, beta, valid, self.unit_tol + rounding, segments)
         # One transfer for every head's numbers and every stream's checks (reading them one by one, or
-        # in two parts, would synchronise each time); the checks' booleans travel as 0.0 / 1.0.
+        # in two parts, would synchronise each time); the checks' booleans travel as 0.0 / 1.0. On the
+        # host they are counted with numpy: per head and check, a torch operation each would cost some
+        # 200 dispatches a call for eight heads.
         per_head = torch.stack([flags[name] for name in (*hypotheses.HYPOTHESES, "hypotheses_hold")], -1)
         stacked = torch.stack(stats)  # [statistics, H]
-        host = torch.cat([stacked.reshape(-1), per_head.double().reshape(-1)]).cpu()
+        host = torch.cat([stacked.reshape(-1), per_head.double().reshape(-1)]).cpu().numpy()
         rows = host[:stacked.numel()].reshape(stacked.shape).T.tolist()
-        per_head = host[stacked.numel():].bool().reshape(-1, call.num_heads, per_head.shape[-1])  # [S, H, checks + 1]
+        checks = host[stacked.numel():].reshape(-1, call.num_heads, per_head.shape[-1]) != 0  # [S, H, checks + 1]
+        holding = checks[:, :, -1].sum(0).tolist()  # [H]: streams on which every check passes
+        failing = (~checks[:, :, :-1]).sum(0).tolist()  # [H, checks]: streams failing each check
         for h, row in enumerate(rows):
             n, dev, b_lo, b_hi, n_zero, n_newton = row[:6]
-            streams = per_head[:, h]
             counted = HeadAudit(
-                streams=streams.shape[0],
-                hypotheses_hold=int(streams[:, -1].sum()),
-                hypotheses_failed={name: int((~streams[:, i]).sum()) for i, name in enumerate(hypotheses.HYPOTHESES)},
+                streams=checks.shape[0],
+                hypotheses_hold=int(holding[h]),
+                hypotheses_failed={name: int(failing[h][i]) for i, name in enumerate(hypotheses.HYPOTHESES)},
                 key_rounding_bound=rounding,
                 keys_read_as=frozenset({read_as}),
             )
@@ -167,38 +173,36 @@ class AuditAccumulator:
             )
             self.heads.setdefault((call.layer, h), HeadAudit()).merge(audit)
 
-    def _stream_checks(self, call: KernelCall, k2, beta, valid, tol: float) -> dict[str, torch.Tensor]:
+    def _stream_checks(self, call: KernelCall, k2, beta, valid, tol: float,
+                       segments: list[tuple[int, int, int]] | None = None) -> dict[str, torch.Tensor]:
         """The hypotheses' checks for the call's streams, ``[S·H]`` (stream ``i·H + h`` is head ``h``
-        of the call's ``i``-th sequence, as in ``comparator.parquet``), over the ``valid`` tokens."""
-        segs = call.segments()
+        of the call's ``i``-th sequence, as in ``comparator.parquet``), over the ``valid`` tokens
+        (``[B, T, H]``); ``segments`` are ``call.segments()``, when the caller has them."""
+        segs = call.segments() if segments is None else segments
         B, T, H = beta.shape
         dev = beta.device
-        # seq[b, t]: the sequence token (b, t) belongs to, or -1 (packed padding).
-        seq = torch.full((B, T), -1, dtype=torch.long)
-        for i, (row, start, end) in enumerate(segs):
-            seq[row, start:end] = i
-        seq = to_device(seq, dev)
-        m = (valid.bool() & (seq >= 0)[..., None]).reshape(-1)  # [B·T·H]
         P = len(segs) * H
-        idx = (seq.clamp_min(0)[..., None] * H + torch.arange(H, device=dev)).reshape(-1)
-
-        # Every token is scattered, the ones left out as the reduction's identity (``empty``, or a count
-        # of 0): selecting the valid ones (``x[m]``) would make the host wait for the GPU to learn how
-        # many there are, eight times a call.
-        def reduce(x, how, empty):
-            out = torch.full((P,), empty, dtype=torch.float64, device=dev)
-            return out.scatter_reduce(0, idx, torch.where(m, x.reshape(-1).double(), empty), how, include_self=True)
-
+        extremes = 4 if call.d is not None else 3
+        inside, idx, idx_wide = _stream_index(tuple(map(tuple, segs)), B, T, H, extremes, dev)
+        m = (valid.bool() & inside).reshape(-1)  # [B·T·H]
         n_valid = torch.zeros(P, dtype=torch.long, device=dev).index_add_(0, idx, m.long())
-        inf = float("inf")
-        dev_max = reduce((k2 - 1).abs(), "amax", -inf)
-        b_lo, b_hi = reduce(beta, "amin", inf), reduce(beta, "amax", -inf)
-        if call.d is None:
-            d_ok = torch.ones(P, dtype=torch.bool, device=dev)
-        else:
+
+        # Every token is scattered, the ones left out as the reduction's identity (-inf): selecting the
+        # valid ones (``x[m]``) would make the host wait for the GPU to learn how many there are. The
+        # stream extremes are one scattered maximum over a column each (a maximum is exact in any
+        # order): max |‖k‖² − 1|, max β, max −β (= −min β) and, with d, max of "some d_t outside the box".
+        cols = [(k2 - 1).abs(), beta, -beta]
+        if call.d is not None:
             lo, hi = self.box
-            outside = ~((call.d >= lo) & (call.d <= hi)).all(-1)  # [B, T, H]
-            d_ok = reduce(outside.double(), "amax", 0.0) == 0
+            cols.append(~((call.d >= lo) & (call.d <= hi)).all(-1))  # [B, T, H]
+        x = torch.stack(cols, -1).reshape(-1, extremes).double()  # [B·T·H, extremes]
+        x = torch.where(m[:, None], x, float("-inf"))
+        out = torch.full((P, extremes), float("-inf"), dtype=torch.float64, device=dev)
+        most = out.scatter_reduce(0, idx_wide, x, "amax", include_self=True).unbind(1)
+        dev_max, b_hi, b_lo = most[0], most[1], -most[2]
+        # No d: every d_t is 1, inside the box. A stream without valid tokens has −inf here; its check
+        # is vacuous (hypotheses.check reads it only where n_valid > 0).
+        d_ok = torch.ones(P, dtype=torch.bool, device=dev) if call.d is None else most[3] <= 0
         return hypotheses.check(n_valid, dev_max, b_lo, b_hi, d_ok, call.g is not None, tol)
 
     def merge(self, other: AuditAccumulator) -> None:
@@ -220,3 +224,22 @@ class AuditAccumulator:
             "by_layer": {f"{k:03d}": fmt(a) for k, a in sorted(by_layer.items())},
             "by_head": {f"{k[0]:03d}.{k[1]:03d}": fmt(a) for k, a in sorted(self.heads.items())},
         }
+
+
+@functools.lru_cache(maxsize=8)
+def _stream_index(segments: tuple, B: int, T: int, H: int, columns: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each token of a ``[B, T, H]`` grid with these segments belongs among the call's ``S·H``
+    streams: ``inside [B, T, 1]`` (False on packed padding), ``idx [B·T·H]`` (the token's stream, 0 on
+    padding) and ``idx`` expanded to ``[B·T·H, columns]``.
+
+    Every layer of a forward batch has the same segments: built once and kept (an LRU of eight),
+    which saves some thirty small operations per call. The tensors are shared between calls and
+    must not be modified in place."""
+    # seq[b, t]: the sequence token (b, t) belongs to, or -1 (packed padding).
+    seq = torch.full((B, T), -1, dtype=torch.long)
+    for i, (row, start, end) in enumerate(segments):
+        seq[row, start:end] = i
+    seq = to_device(seq, device)
+    idx = (seq.clamp_min(0)[..., None] * H + torch.arange(H, device=device)).reshape(-1)
+    return (seq >= 0)[..., None], idx, idx[:, None].expand(-1, columns)

@@ -93,9 +93,9 @@ def check(
         "no_decay": ~decay.bool(),
         "has_valid_token": has,
     }
-    hold = has
-    for name in HYPOTHESES:
-        hold = hold & flags[name]
+    # Every check at once (one stack and one reduction, not a conjunction per check); "has_valid_token"
+    # is among them.
+    hold = torch.stack([flags[name] for name in HYPOTHESES]).all(0)
     return {**flags, "hypotheses_hold": hold}
 
 

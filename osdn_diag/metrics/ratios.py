@@ -15,8 +15,8 @@ Relative position is ``pos / length`` of the token's sequence, binned into ``num
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Hashable, Mapping
 
 import numpy as np
 import torch
@@ -68,13 +68,27 @@ class RatioStats:
 Key = tuple[int, int, str, int]  # (layer, head, task, position bin)
 
 
+def _cell_lengths(code: torch.Tensor, size: int, dev) -> torch.Tensor:
+    """``[size]``: how many rows of each cell ``0..size−1`` there are, where ``code`` ``[N]`` (non-decreasing)
+    names each row's cell. Where ``code`` is out of order the lengths are meaningless but stay inside the
+    rows (the bounds are made non-decreasing), so that a caller may sum first and check the order after."""
+    bounds = torch.cummax(torch.searchsorted(code, torch.arange(size + 1, device=dev)), 0).values
+    return bounds.diff()
+
+
 def _cell_sums(code: torch.Tensor, values: torch.Tensor, size: int, dev) -> torch.Tensor:
     """``[size, 5]``: the sums of ``values`` ``[N, 5]`` over the rows of each cell ``0..size−1``, where
-    ``code`` ``[N]`` (non-decreasing) names each row's cell; one segmented sum per cell. Where ``code``
-    is out of order the sums are meaningless but the segments stay inside the rows (the bounds are
-    made non-decreasing), so that a caller may sum first and check the order after."""
-    bounds = torch.cummax(torch.searchsorted(code, torch.arange(size + 1, device=dev)), 0).values
-    return torch.segment_reduce(values, "sum", lengths=bounds.diff(), axis=0, unsafe=True)
+    ``code`` ``[N]`` (non-decreasing) names each row's cell; one segmented sum per cell (see
+    :func:`_cell_lengths` for rows out of order)."""
+    return torch.segment_reduce(values, "sum", lengths=_cell_lengths(code, size, dev), axis=0, unsafe=True)
+
+
+#: Row layouts already seen (:meth:`RatioAccumulator.add`'s ``layout``): key → ``(order, lengths)``, the
+#: stable sort of the rows by cell (``None`` where they come in cell order) and the rows per cell. At
+#: most eight, the most recently used kept. Device tensors: kept here, never in an accumulator (which
+#: is pickled between ranks).
+_LAYOUTS: OrderedDict = OrderedDict()
+_LAYOUTS_KEPT = 8
 
 
 class RatioAccumulator:
@@ -101,6 +115,8 @@ class RatioAccumulator:
         tasks: list[str],
         lengths: list[int],
         num_heads: int | None = None,
+        *,
+        layout: Hashable | None = None,
     ) -> None:
         """Add one replayed call. ``columns`` holds ``sequence``, ``head``, ``pos``, ``finite`` and the
         ratio column (1-D, one entry per token, on any one device); ``tasks[i]`` and ``lengths[i]``
@@ -112,32 +128,53 @@ class RatioAccumulator:
         order, as a replay's do, are not sorted again). The call's sequences of one task share their
         cells: their sums are added together on the host (numpy) before the cells are, so that the
         Python loop runs over (task, head, bin), not (sequence, head, bin): 80 entries instead of 640
-        for a batch of eight sequences of one task, ten bins and eight heads."""
+        for a batch of eight sequences of one task, ten bins and eight heads.
+
+        ``layout`` (any hashable key) names the rows' layout: calls given equal keys must have equal
+        ``sequence``, ``head`` and ``pos`` columns (and ``lengths`` and ``num_heads``). Each row's cell,
+        the rows per cell and whether the rows come in cell order depend only on that, and are then
+        found once per layout (an LRU of eight) instead of once per call: every layer of a forward batch
+        has the same one (the replay passes its segments, heads and micro-steps)."""
         if self.column not in columns:
             return
         finite = columns["finite"].bool()
         dev = finite.device
         q = torch.where(finite, columns[self.column].to(torch.float64), 1.0)
-        seq = columns["sequence"].long()
-        head = columns["head"].long()
-        length = from_host(lengths, torch.float64, dev)[seq]
-        rel = columns["pos"].to(torch.float64) / length
-        bins = (rel * self.num_bins).floor().long().clamp_(0, self.num_bins - 1)
         if num_heads is None:
+            head = columns["head"].long()
             num_heads = int(head.max()) + 1 if head.numel() else 1
-        code = (seq * num_heads + head) * self.num_bins + bins
         size = len(lengths) * num_heads * self.num_bins
         w = finite.to(torch.float64)
-        values = torch.stack([w, w * (q == 0), w * q.clamp_min(Q_FLOOR).log(), w * q, 1.0 - w], dim=1)
-        # A replay's rows come in cell order already: summed as they come, with a flag that says whether
-        # they did, read in the same transfer as the sums (asking first would wait for the GPU once
-        # more); rows out of order are sorted and summed again, on the host's word.
-        ordered = (code[1:] >= code[:-1]).all().double().reshape(1)
-        sums = _cell_sums(code, values, size, dev)
-        host = torch.cat([sums.reshape(-1), ordered]).cpu().numpy()  # the one transfer
-        if not host[-1]:
-            code, order = torch.sort(code, stable=True)
-            host = _cell_sums(code, values[order], size, dev).cpu().numpy()
+        # [N, 5]: n, n_zero, Σ log q, Σ q, excluded. A non-finite row has q = 1 here, so its (q == 0) and
+        # log q are 0 already (the same values as w·(q == 0) and w·log q, two operations fewer).
+        values = torch.stack([w, q == 0, q.clamp_min(Q_FLOOR).log(), w * q, 1.0 - w], dim=1)
+        key = None if layout is None else (layout, tuple(lengths), num_heads, self.num_bins, dev)
+        known = None if key is None else _LAYOUTS.get(key)
+        if known is not None:  # the cells of this layout's rows, found on an earlier call
+            _LAYOUTS.move_to_end(key)
+            order, cell_lengths = known
+            if order is not None:
+                values = values[order]
+            host = torch.segment_reduce(values, "sum", lengths=cell_lengths, axis=0, unsafe=True).cpu().numpy()
+        else:
+            code = self._codes(columns, lengths, num_heads)
+            # A replay's rows come in cell order already: summed as they come, with a flag that says
+            # whether they did, read in the same transfer as the sums (asking first would wait for the
+            # GPU once more); rows out of order are sorted and summed again, on the host's word.
+            ordered = (code[1:] >= code[:-1]).all().double().reshape(1)
+            cell_lengths = _cell_lengths(code, size, dev)
+            sums = torch.segment_reduce(values, "sum", lengths=cell_lengths, axis=0, unsafe=True)
+            host = torch.cat([sums.reshape(-1), ordered]).cpu().numpy()  # the one transfer
+            order = None
+            if not host[-1]:
+                code, order = torch.sort(code, stable=True)
+                cell_lengths = _cell_lengths(code, size, dev)
+                host = torch.segment_reduce(values[order], "sum", lengths=cell_lengths, axis=0,
+                                            unsafe=True).cpu().numpy()
+            if key is not None:
+                _LAYOUTS[key] = (order, cell_lengths)
+                while len(_LAYOUTS) > _LAYOUTS_KEPT:
+                    _LAYOUTS.popitem(last=False)
         sums = host[:size * 5].reshape(len(lengths), num_heads * self.num_bins, 5)
         for task in sorted(set(tasks)):
             part = sums[[i for i, t in enumerate(tasks) if t == task]].sum(0)  # [heads · bins, 5]
@@ -146,6 +183,16 @@ class RatioAccumulator:
                 n, n_zero, s_log, s, _ = part[c].tolist()
                 self.cells[(layer, h, task, b)] += RatioStats(int(n), int(n_zero), s_log, s)
         self.excluded_nonfinite += int(sums[..., 4].sum())
+
+    def _codes(self, columns: Mapping[str, torch.Tensor], lengths: list[int], num_heads: int) -> torch.Tensor:
+        """``[N]``: each row's cell among the call's ``(sequence, head, position bin)``, numbered
+        ``(sequence · num_heads + head) · num_bins + bin``."""
+        seq = columns["sequence"].long()
+        head = columns["head"].long()
+        length = from_host(lengths, torch.float64, seq.device)[seq]
+        rel = columns["pos"].to(torch.float64) / length
+        bins = (rel * self.num_bins).floor().long().clamp_(0, self.num_bins - 1)
+        return (seq * num_heads + head) * self.num_bins + bins
 
     def merge(self, other: RatioAccumulator) -> None:
         for key, stats in other.cells.items():

@@ -27,6 +27,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..runtime.host import from_host
@@ -158,7 +159,8 @@ class CallReplay:
     ``state_rounding_units`` the same error in units of the unit roundoff of the kernel's working
     precision (:func:`working_precision`): a few units or less is what rounding explains.
     ``kernel`` names what replayed the call: ``"chunk"`` or ``"fused"`` (the Triton replays),
-    ``"torch"`` (the reference recurrence) or ``"family"`` (a family's own replay).
+    ``"torch"`` (the reference recurrence) or ``"family"`` (a family's own replay). ``segments`` are
+    the call's ``(row, start, end)`` (:meth:`KernelCall.segments`), for the statistics that need them.
     """
 
     columns: dict[str, torch.Tensor]
@@ -173,17 +175,23 @@ class CallReplay:
     state_rounding_units: float | None = None
     nonfinite_streams: list[tuple[int, int]] = field(default_factory=list)
     kernel: str = "torch"
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def _finite_mask(call: KernelCall) -> torch.Tensor:
-    """``[B, T, H]``: True where every captured input of that token and head is finite."""
-    ok = torch.isfinite(call.beta)
+    """``[B, T, H]``: True where every captured input of that token and head is finite.
+
+    ``x · 0`` is 0 for a finite ``x`` and NaN for ±Inf and NaN, and a sum holding a NaN is NaN: a token
+    is finite where the sum of ``x · 0`` over its inputs is 0. Three operations per input, where
+    ``isfinite(x).all(-1)`` (``isfinite`` itself is four) takes six on every call."""
     # A family's per-sequence extras (its further states, named initial_* / final_*) are not per token.
     per_token = [x for n, x in call.extra.items() if not n.startswith(("initial_", "final_"))]
+    poisoned = call.beta * 0
     for x in (call.q, call.k, call.v, call.g, call.d, call.write_key, *per_token):
         if x is not None:
-            ok &= torch.isfinite(x).all(-1) if x.dim() == 4 else torch.isfinite(x)
-    return ok
+            zero = x * 0
+            poisoned = poisoned + (zero.sum(-1) if x.dim() == 4 else zero)
+    return poisoned == 0
 
 
 def zero_nonfinite(x: torch.Tensor | None, bad: torch.Tensor) -> torch.Tensor | None:
@@ -214,6 +222,10 @@ def recurrence_inputs(call: KernelCall, dtype: torch.dtype, bad: torch.Tensor | 
         cu_seqlens=call.cu_seqlens,
         dtype=dtype,
     )
+
+
+#: The host dtype of a replay's values (fp32 or fp64), for reading them from the one transfer.
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 #: Replay engines: the reference recurrence in torch (any device); the Triton replays, chunked where
@@ -261,11 +273,12 @@ def _table_index(segments, H: int, device) -> tuple[torch.Tensor, ...]:
 
 
 def _table_layout(segments, H: int, device) -> tuple[torch.Tensor, ...]:
-    """:func:`_table_index`'s five index tensors and, sixth, ``[S·H]``: the rows of each (sequence, head)
-    stream, in the table's order.
+    """:func:`_table_index`'s five index tensors; sixth, ``[S·H]``: the rows of each (sequence, head)
+    stream, in the table's order; seventh, ``[N]``: each row's stream ``sequence · H + head``; eighth,
+    ``[3, N]`` int32: sequence, head and pos stacked, as the table's integer columns travel to the host.
 
     Every layer of a forward batch has the same segments: the layout is built once and kept (an LRU of
-    eight), which saves some fifteen small device operations per replayed call. The tensors returned
+    eight), which saves some twenty small device operations per replayed call. The tensors returned
     are shared between calls and must not be modified in place."""
     return _cached_table_index(tuple(tuple(int(x) for x in s) for s in segments), int(H), torch.device(device))
 
@@ -275,7 +288,7 @@ def _cached_table_index(segments: tuple, H: int, device: torch.device) -> tuple[
     S = len(segments)
     if S == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)
-        return (empty,) * 6
+        return (empty,) * 7 + (torch.zeros(3, 0, dtype=torch.int32, device=device),)
     rows, starts, lengths = from_host(list(zip(*segments)), torch.long, device)
     lengths = lengths - starts
     block = lengths * H
@@ -286,7 +299,8 @@ def _cached_table_index(segments: tuple, H: int, device: torch.device) -> tuple[
     L = lengths[seq]
     head, pos = j // L, j % L
     stream_lengths = lengths[:, None].expand(S, H).reshape(-1)
-    return seq, head, pos, rows[seq], starts[seq] + pos, stream_lengths
+    ints = torch.stack([seq, head, pos]).to(torch.int32)
+    return seq, head, pos, rows[seq], starts[seq] + pos, stream_lengths, seq * H + head, ints
 
 
 def replay_call(
@@ -336,7 +350,7 @@ def replay_call(
         res = triton_replay(recurrence_inputs(call, dtype, bad), chunked=backend == "triton")
         kernel = res.kernel
 
-    segments = call.segments()
+    segments = call.segments()  # with cu_seqlens on a GPU this waits for it: read once, passed on
     H = call.num_heads
     k2 = call.k.to(dtype).square().sum(-1)
     continuous = zero_residual == "continuous" and family_replay is None
@@ -353,13 +367,13 @@ def replay_call(
         per_token["loss_before_decayed"] = res.loss_before_decayed
         per_token["residual_ratio_post"] = post
     per_token.update(res.columns)
-    seq, head, pos, row, t, stream_lengths = _table_layout(segments, H, finite.device)
+    seq, head, pos, row, t, stream_lengths, stream, ints_dev = _table_layout(segments, H, finite.device)
     # A family that makes several writes per token (GatedDeltaProduct) records them as a sequence
     # ``micro_steps`` times longer: its rows keep the token's position in ``pos``.
     micro = int(call.flags.get("micro_steps", 1))
     if micro > 1:
         pos = pos // micro
-    stream = seq * H + head  # (sequence, head) of every row
+        ints_dev = torch.stack([seq, head, pos]).to(torch.int32)
     # Fidelity per (sequence, head): ‖o − o_kernel‖ / ‖o_kernel‖ over the stream's tokens.
     kernel_o = call.o.to(dtype)
     sq = torch.stack([(res.o.to(dtype) - kernel_o).square().sum(-1), kernel_o.square().sum(-1),
@@ -367,9 +381,9 @@ def replay_call(
     # Rows come stream by stream: one segmented sum per stream, in the same order on every run (a
     # scattered add on a GPU adds with atomics, in another order each time, and the fidelity's last
     # bits would differ between two identical runs).
-    per_stream = torch.segment_reduce(sq, "sum", lengths=stream_lengths, axis=0, unsafe=True).T
-    ok_stream = per_stream[2] == 0  # heads whose inputs are all finite in this sequence
-    rel = per_stream[0].sqrt() / per_stream[1].sqrt().clamp_min(torch.finfo(dtype).tiny)
+    o_err, o_norm, n_bad = torch.segment_reduce(sq, "sum", lengths=stream_lengths, axis=0, unsafe=True).unbind(1)
+    ok_stream = n_bad == 0  # heads whose inputs are all finite in this sequence
+    rel = o_err.sqrt() / o_norm.sqrt().clamp_min(torch.finfo(dtype).tiny)
     worst_t = torch.where(ok_stream, rel, 0.0).amax() if rel.numel() else rel.new_zeros(())
     # Final state per (sequence, head) against the kernel's fp32 one, over the finite streams.
     state_t = None
@@ -381,33 +395,36 @@ def replay_call(
         state_t = torch.where(ok_stream, state_rel, 0.0).amax()
     # Everything the host needs in one transfer (each would wait for the GPU): the columns and the
     # fidelity numbers as the bits of integers of their width, beside the indices in that width (an
-    # integer copy moves bits as they are), split again on the host.
-    values_dev = torch.stack([per_token[name][row, t, head] for name in per_token])
-    ints_dev = torch.stack([seq, head, pos, ok_stream[stream].long()]).to(torch.int32)
+    # integer copy moves bits as they are), split again on the host (with numpy: slicing there costs
+    # no torch operations). The columns are stacked first and gathered in table order at once
+    # ([columns, B, T, H] → [columns, N]: one gather, not one per column).
+    values_dev = torch.stack(list(per_token.values()))[:, row, t, head]  # [columns, N]
+    finite_dev = ok_stream[stream]  # [N]: the row's stream has finite inputs throughout
     vtype = values_dev.dtype  # the replay's dtype, fp32 or fp64
     wide = torch.int64 if vtype.itemsize == 8 else torch.int32
     worst_state = torch.stack([worst_t, worst_t if state_t is None else state_t, (~ok_stream).sum().to(dtype)])
-    host = torch.cat([values_dev.reshape(-1).view(wide), ints_dev.to(wide).reshape(-1),
-                      worst_state.to(vtype).view(wide)]).cpu()
-    n_values = values_dev.numel()
-    values = host[:n_values].view(vtype).view(values_dev.shape)
-    ints = host[n_values:n_values + ints_dev.numel()].view(ints_dev.shape).to(torch.int32)
-    worst, state_err, nonfinite = host[-3:].view(vtype).tolist()
+    host = torch.cat([values_dev.reshape(-1).view(wide), ints_dev.to(wide).reshape(-1), finite_dev.to(wide),
+                      worst_state.to(vtype).view(wide)]).cpu().numpy()
+    n_values, n_rows = values_dev.numel(), values_dev.shape[1]
+    values = torch.from_numpy(host[:n_values].view(_NUMPY[vtype]).reshape(values_dev.shape))
+    ints = host[n_values:n_values + 4 * n_rows].reshape(4, n_rows)
+    worst, state_err, nonfinite = host[-3:].view(_NUMPY[vtype]).tolist()
     state_err, nonfinite = (None if state_t is None else state_err), int(nonfinite)
 
     streams_bad: list[tuple[int, int]] = []
     grid_finite = finite
     if nonfinite:  # rare: only then is the per-stream flag read back and spread over the grid
         grid_finite = torch.ones_like(finite)
-        grid_finite[row, t, head] = ok_stream[stream]
+        grid_finite[row, t, head] = finite_dev
         streams_bad = [divmod(int(i), H) for i in torch.nonzero(~ok_stream).flatten().cpu()]
 
-    def as_columns(values, ints):
-        columns = {name: values[i] for i, name in enumerate(per_token)}
-        columns.update(sequence=ints[0], head=ints[1], pos=ints[2], finite=ints[3].bool())
+    def as_columns(values, sequence, head, pos, finite):
+        columns = dict(zip(per_token, values.unbind(0)))
+        columns.update(sequence=sequence, head=head, pos=pos, finite=finite)
         return columns
 
-    columns = as_columns(values, ints)
+    columns = as_columns(values, *(torch.from_numpy(x) for x in ints[:3].astype(np.int32, copy=False)),
+                         torch.from_numpy(ints[3] != 0))
     tol = default_tolerance(call) if tolerance is None else tolerance
     where = (f"layer {call.layer} ({call.layer_name}, kernel {call.kernel}, "
              f"{call.flags.get('path', 'chunk')} path, {call.input_dtype} inputs)")
@@ -452,11 +469,12 @@ def replay_call(
             "residual_ratio": ratio,
             "theorem_valid": grid_finite if continuous and post is None else grid_finite & (res.loss_before > 0),
         },
-        device_columns=as_columns(values_dev, ints_dev),  # on the CPU: the same tensors as ``columns``
+        device_columns=as_columns(values_dev, *ints_dev.unbind(0), finite_dev),
         state_fidelity=state_err,
         state_tolerance=state_tol,
         state_rounding_units=units,
         nonfinite_streams=streams_bad,
         kernel=kernel,
+        segments=segments,
     )
 

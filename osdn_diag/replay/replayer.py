@@ -161,8 +161,11 @@ class Replayer:
             self._add_state(call.layer, res.state_fidelity, res.state_tolerance, res.state_rounding_units,
                             working_precision(call))
         tasks = [str(self.prompts.get(p, {}).get("task", "")) for p in stored.prompts]
+        # The rows' layout: the table's sequence, head and pos columns are a function of it (the
+        # ratio statistics find each row's cell once per layout; every layer of a batch shares it).
+        layout = (tuple(map(tuple, res.segments)), call.num_heads, int(call.flags.get("micro_steps", 1)))
         for acc in (self.ratios, self.post):
-            acc.add(call.layer, res.device_columns, tasks, res.sequence_lengths, call.num_heads)
+            acc.add(call.layer, res.device_columns, tasks, res.sequence_lengths, call.num_heads, layout=layout)
         if "step" in res.device_columns:  # a micro-step family: its token rows, apart
             first = {k: v[res.device_columns["step"] == 0] for k, v in res.device_columns.items()}
             for acc in (self.tokens, self.tokens_post):
@@ -173,8 +176,9 @@ class Replayer:
                     # A figure's value may be undefined (NaN) on a finite token: left out, and counted.
                     cols = dict(res.device_columns)
                     cols["finite"] = cols["finite"].bool() & torch.isfinite(cols[acc.column])
-                    acc.add(call.layer, cols, tasks, res.sequence_lengths, call.num_heads)
-        self.audit.add(call, res.grid["loss_before"], res.grid["finite"], res.grid["theorem_valid"])
+                    acc.add(call.layer, cols, tasks, res.sequence_lengths, call.num_heads, layout=layout)
+        self.audit.add(call, res.grid["loss_before"], res.grid["finite"], res.grid["theorem_valid"],
+                       segments=res.segments)
         decode_start = _decode_start(call)
         if decode_start >= 0:
             _add_phases(self.phases, res.device_columns, decode_start)
@@ -452,28 +456,19 @@ class _Problems:
     def of(cls, stored: StoredCall, call: KernelCall, res, prompts: dict) -> _Problems:
         """The call's problems: problem ``i·H + h`` is head ``h`` of the call's ``i``-th sequence."""
         H = call.num_heads
-        segs = call.segments()
+        segs = res.segments
         dev = call.k.device
         S = len(segs)
-        L = max((e - s for _, s, e in segs), default=0)
-        row, start, n = from_host([[r for r, _, _ in segs], [s for _, s, _ in segs], [e - s for _, s, e in segs]],
-                                  torch.long, dev)
-        pos = torch.arange(L, device=dev)
-        inside = pos[None, :] < n[:, None]  # [S, L]
-        # Padding reads the sequence's last token (eps_at_final_d reads d at the last position);
-        # k, β and q are then masked there.
-        t = start[:, None] + torch.minimum(pos[None, :], (n - 1).clamp_min(0)[:, None])
+        row, t, head, mask, started = _problem_layout(tuple(map(tuple, segs)), H, dev)
 
-        def streams(x):  # [B, T, H, ...] → [S·H, L, ...]
-            y = x[row[:, None], t]  # [S, L, H, ...]
-            return y.transpose(1, 2).reshape(S * H, L, *x.shape[3:])
+        def streams(x):  # [B, T, H, ...] → [S·H, L, ...]: one gather
+            return x[row, t, head]
 
-        mask = inside[:, None].expand(S, H, L).reshape(S * H, L)  # [P, L] (repeat_interleave(H, 0), without a wait)
         k = torch.where(mask[..., None], streams(call.k).float(), 0.0)
         beta = torch.where(mask, streams(call.beta).float(), 0.0)
         d = None
         if call.d is not None:
-            d = torch.where((n > 0)[:, None].expand(S, H).reshape(S * H)[:, None, None], streams(call.d).float(), 1.0)
+            d = torch.where(started[:, None, None], streams(call.d).float(), 1.0)
         # The call's ratios and Theorem D.7's tokens, as the replay's zero-residual mode set them.
         q = torch.where(mask, streams(res.grid["residual_ratio"]).double(), 1.0)
         valid = mask & streams(res.grid["theorem_valid"])
@@ -512,6 +507,29 @@ class _Problems:
         for name, x in cols.items():
             data[name] = pa.array(x.cpu().numpy())
         return pa.table(data)
+
+
+@functools.lru_cache(maxsize=8)
+def _problem_layout(segments: tuple, H: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Where the comparator's problems read a call's ``[B, T, H, ...]`` tensors, for ``segments``
+    (``(row, start, end)`` of each sequence) and ``H`` heads: ``row, t, head`` ``[S·H, L]`` (``L`` the
+    longest sequence; problem ``i·H + h`` is head ``h`` of sequence ``i``; padding reads the sequence's
+    last token, as ``eps_at_final_d`` reads d at the last position), ``mask [S·H, L]`` (inside the
+    sequence) and ``started [S·H]`` (the sequence has a token).
+
+    Every layer of a forward batch has the same segments: built once and kept (an LRU of eight), which
+    saves some twenty small operations per call. Shared between calls: not to be modified in place."""
+    S = len(segments)
+    L = max((e - s for _, s, e in segments), default=0)
+    row, start, n = from_host([[r for r, _, _ in segments], [s for _, s, _ in segments],
+                               [e - s for _, s, e in segments]], torch.long, device)
+    pos = torch.arange(L, device=device)
+    inside = pos[None, :] < n[:, None]  # [S, L]
+    t = start[:, None] + torch.minimum(pos[None, :], (n - 1).clamp_min(0)[:, None])  # [S, L]
+    per_problem = lambda x: x[:, None].expand(S, H, *x.shape[1:]).reshape(S * H, *x.shape[1:])  # noqa: E731
+    head = torch.arange(H, device=device)[None, :, None].expand(S, H, L).reshape(S * H, L)
+    return (per_problem(row)[:, None].expand(S * H, L), per_problem(t), head, per_problem(inside),
+            per_problem(n > 0))
 
 
 def comparator_summary(table: pa.Table, box: tuple[float, float]) -> dict:

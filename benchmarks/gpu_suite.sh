@@ -40,6 +40,8 @@ steps=("$@")
 # with the monitor on, from the corpus in $LMDATA, into $LM_OUT (a new or empty directory, or one this
 # step left stopped, which it resumes; default: a new one under /tmp), stopped by --time-budget
 # $LM_BUDGET (450 s) before the step's limit with its state saved; the checkpoints are returned once done.
+# Keep LM_OUT and SCALE_OUT outside the repository: where each command arrives as a fresh copy of it, a
+# folder inside is not there for the next command to resume from.
 LMDATA=${LMDATA:-.lmdata}
 LM_OUT=${LM_OUT:-}
 # scale_prepare / scale: examples/scale_study.py's corpus, built here from this machine's own sources with

@@ -391,8 +391,12 @@ def report_table(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: How report_figure draws each measure: single as written (solid, dots), twice (dashed, squares).
+LINES = (("q_geo_single", "-", "o"), ("q_geo_twice", "--", "s"))
+
+
 def report_figure(runs: list[dict]):
-    """q_geo (single, solid; twice, dashed) of every model name against DeltaNet's parameter count, and
+    """q_geo (single: solid, dots; twice: dashed, squares) of every model name against DeltaNet's parameter count, and
     the OSDN − DeltaNet gap beside it; returns the matplotlib figure."""
     from osdn_diag.report.plots import _figure
 
@@ -402,11 +406,11 @@ def report_figure(runs: list[dict]):
     names = list(dict.fromkeys(n for res in runs for n in res["models"]))
     for i, name in enumerate(names):
         pts = [(res["models"]["deltanet"]["parameters"], res["models"][name]) for res in runs if name in res["models"]]
-        for key, style in (("q_geo_single", "-"), ("q_geo_twice", "--")):
-            ax.plot([p for p, _ in pts], [m[key] for _, m in pts], style, color=f"C{i}", marker="o",
+        for key, style, marker in LINES:
+            ax.plot([p for p, _ in pts], [m[key] for _, m in pts], style, color=f"C{i}", marker=marker,
                     label=f"{name}, {key.split('_')[-1]}")
-    for key, style in (("q_geo_single", "-"), ("q_geo_twice", "--")):
-        gap.plot(x, [res["gap"][key] for res in runs], style, color="k", marker="o", label=key.split("_")[-1])
+    for key, style, marker in LINES:
+        gap.plot(x, [res["gap"][key] for res in runs], style, color="k", marker=marker, label=key.split("_")[-1])
     gap.axhline(0.0, color="0.6", lw=0.8)
     for a, title in ((ax, "$q_{geo}$ by model size"), (gap, "OSDN − DeltaNet $q_{geo}$")):
         a.set_xscale("log")

@@ -65,7 +65,6 @@ import importlib.metadata as metadata
 import importlib.util
 import json
 import math
-import shlex
 import sys
 import time
 from contextlib import nullcontext
@@ -204,7 +203,7 @@ def train(a: argparse.Namespace) -> dict:
 
 
 def _train(a: argparse.Namespace) -> dict:
-    command = "python examples/scale_study.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    command = train_lm.recipe_command(sys.argv[1:], "examples/scale_study.py")
     data = Path(a.data)
     info = corpus.corpus_info(data)
     reads = train_lm.corpus_identity(data, info)

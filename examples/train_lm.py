@@ -482,10 +482,10 @@ def corpus_identity(data: Path, info: dict) -> dict:
 STOP_OPTIONS = ("--time-budget", "--stop-after")
 
 
-def recipe_command(argv: list[str]) -> str:
-    """The command line that made a run, for its card and summary: ``argv`` without :data:`STOP_OPTIONS`
-    (``--opt VALUE`` or ``--opt=VALUE``), which differ between the commands of one run and do not change
-    what it trains."""
+def recipe_command(argv: list[str], script: str = "examples/train_lm.py") -> str:
+    """The command line that made a run, for its card and summary: ``python SCRIPT`` and ``argv`` without
+    :data:`STOP_OPTIONS` (``--opt VALUE`` or ``--opt=VALUE``), which differ between the commands of one
+    run and do not change what it trains (scale_study.py's resumable runs quote theirs the same way)."""
     kept, skip = [], False
     for x in argv:
         if skip:
@@ -494,7 +494,7 @@ def recipe_command(argv: list[str]) -> str:
             skip = True
         elif not x.startswith(tuple(f"{o}=" for o in STOP_OPTIONS)):
             kept.append(x)
-    return "python examples/train_lm.py " + " ".join(shlex.quote(x) for x in kept)
+    return f"python {script} " + " ".join(shlex.quote(x) for x in kept)
 
 
 def _train(a: argparse.Namespace) -> dict:

@@ -111,7 +111,12 @@ def test_a_stopped_and_resumed_run_ends_as_an_uninterrupted_one(data, script, tm
     first = _run(script, [*TINY, "--data", str(path), "--out", str(tmp_path / "parts"), "--stop-after", "2"])
     assert first == {"step": 2, "done": False}
     assert not (tmp_path / "parts" / "results.json").exists()
-    second = _run(script, [*TINY, "--data", str(path), "--out", str(tmp_path / "parts")])
+    last = [*TINY, "--data", str(path), "--out", str(tmp_path / "parts"), "--time-budget", "100000"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["examples/scale_study.py", *last])  # what results.json quotes
+        second = _run(script, last)
+    # the recipe, without where a command stopped
+    assert second["command"] == "python examples/scale_study.py " + " ".join(last[:-2])
     assert whole["done"] and second["done"] and second["steps"] == whole["steps"] == 4
 
     a = torch.load(tmp_path / "whole" / "state.pt", weights_only=True)

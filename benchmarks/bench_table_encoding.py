@@ -25,6 +25,7 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from _common import write_json
 
@@ -37,19 +38,12 @@ LABELS = ("prompt", "task", "layer", "head", "repeat_start", "decode_start", "fi
 
 
 def host_columns(prompts: int, T: int, H: int, seed: int) -> dict:
-    """One call's host columns in the replay's row order (sequence, head, pos), as numpy-backed
-    tensors are read by ``_arrow_table`` (anything with ``.numpy()``)."""
+    """One call's host columns in the replay's row order (sequence, head, pos): CPU tensors, as
+    ``replay_call`` hands them to ``_arrow_table``."""
     rng = np.random.default_rng(seed)
     n = prompts * H * T
     before = rng.exponential(size=n).astype(np.float32)
     ratio = rng.beta(2.0, 5.0, size=n).astype(np.float32)
-
-    class Host:  # ``.numpy()`` as a CPU tensor has it
-        def __init__(self, a):
-            self.a = a
-
-        def numpy(self):
-            return self.a
 
     cols = {
         "sequence": np.repeat(np.arange(prompts, dtype=np.int32), H * T),
@@ -60,7 +54,7 @@ def host_columns(prompts: int, T: int, H: int, seed: int) -> dict:
         "write_gain": rng.random(n, dtype=np.float32), "loss_before": before,
         "loss_after": before * ratio, "residual_ratio": ratio,
     }
-    return {k: Host(v) for k, v in cols.items()}
+    return {k: torch.from_numpy(v) for k, v in cols.items()}
 
 
 def encode_seconds(tables: list[pa.Table], calls: int, columns: list[str] | None = None) -> tuple[float, int]:

@@ -31,20 +31,8 @@ BUDGET = {"replay_call": 84, "add (comparator off)": 166, "add (run --stream)": 
 
 
 @pytest.fixture(scope="module")
-def bench():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(folder))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_host_ops", folder / "bench_host_ops.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(folder))
+def bench(benchmark_script):
+    return benchmark_script("bench_host_ops")
 
 
 @pytest.mark.parametrize("heads, sequences", [(8, 8), (4, 3)])

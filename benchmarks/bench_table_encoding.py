@@ -9,9 +9,11 @@ batches of 8, 24 layers, 8 heads, so 144 calls of 131,072 rows (18.9 M rows). Ea
 (what ``replay_call`` hands the writer: six fp32 measurements and the sequence, head, pos and finite
 columns) are made with numpy, with values of the measurements' own spread, and go through the
 package's :func:`~osdn_diag.replay.replayer._arrow_table` and a ``ParquetWriter`` with the encoder's
-dictionary columns, one thread, as ``run --stream`` writes them. Reported: the CPU seconds of building
-and of encoding the whole table, and of encoding each group of columns on its own (the family columns
-of other kernel families are null throughout a DeltaNet run but are encoded as columns of the schema).
+dictionary columns and the columns a DeltaNet run fills, one thread, as ``run --stream`` writes them.
+Reported: the CPU seconds of building and of encoding the whole table, of encoding each group of
+columns on its own, and, as the baseline, of encoding every registered column (the other kernel
+families' own columns and a decay's, null throughout a DeltaNet run), as runs wrote them before they
+left those out.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from _common import write_json
 
 from osdn_diag.pipeline.writers import _ParquetEncoder
-from osdn_diag.replay.replayer import _arrow_table, _schema
+from osdn_diag.replay.replayer import _arrow_table, _schema, filled_schema
 
 MEASUREMENTS = ("beta", "key_sqnorm", "write_gain", "loss_before", "loss_after", "residual_ratio")
 #: The columns that label each row (the same value over many rows).
@@ -90,38 +92,48 @@ def main(argv=None) -> dict:
                             schema, "float32")
 
     # As the run does it: each call's rows built, encoded and let go (keeping every call's table alive
-    # would time the allocator, not the work).
-    build = whole = 0.0
-    rows = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "t.parquet")
-        writer = pq.ParquetWriter(path, schema, use_dictionary=_ParquetEncoder.DICTIONARY_COLUMNS)
-        for i in range(a.calls):
-            t0 = time.process_time()
-            table = rows_of(i)
-            t1 = time.process_time()
-            writer.write_table(table)
-            t2 = time.process_time()
-            build, whole, rows = build + t1 - t0, whole + t2 - t1, rows + table.num_rows
-        writer.close()
-        size = os.path.getsize(path)
+    # would time the allocator, not the work). The file holds the columns the run's layers fill
+    # (filled_schema); the baseline encodes every registered column, as runs did before, in turn.
+    columns = filled_schema(schema, [rows_of(0)])
+    build = whole = every = 0.0
+    rows = size = every_size = 0
+    for file_schema in (columns, schema):
+        spent = 0.0
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "t.parquet")
+            writer = pq.ParquetWriter(path, file_schema, use_dictionary=_ParquetEncoder.DICTIONARY_COLUMNS)
+            for i in range(a.calls):
+                t0 = time.process_time()
+                table = rows_of(i)
+                t1 = time.process_time()
+                writer.write_table(table.select(file_schema.names))
+                t2 = time.process_time()
+                spent += t2 - t1
+                if file_schema is columns:
+                    build, rows = build + t1 - t0, rows + table.num_rows
+            writer.close()
+            if file_schema is columns:
+                whole, size = spent, os.path.getsize(path)
+            else:
+                every, every_size = spent, os.path.getsize(path)
     tables = [rows_of(i) for i in range(4)]  # encoded in turn, by column group
-    used = set(MEASUREMENTS) | set(LABELS) | {"pos", "rel_pos"}
     groups = {
         "labels (" + ", ".join(LABELS) + ")": list(LABELS),
         "pos, rel_pos": ["pos", "rel_pos"],
         "the six measurements": list(MEASUREMENTS),
-        f"{len(schema) - len(used)} columns of other families (null here)": [f.name for f in schema if f.name not in used],
     }
     parts = {name: encode_seconds(tables, a.calls, cols)[0] for name, cols in groups.items()}
     print(f"per-token table: {a.calls} calls × {rows // a.calls:,} rows = {rows:,} rows; "
           f"{platform.machine()}, {os.cpu_count()} CPUs, pyarrow {pa.__version__}")
     print(f"{'stage':62s} {'CPU s':>7s}")
     print(f"{'building the rows (_arrow_table)':62s} {build:7.2f}")
-    print(f"{'encoding them (one thread), ' + format(size / 1e9, '.2f') + ' GB':62s} {whole:7.2f}")
+    print(f"{'encoding them (one thread), ' + format(size / 1e9, '.2f') + f' GB, {len(columns)} columns':62s} {whole:7.2f}")
     for name, seconds in parts.items():
         print(f"{'  of which ' + name:62s} {seconds:7.2f}  ({seconds / whole:.0%})")
+    print(f"{'baseline: every registered column (' + str(len(schema)) + '), ' + format(every_size / 1e9, '.2f') + ' GB':62s} "
+          f"{every:7.2f}  (encoding ×{every / whole:.2f} of the run's)")
     result = {"calls": a.calls, "rows": rows, "build_cpu_s": build, "encode_cpu_s": whole, "bytes": size,
+              "columns": columns.names, "encode_every_column_cpu_s": every, "bytes_every_column": every_size,
               "encode_by_group_cpu_s": parts, "pyarrow": pa.__version__, "machine": platform.machine(),
               "cpus": os.cpu_count()}
     write_json(a.json, result)

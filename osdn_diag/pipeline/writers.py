@@ -66,19 +66,28 @@ class _ParquetEncoder:
     come as a function that builds it from host data: a second thread builds those, in order, ahead
     of the encoding (building the rows of the paper-scale run took 0.8 s, encoding them 3.5 s: on the
     replay's thread the first held every call up, on the encoder's it made the encoder the slower of
-    the two). At most ``QUEUE`` items wait at each step. Dictionary encoding is asked for only on the
-    task names: on the float columns it is tried and abandoned for every page, which triples the time
-    to write, and on the integer columns (prompt, layer, head, …) it saved 4 % of the paper-scale file
-    for 12 % more encoding time (``benchmarks/bench_table_encoding.py``). A failure on either thread is
-    raised, naming ``target``, by the next :meth:`write` or by :meth:`close`."""
+    the two). At most ``QUEUE`` items wait at each step.
+
+    The file's columns are those of ``schema`` that the run's layers fill: the encoder holds the
+    tables of the first forward pass (until a layer comes again, or the end) and then leaves out the
+    columns that are null on all of them (:func:`~osdn_diag.replay.replayer.filled_schema`: a decay's
+    on an ungated model, the other families' own), which took a third to a half of the encoding time
+    at paper scale. A later table that fills a column left out is refused, naming its layer.
+    Dictionary encoding is asked for only on the task names: on the float columns it is tried and
+    abandoned for every page, which triples the time to write, and on the integer columns (prompt,
+    layer, head, …) it saved 4 % of the paper-scale file for 12 % more encoding time
+    (``benchmarks/bench_table_encoding.py``). A failure on either thread is raised, naming ``target``,
+    by the next :meth:`write` or by :meth:`close`."""
 
     QUEUE = 4
     DICTIONARY_COLUMNS = ["task"]
 
     def __init__(self, path: str, schema: pa.Schema, target: Path):
+        self.path = path
         self.target = target
         self.part: dict = {}  # set on leaving _residuals_writer under several processes
-        self.writer = pq.ParquetWriter(path, schema, use_dictionary=self.DICTIONARY_COLUMNS)
+        self.schema = schema  # the columns every table comes with; the file's are decided by _open
+        self.writer: pq.ParquetWriter | None = None
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue(maxsize=self.QUEUE)  # tables or builders, to the rows thread
         self.built: queue.Queue = queue.Queue(maxsize=self.QUEUE)  # tables, to the encoding thread
@@ -98,12 +107,45 @@ class _ParquetEncoder:
         self.built.put(None)
 
     def _drain(self) -> None:
+        first_pass: list[pa.Table] = []  # held until a layer comes again: they decide the file's columns
+        layers: set[int] = set()
         while (table := self.built.get()) is not None:
-            if self.error is None:  # after a failure keep taking tables, so that write() never blocks
-                try:
-                    self.writer.write_table(table)
-                except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-                    self.error = err
+            if self.error is not None:  # after a failure keep taking tables, so that write() never blocks
+                continue
+            try:
+                if self.writer is None:
+                    layer = table.column("layer")[0].as_py() if table.num_rows else None
+                    if layer is None or layer not in layers:
+                        layers.add(layer)
+                        first_pass.append(table)
+                        continue
+                    self._open(first_pass)
+                    first_pass = []
+                self._write(table)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                self.error = err
+        if self.error is None and self.writer is None:
+            try:
+                self._open(first_pass)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                self.error = err
+
+    def _open(self, first_pass: list[pa.Table]) -> None:
+        from ..replay.replayer import filled_schema
+
+        self.file_schema = filled_schema(self.schema, first_pass)
+        self.writer = pq.ParquetWriter(self.path, self.file_schema, use_dictionary=self.DICTIONARY_COLUMNS)
+        for table in first_pass:
+            self._write(table)
+
+    def _write(self, table: pa.Table) -> None:
+        names = set(self.file_schema.names)
+        for column in table.column_names:
+            if column not in names and table.column(column).null_count < table.num_rows:
+                layer = table.column("layer")[0].as_py()
+                raise ValueError(f"layer {layer}'s rows fill the column {column!r}, which no layer of the "
+                                 "first forward pass filled: the file's columns were decided by it")
+        self.writer.write_table(table.select(self.file_schema.names))
 
     def _check(self) -> None:
         if self.error is not None:
@@ -119,7 +161,8 @@ class _ParquetEncoder:
         self.queue.put(None)
         self.rows_thread.join()
         self.thread.join()
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
         if check:
             self._check()
 

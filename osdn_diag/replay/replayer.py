@@ -4,8 +4,9 @@
 returns the call's rows of the per-token table — one row per (prompt, layer, head, position) with the
 columns a run directory promises (:data:`CONTRACT_COLUMNS`; docs/run-directory.md defines each):
 ``prompt, task, layer, head, pos, rel_pos, repeat_start, beta, key_sqnorm, write_gain, loss_before,
-loss_after, residual_ratio``, plus ``loss_before_decayed`` and ``residual_ratio_post`` (null for
-ungated layers) and ``finite`` — and keeps every accumulator of the summary (ratios, audit,
+loss_after, residual_ratio``, ``finite``, and the columns only some layers fill (a decay's
+``loss_before_decayed`` and ``residual_ratio_post``, a family's own: :func:`optional_columns`, null on
+the rows of other layers; a run's table leaves out those none of its layers fills) — and keeps every accumulator of the summary (ratios, audit,
 comparator, retention). Run directories use it
 through :func:`osdn_diag.pipeline.replay_run`, in-memory captures through :func:`osdn_diag.replay`.
 """
@@ -55,10 +56,30 @@ def _schema(value_type: pa.DataType) -> pa.Schema:
             ("decode_start", pa.int32()),
             *[(c, value_type) for c in _VALUE_COLUMNS + _GATED_COLUMNS],
             ("finite", pa.bool_()),
-            # the further families' own per-token values (replay/families), null for the others
+            # the further families' own per-token values (replay/families), null for the others; a
+            # run's file leaves out the optional columns none of its layers fills (filled_schema)
             *[(c, _column_type(c, value_type)) for c in families.columns()],
         ]
     )
+
+
+def optional_columns() -> tuple[str, ...]:
+    """The per-token table's columns that only some layers fill: a decay's (``_GATED_COLUMNS``) and
+    the further families' own (:func:`families.columns`). A run's table holds those its layers fill
+    and leaves the others out (:func:`filled_schema`)."""
+    return _GATED_COLUMNS + families.columns()
+
+
+def filled_schema(schema: pa.Schema, tables) -> pa.Schema:
+    """``schema`` without the :func:`optional_columns` that are null on every row of ``tables`` (with
+    ``schema``'s metadata). Encoding a column of nulls costs as much as a column of values: at paper
+    scale the other families' 14 null columns were 35–50 % of the table's encoding time."""
+    optional = set(optional_columns())
+    filled = set()
+    for table in tables:
+        filled.update(c for c in optional - filled
+                      if c in table.column_names and table.column(c).null_count < table.num_rows)
+    return pa.schema([f for f in schema if f.name not in optional or f.name in filled], metadata=schema.metadata)
 
 
 def _column_type(name: str, value_type: pa.DataType) -> pa.DataType:

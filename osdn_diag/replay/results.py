@@ -22,7 +22,7 @@ import pyarrow as pa
 from ..capture.record import KernelCall
 from ..capture.store import StoredCall
 from ..prompts import Prompt
-from .replayer import Replayer
+from .replayer import Replayer, filled_schema
 from .runs import load_run
 
 __all__ = ["Results", "load_run", "replay"]
@@ -144,4 +144,6 @@ def replay(
 
         tokens = token_table({pid: prompts[pid].input_ids for pid in infos if pid < len(prompts)},
                              None if tokenizer is None else TokenText(tokenizer))
-    return Results(table=pa.concat_tables(tables), summary=replayer.summary(), tokens=tokens)
+    # The columns no layer fills are left out, as a run directory's residuals.parquet leaves them
+    columns = filled_schema(replayer.schema, tables).names
+    return Results(table=pa.concat_tables(tables).select(columns), summary=replayer.summary(), tokens=tokens)

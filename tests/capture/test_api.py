@@ -37,6 +37,11 @@ def test_capture_then_replay_in_memory():
     assert len(t["prompt"]) == (2 * 20 + 12) * 2 * 2  # tokens × layers × heads
     assert res.summary["n"] == len(t["prompt"]) and "post_decay" in res.summary
     assert res.summary["fidelity"]["max_rel_error"] <= 1e-5
+    # of the columns only some layers fill, the decay's (both layers fill them), as the file would hold
+    from osdn_diag.replay.replayer import optional_columns
+
+    assert set(optional_columns()) & set(t) == {"loss_before_decayed", "residual_ratio_post"}
+    assert None not in t["residual_ratio_post"]
     if df is not None:
         assert list(df.columns)[:5] == ["prompt", "task", "layer", "head", "pos"]
 

@@ -105,7 +105,7 @@ def test_gdn2_run_is_the_fp64_loop(gdn2_run):
                     floor = 1e-3 if "ratio" in c else 1e-3 * float(L["before"][:, h].max())
                     err = ((got - w).abs() / w.abs().clamp_min(floor)).max()
                     assert err <= 1e-5, (c, prompt, h, float(err))
-                assert all(table["residual_ratio_alt"][i] is None for i in idx)  # a Comba column
+                assert "residual_ratio_alt" not in table  # a Comba column: no layer here fills it
                 checked += len(idx)
     assert checked == len(table["prompt"]) == sum(LENGTHS) * 2
 

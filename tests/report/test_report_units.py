@@ -62,7 +62,7 @@ def _per_token(run, post: bool = False) -> tuple[float, int]:
     """(q_geo per token, tokens) of a run (all its layers are of one family)."""
     c = run["cols"]
     keep = c["finite"].astype(bool)
-    if np.isfinite(c["step"].astype(np.float64)).any():  # a micro-step family: its step-0 rows
+    if "step" in c:  # a micro-step family (the only one whose table has the column): its step-0 rows
         keep &= c["step"] == 0
         q = c["token_ratio_post" if post else "token_ratio"][keep]
     else:

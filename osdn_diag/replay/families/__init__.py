@@ -12,8 +12,9 @@
   ``backend`` is ``"torch"`` or ``"triton"``; a family without a Triton replay runs its torch
   reference for both, and says so in its docs;
 * ``COLUMNS: tuple[str | tuple[str, str], ...]`` — the further per-token value columns its replays
-  return in ``RecurrenceResult.columns`` (``[B, T, H]`` each). Every run's table has every registered
-  column, null where a family does not fill it, so that tables of different families concatenate.
+  return in ``RecurrenceResult.columns`` (``[B, T, H]`` each). A run's table has those of its layers'
+  families (null on the rows of its other layers) and leaves the others out
+  (:func:`osdn_diag.replay.replayer.filled_schema`).
   An entry is a column name (stored in the replay's value type, float32 or float64) or a pair
   ``(name, arrow type name)`` such as ``("step", "int32")`` for a column of another type
   (:func:`column_types`); plain names keep working as before;

@@ -28,6 +28,7 @@ from ..rundir import (
     write_rank_record,
 )
 from ..replay import Replayer
+from ..replay.replayer import table_kind
 from .inputs import _progress
 from .recall import recall_table
 from .writers import COMPARATOR, RESIDUALS, SUMMARY, _atomic_parquet, _residuals_writer, _with_run_id
@@ -101,6 +102,7 @@ def _replay(run_dir: Path, *, progress, out_dir, extra, run_id, recall, **replay
         replayer = Replayer(prompts, **replay_kw)
         shards = [p for p in reader.shards() if ranks.owns(int(p.parent.name.removeprefix("batch_")))]
         with _residuals_writer(out_dir, replayer.schema, ranks, run_id) as residuals:
+            residuals.expect(table_kind(layer) for layer in reader.manifest.get("layers", []))
             for stored in _progress(_read_ahead(reader, shards), len(shards), progress and ranks.is_main,
                                     "replay", "call"):
                 residuals.write(replayer.add(stored, table=False))  # its rows built on the writer's rows thread

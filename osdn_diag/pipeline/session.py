@@ -21,6 +21,7 @@ from ..rundir import (
     write_rank_record,
 )
 from ..replay import Replayer
+from ..replay.replayer import table_kind
 from .inputs import _batches, _check_batches_fit, _check_generate, _inputs, _progress, _session_tokenizer, _versions
 from .kernels import COMPILE_NOTICE, _compiles_kernels, has_compiled_kernels, triton_cache_dir
 from .recall import _recall_hits
@@ -132,7 +133,11 @@ def _stream(model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_
             session.writer.layers.setdefault(stored.call.layer, layer_entry(stored.call))
             residuals.write(replayer.add(stored, table=False))  # its rows built on the writer's rows thread
 
-        session.run(replay_now, progress)
+        def first_batch(calls) -> None:  # every layer's kind, before its first call is replayed
+            if residuals.expected is None:
+                residuals.expect(table_kind(call) for call in calls)
+
+        session.run(replay_now, progress, on_batch=first_batch)
     parts = dict(residuals.part)
     if session.ranks.world > 1:
         session.write_record(residuals=parts)
@@ -291,9 +296,10 @@ class _CaptureSession:
         if not self.shared and self.ranks.is_main:
             self.writer.manifest["merge_needed"] = True
 
-    def run(self, on_call, progress: bool) -> None:
+    def run(self, on_call, progress: bool, on_batch=None) -> None:
         """Run this rank's forward batches under capture; hand every captured call to ``on_call`` (a
-        :class:`StoredCall`) as soon as its batch has run, then drop it."""
+        :class:`StoredCall`) as soon as its batch has run, then drop it; ``on_batch``: given each
+        batch's list of calls (:class:`KernelCall`) first."""
         from .. import distributed
         from ..capture.context import capture
         from ..capture.generation import generate as generate_stream
@@ -320,6 +326,8 @@ class _CaptureSession:
                     out = self.loaded.model(input_ids=ids, attention_mask=mask, use_cache=False)
                     calls, logits = cap.calls, getattr(out, "logits", None)
                 prompt_ids = [p.id for p in batch]
+                if on_batch is not None:
+                    on_batch(calls)
                 for call in calls:
                     on_call(StoredCall(batch=batch_idx, prompts=prompt_ids, call=call))
                 cap.calls.clear()

@@ -68,11 +68,14 @@ class _ParquetEncoder:
     replay's thread the first held every call up, on the encoder's it made the encoder the slower of
     the two). At most ``QUEUE`` items wait at each step.
 
-    The file's columns are those of ``schema`` that the run's layers fill: the encoder holds the
-    tables of the first forward pass (until a layer comes again, or the end) and then leaves out the
-    columns that are null on all of them (:func:`~osdn_diag.replay.replayer.filled_schema`: a decay's
-    on an ungated model, the other families' own), which took a third to a half of the encoding time
-    at paper scale. A later table that fills a column left out is refused, naming its layer.
+    The file's columns are those of ``schema`` that the run's layers fill. Which of the columns only
+    some layers fill (a decay's, a kernel family's own) a call's rows fill depends on its kind
+    (:func:`~osdn_diag.replay.replayer.table_kind`: family, and whether it decays); given the kinds
+    of the run's layers (:meth:`expect`, before the first write), the encoder holds tables only until
+    it has one of each kind — the first, in a model whose layers are all of one kind — and then
+    leaves out the columns null on all of them (:func:`~osdn_diag.replay.replayer.filled_schema`),
+    which took a third of the encoding time at paper scale. Without :meth:`expect` it writes every
+    column of ``schema``. A later table that fills a column left out is refused, naming its layer.
     Dictionary encoding is asked for only on the task names: on the float columns it is tried and
     abandoned for every page, which triples the time to write, and on the integer columns (prompt,
     layer, head, …) it saved 4 % of the paper-scale file for 12 % more encoding time
@@ -87,55 +90,62 @@ class _ParquetEncoder:
         self.target = target
         self.part: dict = {}  # set on leaving _residuals_writer under several processes
         self.schema = schema  # the columns every table comes with; the file's are decided by _open
+        self.expected: frozenset | None = None  # the kinds of the run's layers (expect)
         self.writer: pq.ParquetWriter | None = None
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue(maxsize=self.QUEUE)  # tables or builders, to the rows thread
-        self.built: queue.Queue = queue.Queue(maxsize=self.QUEUE)  # tables, to the encoding thread
+        self.built: queue.Queue = queue.Queue(maxsize=self.QUEUE)  # (table, kind), to the encoding thread
         self.rows_thread = threading.Thread(target=self._build, name="residuals-rows", daemon=True)
         self.thread = threading.Thread(target=self._drain, name="residuals-writer", daemon=True)
         self.rows_thread.start()
         self.thread.start()
 
+    def expect(self, kinds) -> None:
+        """The kinds of the run's layers (:func:`~osdn_diag.replay.replayer.table_kind` of each), before
+        the first :meth:`write`: the file's columns are decided once a table of each has come."""
+        self.expected = frozenset(kinds)
+
     def _build(self) -> None:
         while (item := self.queue.get()) is not None:
+            kind = getattr(item, "kind", None)
             if self.error is None and callable(item):
                 try:
                     item = item()
                 except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
                     self.error = err  # the encoder then skips this item, and every later one
-            self.built.put(item)
+            self.built.put((item, kind))
         self.built.put(None)
 
     def _drain(self) -> None:
-        first_pass: list[pa.Table] = []  # held until a layer comes again: they decide the file's columns
-        layers: set[int] = set()
-        while (table := self.built.get()) is not None:
+        held: list[pa.Table] = []  # until a table of every expected kind has come: they decide the columns
+        kinds: set = set()
+        while (entry := self.built.get()) is not None:
             if self.error is not None:  # after a failure keep taking tables, so that write() never blocks
                 continue
+            table, kind = entry
             try:
                 if self.writer is None:
-                    layer = table.column("layer")[0].as_py() if table.num_rows else None
-                    if layer is None or layer not in layers:
-                        layers.add(layer)
-                        first_pass.append(table)
-                        continue
-                    self._open(first_pass)
-                    first_pass = []
+                    held.append(table)
+                    kinds.add(kind)
+                    if self.expected is None or self.expected <= kinds:
+                        self._open(held)
+                        held = []
+                    continue
                 self._write(table)
             except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
                 self.error = err
         if self.error is None and self.writer is None:
             try:
-                self._open(first_pass)
+                self._open(held)
             except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
                 self.error = err
 
-    def _open(self, first_pass: list[pa.Table]) -> None:
+    def _open(self, held: list[pa.Table]) -> None:
         from ..replay.replayer import filled_schema
 
-        self.file_schema = filled_schema(self.schema, first_pass)
+        self.file_schema = self.schema if self.expected is None else filled_schema(self.schema, held)
         self.writer = pq.ParquetWriter(self.path, self.file_schema, use_dictionary=self.DICTIONARY_COLUMNS)
-        for table in first_pass:
+        for table in held:
             self._write(table)
 
     def _write(self, table: pa.Table) -> None:
@@ -143,9 +153,9 @@ class _ParquetEncoder:
         for column in table.column_names:
             if column not in names and table.column(column).null_count < table.num_rows:
                 layer = table.column("layer")[0].as_py()
-                raise ValueError(f"layer {layer}'s rows fill the column {column!r}, which no layer of the "
-                                 "first forward pass filled: the file's columns were decided by it")
-        self.writer.write_table(table.select(self.file_schema.names))
+                raise ValueError(f"layer {layer}'s rows fill the column {column!r}, which the rows of the "
+                                 f"layers' kinds the run announced ({sorted(self.expected or ())}) left null")
+        self.writer.write_table(table if len(names) == table.num_columns else table.select(self.file_schema.names))
 
     def _check(self) -> None:
         if self.error is not None:

@@ -70,6 +70,14 @@ def optional_columns() -> tuple[str, ...]:
     return _GATED_COLUMNS + families.columns()
 
 
+def table_kind(call) -> tuple[str, bool]:
+    """What decides which :func:`optional_columns` a call's rows fill: its kernel family and whether
+    it decays, of a :class:`KernelCall` or of a manifest's ``layers`` entry (which records both)."""
+    if isinstance(call, dict):
+        return str(call.get("family", "")), bool(call.get("gated"))
+    return call.family, bool(call.gated)
+
+
 def filled_schema(schema: pa.Schema, tables) -> pa.Schema:
     """``schema`` without the :func:`optional_columns` that are null on every row of ``tables`` (with
     ``schema``'s metadata). Encoding a column of nulls costs as much as a column of values: at paper
@@ -209,6 +217,7 @@ class Replayer:
             self._queue_problems(_Problems.of(stored, call, res, self.prompts))
         rows = functools.partial(_arrow_table, list(stored.prompts), call.layer, res.columns, res.sequence_lengths,
                                  self.prompts, self.schema, self.np_dtype, decode_start)
+        rows.kind = table_kind(call)  # for the writer, which decides the file's columns by kind
         return rows() if table else rows
 
     def _add_state(self, layer: int, err: float, tol: float, units: float, precision: str) -> None:

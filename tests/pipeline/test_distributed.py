@@ -133,6 +133,24 @@ def test_compare_runs_names_what_differs(one, tmp_path):
     assert proc.returncode == 2 and "RUN_B" in proc.stderr and "no summary.json" in proc.stderr, proc.stderr
 
 
+def test_compare_runs_takes_a_column_left_out_as_one_null_throughout(one, tmp_path):
+    """A run written before the table left out the columns no layer fills (null throughout) and one
+    written after hold the same results; a left-out column that the other run fills is a difference."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(one / "residuals.parquet")
+    assert "residual_ratio_alt" not in table.column_names  # a Comba and RWKV-7 column; this is Gated DeltaNet
+    for name, column, same in (("old", pa.nulls(table.num_rows, pa.float32()), True),
+                               ("filled", pa.array([0.5] * table.num_rows, pa.float32()), False)):
+        other = tmp_path / name
+        shutil.copytree(one, other)
+        pq.write_table(table.append_column("residual_ratio_alt", column), other / "residuals.parquet")
+        proc = _compare(one, other)
+        assert proc.returncode == (0 if same else 1), proc.stdout
+        assert ("same results" in proc.stdout) == same and ("(residual_ratio_alt)" in proc.stdout) != same
+
+
 def test_device_map_refuses_bad_requests(tmp_path):
     pytest.importorskip("accelerate")
     from osdn_diag import runtime

@@ -329,14 +329,21 @@ class Monitor:
         from .runtime.atomic import atomic_path, refuse_link
 
         refuse_link(self.path)
-        new = pa.Table.from_pylist([{k: r.get(k) for k in SCHEMA_FIELDS} for r in rows], schema=_schema())
+        step = rows[0]["step"]
         with _locked(self.path):  # other processes' monitors may share the file: read and rewrite it alone
+            parts, recorded = [], set()
             if self.path.exists():
                 old = pq.read_table(self.path).cast(_schema())
-                same = pc.and_(pc.equal(old["model"], self.name), pc.equal(old["step"], rows[0]["step"]))
-                new = pa.concat_tables([old.filter(pc.invert(same)), new])
+                mine = pc.equal(old["model"], self.name)
+                parts.append(old.filter(pc.invert(pc.and_(mine, pc.equal(old["step"], step)))))
+                recorded = set(old.filter(mine).column("step").to_pylist())
+            # This monitor's earlier probes that the file lacks (it was deleted, or replaced by an older
+            # copy) are written again from its rows, which a resumed run restores from its state.
+            lost = [r for r in self.rows if r["step"] != step and r["step"] not in recorded]
+            parts.append(pa.Table.from_pylist([{k: r.get(k) for k in SCHEMA_FIELDS} for r in lost + rows],
+                                              schema=_schema()))
             with atomic_path(self.path, ".parquet") as tmp:
-                pq.write_table(new, tmp)
+                pq.write_table(pa.concat_tables(parts), tmp)
 
     def overhead(self, total_seconds: float | None = None) -> dict:
         """``{"probes", "probe_seconds", "total_seconds", "fraction", "first_probe_seconds",

@@ -264,12 +264,47 @@ def test_monitor_parquet_holds_the_rows_and_a_resumed_step_replaces_its_rows(tra
         assert a["q_geo"] == b["q_geo"]  # the same weights, the same batch: the same value
 
 
+def test_a_deleted_monitor_parquet_is_written_again_from_the_monitors_rows(tmp_path):
+    """A resumed training's monitor holds every probe's rows (restored from its state): where
+    ``monitor.parquet`` was deleted, or lacks some of them, its next probe writes them all again, beside
+    other models' rows."""
+    import pyarrow.parquet as pq
+
+    import osdn_diag.monitor as monitor
+
+    def rows(name, step, q=0.5):
+        return [{"model": name, "step": step, "layer": layer, "q_geo": q, "q_arith": q, "n": 1} for layer in (0, -1)]
+
+    path = tmp_path / "monitor.parquet"
+    mon = monitor.Monitor.__new__(monitor.Monitor)  # the file's writer alone: no model to probe
+    mon.name, mon.path, mon.rows = "A", path, []
+    other = monitor.Monitor.__new__(monitor.Monitor)
+    other.name, other.path, other.rows = "B", path, []
+    for step in (0, 5):
+        for m in (mon, other):
+            m.rows += rows(m.name, step)
+            m._append(rows(m.name, step))
+    path.unlink()
+    mon.rows += rows("A", 10)
+    mon._append(rows("A", 10))
+    got = pq.read_table(path).to_pylist()
+    assert sorted((r["model"], r["step"], r["layer"]) for r in got) == sorted(
+        ("A", s, layer) for s in (0, 5, 10) for layer in (0, -1))
+    # the other model's next probe brings its own back; a step probed again is replaced, not doubled
+    other.rows = [r for r in other.rows if r["step"] != 5] + rows("B", 5, q=0.25)
+    other._append(rows("B", 5, q=0.25))
+    got = pq.read_table(path).to_pylist()
+    assert sorted((r["model"], r["step"]) for r in got if r["layer"] == -1) == [
+        ("A", 0), ("A", 5), ("A", 10), ("B", 0), ("B", 5)]
+    assert [r["q_geo"] for r in got if r["model"] == "B" and r["step"] == 5] == [0.25, 0.25]
+
+
 _APPEND = """
 import sys
 from pathlib import Path
 from osdn_diag.monitor import Monitor
 mon = Monitor.__new__(Monitor)  # the file's writer alone: no model to probe
-mon.name, mon.path = sys.argv[1], Path(sys.argv[2])
+mon.name, mon.path, mon.rows = sys.argv[1], Path(sys.argv[2]), []
 sys.stdin.read()  # started together
 for step in range(1, int(sys.argv[3]) + 1):
     mon._append([{"model": mon.name, "step": step, "layer": layer, "q_geo": 0.5, "q_arith": 0.5, "n": 1}
@@ -304,7 +339,7 @@ def test_monitors_of_two_processes_sharing_monitor_parquet_keep_every_row(tmp_pa
     outside.write_text("theirs")
     (tmp_path / ".monitor.parquet.lock").symlink_to(outside)
     mon = monitor.Monitor.__new__(monitor.Monitor)
-    mon.name, mon.path = "C", path
+    mon.name, mon.path, mon.rows = "C", path, []
     with pytest.raises(RunDirectoryError, match="not a lock file"):
         mon._append([{"model": "C", "step": 1, "layer": -1, "q_geo": 0.5, "q_arith": 0.5, "n": 1}])
     assert outside.read_text() == "theirs" and pq.read_table(path).num_rows == len(rows)

@@ -153,8 +153,9 @@ class _ParquetEncoder:
         for column in table.column_names:
             if column not in names and table.column(column).null_count < table.num_rows:
                 layer = table.column("layer")[0].as_py()
-                raise ValueError(f"layer {layer}'s rows fill the column {column!r}, which the rows of the "
-                                 f"layers' kinds the run announced ({sorted(self.expected or ())}) left null")
+                raise ValueError(f"layer {layer}'s rows fill the column {column!r}, which the first calls of "
+                                 f"the layer kinds the run announced ({sorted(self.expected or ())}) left "
+                                 "null: the file was opened without it")
         self.writer.write_table(table if len(names) == table.num_columns else table.select(self.file_schema.names))
 
     def _check(self) -> None:

@@ -6,9 +6,8 @@ columns a run directory promises (:data:`CONTRACT_COLUMNS`; docs/run-directory.m
 ``prompt, task, layer, head, pos, rel_pos, repeat_start, beta, key_sqnorm, write_gain, loss_before,
 loss_after, residual_ratio``, ``finite``, and the columns only some layers fill (a decay's
 ``loss_before_decayed`` and ``residual_ratio_post``, a family's own: :func:`optional_columns`, null on
-the rows of other layers; a run's table leaves out those none of its layers fills) — and keeps every accumulator of the summary (ratios, audit,
-comparator, retention). Run directories use it
-through :func:`osdn_diag.pipeline.replay_run`, in-memory captures through :func:`osdn_diag.replay`.
+the rows of other layers; a run's table leaves out those none of its layers fills) — and keeps every
+accumulator of the summary (ratios, audit, comparator, retention). Run directories use it through :func:`osdn_diag.pipeline.replay_run`, in-memory captures through :func:`osdn_diag.replay`.
 """
 
 from __future__ import annotations
@@ -80,8 +79,8 @@ def table_kind(call) -> tuple[str, bool]:
 
 def filled_schema(schema: pa.Schema, tables) -> pa.Schema:
     """``schema`` without the :func:`optional_columns` that are null on every row of ``tables`` (with
-    ``schema``'s metadata). Encoding a column of nulls costs as much as a column of values: at paper
-    scale the other families' 14 null columns were 35–50 % of the table's encoding time."""
+    ``schema``'s metadata). Encoding a column of nulls costs about what a column of values does: at
+    paper scale the other families' 14 null columns were a third of the table's encoding time."""
     optional = set(optional_columns())
     filled = set()
     for table in tables:

@@ -76,11 +76,10 @@ def _cell_lengths(code: torch.Tensor, size: int, dev) -> torch.Tensor:
     return bounds.diff()
 
 
-def _cell_sums(code: torch.Tensor, values: torch.Tensor, size: int, dev) -> torch.Tensor:
-    """``[size, 5]``: the sums of ``values`` ``[N, 5]`` over the rows of each cell ``0..size−1``, where
-    ``code`` ``[N]`` (non-decreasing) names each row's cell; one segmented sum per cell (see
-    :func:`_cell_lengths` for rows out of order)."""
-    return torch.segment_reduce(values, "sum", lengths=_cell_lengths(code, size, dev), axis=0, unsafe=True)
+def _cell_sums(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[size, 5]``: the sums of ``values`` ``[N, 5]`` over consecutive runs of ``lengths`` ``[size]``
+    rows (one segmented sum per cell; the lengths from :func:`_cell_lengths`)."""
+    return torch.segment_reduce(values, "sum", lengths=lengths, axis=0, unsafe=True)
 
 
 #: Row layouts already seen (:meth:`RatioAccumulator.add`'s ``layout``): key → ``(order, lengths)``, the
@@ -155,7 +154,7 @@ class RatioAccumulator:
             order, cell_lengths = known
             if order is not None:
                 values = values[order]
-            host = torch.segment_reduce(values, "sum", lengths=cell_lengths, axis=0, unsafe=True).cpu().numpy()
+            host = _cell_sums(values, cell_lengths).cpu().numpy()
         else:
             code = self._codes(columns, lengths, num_heads)
             # A replay's rows come in cell order already: summed as they come, with a flag that says
@@ -163,14 +162,13 @@ class RatioAccumulator:
             # GPU once more); rows out of order are sorted and summed again, on the host's word.
             ordered = (code[1:] >= code[:-1]).all().double().reshape(1)
             cell_lengths = _cell_lengths(code, size, dev)
-            sums = torch.segment_reduce(values, "sum", lengths=cell_lengths, axis=0, unsafe=True)
+            sums = _cell_sums(values, cell_lengths)
             host = torch.cat([sums.reshape(-1), ordered]).cpu().numpy()  # the one transfer
             order = None
             if not host[-1]:
                 code, order = torch.sort(code, stable=True)
                 cell_lengths = _cell_lengths(code, size, dev)
-                host = torch.segment_reduce(values[order], "sum", lengths=cell_lengths, axis=0,
-                                            unsafe=True).cpu().numpy()
+                host = _cell_sums(values[order], cell_lengths).cpu().numpy()
             if key is not None:
                 _LAYOUTS[key] = (order, cell_lengths)
                 while len(_LAYOUTS) > _LAYOUTS_KEPT:

@@ -431,7 +431,12 @@ def MonitorCallback(trainer, probe_batch, *, every: int = 100, out: str | os.Pat
                 return control
             rows = self.monitor.probe(state.global_step)
             if rows:
+                # Trainer.log ends with the callbacks' on_log, which marks this step's logging done
+                # (should_log = False): the Trainer's own log (loss, learning rate) due at this step
+                # would never be written. It is due all the same.
+                due = control.should_log
                 self.trainer.log(self.monitor.scalars(rows))
+                control.should_log = self.trainer.control.should_log = due
             return control
 
         def on_train_end(self, args, state, control, **kwargs):

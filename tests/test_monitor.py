@@ -474,7 +474,7 @@ def test_the_trainer_callback_logs_through_the_trainers_loggers(tmp_path):
 
     data = [{"input_ids": row, "labels": row} for row in (torch.arange(16 * 8).reshape(8, 16) * 5 % VOCAB)]
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
-                             logging_steps=100, report_to=[], save_strategy="no", use_cpu=True,
+                             logging_steps=2, report_to=[], save_strategy="no", use_cpu=True,
                              disable_tqdm=True, dataloader_num_workers=0)
     model = _tiny()
     seen = Seen()
@@ -487,6 +487,9 @@ def test_the_trainer_callback_logs_through_the_trainers_loggers(tmp_path):
     assert [x["contraction/osdn/q_geo"] for x in logged] == [r["q_geo"] for r in rows if r["layer"] == -1]
     history = [x for x in trainer.state.log_history if "contraction/osdn/q_geo" in x]
     assert [x["step"] for x in history] == [2, 4]
+    # the Trainer's own logs at the steps the monitor probes are still written (its loggers get both)
+    assert [x["step"] for x in trainer.state.log_history if "loss" in x] == [2, 4]
+    assert sum("loss" in x and "learning_rate" in x for x in seen.logs) == 2
     assert monitor.read(tmp_path).num_rows == len(rows) == 6
     assert all(m.training for m in model.modules())
 

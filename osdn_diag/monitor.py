@@ -42,6 +42,7 @@ import os
 import random
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -147,6 +148,25 @@ def _d_stats(ds: list) -> dict:
             "d_moved": float(((d - 1).abs() > D_MOVED).double().mean())}
 
 
+#: The monitors of this process that write a file, by (file, name): two models under one name would
+#: replace each other's rows at every step they both probe.
+_WRITERS: "weakref.WeakValueDictionary[tuple[str, str], Monitor]" = weakref.WeakValueDictionary()
+
+
+def _claim(monitor: "Monitor", bare, *, defaulted: bool) -> None:
+    """Refuse a monitor whose file and name a live monitor of another model of this process holds
+    (a monitor made again for the same model, as a notebook cell run twice makes it, takes over)."""
+    key = (str(monitor.path.resolve()), monitor.name)
+    other = _WRITERS.get(key)
+    if other is not None and _bare(other.model) is not bare:
+        default = " (the default: the config's model_type)" if defaulted else ""
+        raise ValueError(
+            f"argument 'name': another Monitor of this process writes {monitor.path} for another model "
+            f"under the name {monitor.name!r}{default}; each would replace the other's rows at every step "
+            "both probe. Give each model its own name=")
+    _WRITERS[key] = monitor
+
+
 class Monitor:
     """Probe a training model's contraction every ``every`` steps.
 
@@ -160,7 +180,8 @@ class Monitor:
         out: a directory (the rows go to ``out/monitor.parquet``) or a ``.parquet`` path; ``None``
             keeps them in memory only (:attr:`rows`).
         name: the ``model`` column and the loggers' prefix (default: the config's ``model_type``, else
-            the class name).
+            the class name). Two models whose monitors write one file need names of their own: a
+            second model's monitor under a name that a live one of this process writes is refused.
         log: ``log(scalars, step)`` after each probe, e.g. ``wandb.log`` or a TensorBoard writer's
             ``add_scalar`` loop; ``scalars`` maps ``"contraction/NAME/q_geo"``,
             ``".../q_geo/layer_000"``, ``".../q_arith/..."``, ``".../d_mean/..."`` to floats.
@@ -200,6 +221,8 @@ class Monitor:
         self.name = name or getattr(cfg, "model_type", None) or type(bare).__name__
         self.path = None if out is None else (
             Path(out) if str(out).endswith(".parquet") else Path(out) / "monitor.parquet")
+        if self.path is not None:
+            _claim(self, bare, defaulted=name is None)
         self.log = log
         self.autocast = autocast
         self.kernels = kernels

@@ -577,3 +577,23 @@ def test_under_ddp_rank_0_probes_and_writes_and_rank_1_skips(tmp_path):
     import osdn_diag.monitor as monitor
 
     assert sorted(set(monitor.read(tmp_path / "out").column("step").to_pylist())) == [2]
+
+
+def test_a_second_model_under_a_name_a_live_monitor_writes_to_the_same_file_is_refused(tmp_path):
+    import osdn_diag.monitor as monitor
+
+    first = monitor.Monitor(_tiny(), PROBE, every=2, out=tmp_path)
+    other = _tiny()
+    with pytest.raises(ValueError, match="argument 'name'.*the default: the config's model_type.*own name="):
+        monitor.Monitor(other, PROBE, every=2, out=tmp_path)
+    monitor.Monitor(other, PROBE, every=2, out=tmp_path, name="second")  # its own name
+    monitor.Monitor(other, PROBE, every=2, out=tmp_path / "elsewhere")  # its own file
+    monitor.Monitor(other, PROBE, every=2)  # no file
+    again = monitor.Monitor(first.model, PROBE, every=2, out=tmp_path)  # the same model again: takes over
+    with pytest.raises(ValueError, match="under the name 'osdn'; each"):
+        monitor.Monitor(other, PROBE, every=2, out=tmp_path / "monitor.parquet", name="osdn")
+    del first, again
+    import gc
+
+    gc.collect()
+    monitor.Monitor(other, PROBE, every=2, out=tmp_path)  # the holders are gone

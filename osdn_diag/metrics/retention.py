@@ -8,7 +8,8 @@ a repeated context, and the last token — where the query is read), for every e
     retrieval_error(t, j) = ‖S_t k_j − v_j‖² / ‖v_j‖²
 
 (0: the association is intact; 1: as if never written; > 1: damaged). States are recomputed in fp32
-by the reference recurrence, as in replay. Rows with ``‖v_j‖ = 0`` are skipped.
+by the reference recurrence, as in replay. Rows with ``‖v_j‖ = 0`` are skipped, and so are the heads
+whose inputs in the sequence are not all finite (the streams the replay leaves out).
 """
 
 from __future__ import annotations
@@ -45,8 +46,21 @@ def retrieval_errors(call: KernelCall, seq: int, probes: list[int]) -> dict[str,
     h0 = None
     if call.initial_state is not None:
         h0 = call.initial_state[seq : seq + 1].float()
-    cols: dict[str, list[torch.Tensor]] = defaultdict(list)
     H = k.shape[2]
+    # A head whose inputs in this sequence are not all finite is a stream the replay leaves out
+    # (``nonfinite``): it is left out here too, its recurrence run on zeros.
+    finite = torch.ones(H, dtype=torch.bool, device=k.device)
+    for x in (q, k, v, beta, g, wk):
+        if x is not None:
+            finite &= torch.isfinite(x).reshape(x.shape[1], H, -1).all(-1).all(0)
+    if h0 is not None:
+        finite &= torch.isfinite(h0).flatten(2).all(-1)[0]
+    if not bool(finite.all()):
+        bad = ~finite
+        q, k, v, beta, g, wk = (None if x is None else torch.where(
+            bad.reshape(1, 1, H, *([1] * (x.dim() - 3))), 0.0, x) for x in (q, k, v, beta, g, wk))
+        h0 = None if h0 is None else torch.where(bad.reshape(1, H, 1, 1), 0.0, h0)
+    cols: dict[str, list[torch.Tensor]] = defaultdict(list)
     # A record of several writes per token (GatedDeltaProduct: ``micro_steps``, interleaved) is
     # probed after the probe token's last write; every micro-step write is an association, and
     # ``j`` and the distance count tokens.
@@ -64,7 +78,7 @@ def retrieval_errors(call: KernelCall, seq: int, probes: list[int]) -> dict[str,
         err = (torch.einsum("hvk,hjk->hjv", S, kj) - vj).square().sum(-1)
         norm = vj.square().sum(-1)
         # The columns are built on the CPU, where the accumulator sums them, whatever the call's device.
-        ok, rel = (norm > 0).cpu(), (err / norm.clamp_min(1e-30)).cpu()
+        ok, rel = ((norm > 0) & finite[:, None]).cpu(), (err / norm.clamp_min(1e-30)).cpu()
         j = (torch.arange(tm + 1) // micro).expand(H, -1)
         cols["probe"].append(torch.full((int(ok.sum()),), t))
         cols["head"].append(torch.arange(H)[:, None].expand(H, tm + 1)[ok])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -78,3 +80,45 @@ def test_a_call_on_the_gpu_gives_the_cpu_columns():
             assert torch.allclose(on_gpu[name], col, rtol=1e-4, atol=1e-6), name
         else:
             assert torch.equal(on_gpu[name], col), name
+
+
+def test_a_head_with_nonfinite_inputs_is_left_out_as_the_replay_leaves_its_stream_out():
+    """The other head's errors are those of a replay of that head alone; the NaN head has none."""
+    T = 8
+    gen = torch.Generator().manual_seed(3)
+    k = torch.nn.functional.normalize(torch.randn(1, T, 2, 4, generator=gen), dim=-1)
+    v = torch.randn(1, T, 2, 3, generator=gen)
+    beta = torch.full((1, T, 2), 0.7)
+    clean = retrieval_errors(_call(k[:, :, :1], v[:, :, :1], beta[:, :, :1]), 0, [3, T - 1])
+    for name in ("k", "v", "beta"):
+        bad = {"k": k.clone(), "v": v.clone(), "beta": beta.clone()}
+        bad[name][0, 5, 1] = float("nan")
+        cols = retrieval_errors(_call(bad["k"], bad["v"], bad["beta"]), 0, [3, T - 1])
+        assert torch.equal(cols["head"], torch.zeros_like(cols["head"])), name  # head 1 left out at both probes
+        assert torch.equal(cols["j"], clean["j"]) and torch.equal(cols["error"], clean["error"]), name
+
+
+def test_retained_replay_of_a_call_with_a_nonfinite_stream_runs():
+    import osdn_diag
+
+    T = 8
+    gen = torch.Generator().manual_seed(4)
+    k = torch.nn.functional.normalize(torch.randn(2, T, 2, 4, generator=gen), dim=-1)
+    k[1, 5, 1, 2] = float("nan")
+    v, beta = torch.randn(2, T, 2, 4, generator=gen), torch.full((2, T, 2), 0.5)
+    call = KernelCall(layer=0, layer_name="l0", family="delta_rule", kernel="fused_recurrent_delta_rule",
+                      q=k.nan_to_num(), k=k, v=v, beta=beta, o=torch.zeros_like(v), scale=0.5,
+                      flags={"kernels": "reference", "device": "cpu"})
+    res = osdn_diag.replay([call], retained=True, tolerance=float("inf"))
+    assert res.summary["nonfinite"]["streams"] == 1
+    retained = res.summary["retained"]
+    task = retained[""]
+    assert all(math.isfinite(x) for x in _numbers([task["mean_error"], task["mean_error_at_last_token"]]))
+
+
+def _numbers(x):
+    if isinstance(x, dict):
+        return [n for v in x.values() for n in _numbers(v)]
+    if isinstance(x, (list, tuple)):
+        return [n for v in x for n in _numbers(v)]
+    return [float(x)] if isinstance(x, (int, float)) and not isinstance(x, bool) else []

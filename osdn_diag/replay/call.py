@@ -42,6 +42,7 @@ __all__ = [
     "CHUNK16_TOLERANCE",
     "DEFAULT_TOLERANCE",
     "FidelityError",
+    "ReplayOverflowError",
     "ZERO_RESIDUAL",
     "default_state_tolerance",
     "default_tolerance",
@@ -142,6 +143,11 @@ def continuous_extension(res, *, delta_rule: bool) -> tuple[torch.Tensor, torch.
 
 class FidelityError(RuntimeError):
     """The replayed outputs do not match the kernel's: the capture does not describe the kernel."""
+
+
+class ReplayOverflowError(ValueError):
+    """Finite inputs whose token losses overflow the replay's dtype (a diverging model's values in
+    fp32): their ratios cannot be measured in it."""
 
 
 @dataclass
@@ -303,6 +309,20 @@ def _cached_table_index(segments: tuple, H: int, device: torch.device) -> tuple[
     return seq, head, pos, rows[seq], starts[seq] + pos, stream_lengths, seq * H + head, ints
 
 
+def _refuse_overflow(call: KernelCall, columns: dict, overflow: np.ndarray, dtype: torch.dtype, where: str) -> None:
+    """Raise :class:`ReplayOverflowError` naming the first row (``overflow``: the rows' flags) whose
+    token loss overflowed."""
+    count, i = int(overflow.sum()), int(np.flatnonzero(overflow)[0])
+    seq, head, pos = (int(columns[name][i]) for name in ("sequence", "head", "pos"))
+    vmax = float(call.v.abs().amax())
+    way = ("replay in fp64 (--fp64; dtype=torch.float64 in Python)" if dtype == torch.float32 else
+           "the model's values are beyond what any replay can measure: look for where training diverged")
+    raise ReplayOverflowError(
+        f"{where}: the token losses ½‖S k − v‖² of {count:,} token-heads overflow {str(dtype).removeprefix('torch.')} "
+        f"(the first at sequence {seq}, head {head}, position {pos}; the largest |v| is {vmax:.3g}), "
+        f"though every input is finite, so their residual ratios cannot be measured; {way}")
+
+
 def replay_call(
     call: KernelCall,
     *,
@@ -428,6 +448,15 @@ def replay_call(
     tol = default_tolerance(call) if tolerance is None else tolerance
     where = (f"layer {call.layer} ({call.layer_name}, kernel {call.kernel}, "
              f"{call.flags.get('path', 'chunk')} path, {call.input_dtype} inputs)")
+    # Finite inputs whose token losses the replay's dtype cannot hold (‖v‖ near 1e19 in fp32, as in a
+    # diverging model): their ratios would be NaN on rows marked finite. Checked on the host's copy
+    # (numpy: no torch operation on the GPU's path).
+    names = list(per_token)
+    losses = values.numpy()[names.index("loss_before"):names.index("loss_after") + 1]
+    if not np.isfinite(losses).all():
+        overflow = ~np.isfinite(losses).all(0) & (ints[3] != 0)
+        if overflow.any():
+            _refuse_overflow(call, columns, overflow, dtype, where)
     if not math.isfinite(worst) or worst > tol:
         hint = families.hints().get(call.family)  # a family's known kernel limit, and what to do
         hint = None if hint is None else hint(call)

@@ -183,6 +183,9 @@ class Capture:
         self.kernels = kernels
         self.offload = offload
         self.calls: list[KernelCall] = []
+        #: The tokens :meth:`generate` produced, by the forward-pass number of their stream (what
+        #: :func:`osdn_diag.replay` appends to a prompt given without them).
+        self.generated: dict[int, list[int]] = {}
         self._sink = sink or self.calls.append
         self._current: tuple[int, str] | None = None
         self._forward = -1  # forward passes seen; a pass starts when layer indices stop increasing
@@ -263,6 +266,7 @@ class Capture:
         done = generate(self, input_ids, max_new_tokens)
         self._forward = forward  # the stream is one forward pass, whatever number the steps took
         self._last_layer = None
+        self.generated[forward] = [int(t) for t in done.tokens.reshape(-1).tolist()]
         for call in done.calls:
             self._sink(replace(call, forward=forward))
         return done.tokens

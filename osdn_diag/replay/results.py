@@ -14,7 +14,7 @@ tasks and repeat positions).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -101,6 +101,32 @@ class Results:
         return self.table.to_pandas()
 
 
+def _check_prompts(prompts: Sequence[Prompt], lengths: list[int], generated: dict, forwards: int) -> list[Prompt]:
+    """``prompts``, each the sequence it describes; refused where they are not the captured sequences:
+    ``prompts[i]`` describes sequence ``i`` (``lengths[i]`` tokens), and a prompt of another length
+    would put its tokens, task and repeat against another sequence's writes. A generated sequence
+    (``generated[i] = (decode_start, tokens or None)``) may be given as its prompt alone: the tokens
+    :meth:`Capture.generate` kept are appended."""
+    if len(prompts) != len(lengths):
+        raise ValueError(
+            f"argument 'prompts': {len(prompts)} prompts for the {len(lengths)} sequences captured in "
+            f"{forwards} forward pass{'es' if forwards != 1 else ''}; give one prompt per captured sequence, "
+            "in the order the forward passes ran them")
+    prompts = list(prompts)
+    for i, (p, length) in enumerate(zip(prompts, lengths)):
+        start, tokens = generated.get(i, (None, None))
+        if start is not None and len(p.input_ids) == start and tokens is not None and start + len(tokens) == length:
+            prompts[i] = replace(p, input_ids=list(p.input_ids) + tokens)
+        elif len(p.input_ids) != length:
+            raise ValueError(
+                f"argument 'prompts': prompt {i} (id {p.id}) holds {len(p.input_ids)} token ids, but captured "
+                f"sequence {i} is {length} tokens long; give the ids the model ran (with any BOS token the "
+                "tokenizer added; a right-padded batch needs its attention_mask, or the padding in the ids)"
+                + (f"; a generated stream: its prompt alone ({start} ids) or with the tokens generated" if start is not None
+                   else ""))
+    return prompts
+
+
 def replay(
     capture: Iterable[KernelCall],
     *,
@@ -110,27 +136,29 @@ def replay(
 ) -> Results:
     """Replay captured calls (a :class:`~osdn_diag.capture.context.Capture` or a list of
     :class:`KernelCall`) in fp32; options as :class:`osdn_diag.replay.Replayer`. Given ``prompts``,
-    the result's :attr:`Results.tokens` holds their ids, with their text where ``tokenizer`` (a
-    transformers tokenizer) is given."""
+    one per captured sequence in the order the forward passes ran them (``prompts[i]`` is prompt
+    ``i`` of the results, whatever its ``id``; a count or a length that differs from the capture's is
+    refused), the result's :attr:`Results.tokens` holds their ids, with their text where
+    ``tokenizer`` (a transformers tokenizer) is given, and their tasks and repeats label the rows."""
     calls = list(getattr(capture, "calls", capture))
     if not calls:
         raise ValueError("argument 'capture': no calls were captured (did the model run inside it?)")
     forwards = sorted({c.forward for c in calls})
-    offsets, infos, next_id = {}, {}, 0
+    offsets, lengths, generated, next_id = {}, [], {}, 0
+    kept = getattr(capture, "generated", {})  # a Capture's generated tokens, by forward pass
     for f in forwards:
         first = next(c for c in calls if c.forward == f)
-        segments = first.segments()
+        micro = int(first.flags.get("micro_steps", 1))  # a record of several writes per token
         offsets[f] = next_id
-        for i, (_, start, end) in enumerate(segments):
-            pid = next_id + i
-            p = prompts[pid] if prompts is not None and pid < len(prompts) else None
-            infos[pid] = {
-                "id": pid,
-                "task": p.task if p else "",
-                "length": end - start,
-                "repeat_start": p.repeat_start if p else -1,
-            }
-        next_id += len(segments)
+        lengths += [(end - start) // micro for _, start, end in first.segments()]
+        if first.flags.get("decode_start") is not None:  # a generated stream: one sequence
+            generated[next_id] = (int(first.flags["decode_start"]), kept.get(f))
+        next_id = len(lengths)
+    if prompts is not None:
+        prompts = _check_prompts(prompts, lengths, generated, len(forwards))
+    infos = {pid: {"id": pid, "task": prompts[pid].task if prompts else "", "length": length,
+                   "repeat_start": prompts[pid].repeat_start if prompts else -1}
+             for pid, length in enumerate(lengths)}
     replayer = Replayer(infos, **replay_kw)
     tables = []
     for call in calls:
@@ -142,7 +170,7 @@ def replay(
         from ..prompts.text import TokenText
         from .tokens import token_table
 
-        tokens = token_table({pid: prompts[pid].input_ids for pid in infos if pid < len(prompts)},
+        tokens = token_table({pid: prompts[pid].input_ids for pid in infos},
                              None if tokenizer is None else TokenText(tokenizer))
     # The columns no layer fills are left out, as a run directory's residuals.parquet leaves them
     columns = filled_schema(replayer.schema, tables).names

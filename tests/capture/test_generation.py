@@ -96,6 +96,32 @@ def test_two_generations_are_two_prompts(models):
     assert phases["prefill"]["n"] == (7 + 11) * 2 * 2 and phases["decode"]["n"] == (3 + 4) * 2 * 2
 
 
+def test_prompts_given_alone_get_the_generated_tokens_and_prompts_that_are_not_the_capture_are_refused(models):
+    from osdn_diag.prompts import Prompt
+
+    model = models["random:deltanet-tiny"]
+    first, second = _prompt(256, 7, seed=1), _prompt(256, 11, seed=2)
+    with osdn_diag.capture(model) as cap:
+        a = cap.generate(first, 3)
+        b = cap.generate(second, 4)
+    assert cap.generated == {0: a[0].tolist(), 1: b[0].tolist()}
+    alone = [Prompt(id=0, task="x", input_ids=first[0].tolist()),  # the prompt alone
+             Prompt(id=1, task="y", input_ids=second[0].tolist() + b[0].tolist())]  # with its tokens
+    tokens = osdn_diag.replay(cap, prompts=alone).tokens.to_pydict()
+    by_prompt = {p: [t for q, t in zip(tokens["prompt"], tokens["token_id"]) if q == p] for p in (0, 1)}
+    assert by_prompt == {0: first[0].tolist() + a[0].tolist(), 1: second[0].tolist() + b[0].tolist()}
+    with pytest.raises(ValueError, match=r"argument 'prompts': 1 prompts for the 2 sequences captured in 2 forward"):
+        osdn_diag.replay(cap, prompts=alone[:1])
+    short = [alone[0], Prompt(id=1, task="y", input_ids=second[0].tolist()[1:])]
+    with pytest.raises(ValueError, match=r"prompt 1 \(id 1\) holds 10 token ids, but captured sequence 1 is 15 "
+                                         r"tokens long.*its prompt alone \(11 ids\)"):
+        osdn_diag.replay(cap, prompts=short)
+    with osdn_diag.capture(model) as plain, torch.inference_mode():
+        model(input_ids=first)
+    with pytest.raises(ValueError, match=r"prompt 0 \(id 0\) holds 8 token ids, but captured sequence 0 is 7"):
+        osdn_diag.replay(plain, prompts=[Prompt(id=0, task="x", input_ids=[1] + first[0].tolist())])
+
+
 def test_a_micro_step_family_marks_its_generated_tokens_in_tokens(fla_kernels):
     """GatedDeltaProduct's record has two rows per token (its micro-steps), its table one position per
     token: the boundary is the prompt's length in tokens."""

@@ -50,6 +50,8 @@ def _one(run, default_label: str) -> tuple[str, dict, Path | None]:
 
 def _runs(runs) -> list[tuple[str, dict, Path | None]]:
     if isinstance(runs, Mapping) and not _is_summary(runs):
+        if not runs:
+            raise ValueError("argument 'runs': no runs given")
         return [(str(label), *_one(run, str(label))[1:]) for label, run in runs.items()]
     if isinstance(runs, (list, tuple)):
         if not runs:
@@ -78,9 +80,12 @@ def q_bars(runs, ax=None):
     return _plots.plot_q_bars(_pairs(runs), ax=ax)
 
 
-def layer_head(runs, axes=None):
-    """q_geo of every (layer, head), a heat map per run on one colour scale (``axes``: one per run)."""
-    return _plots.plot_layer_head(_pairs(runs), axes=axes)
+def layer_head(runs, ax=None, *, axes=None):
+    """q_geo of every (layer, head), a heat map per run on one colour scale; ``ax`` (or ``axes``): one
+    axes per run, a single one for one run."""
+    if ax is not None and axes is not None:
+        raise ValueError("arguments 'ax' and 'axes': the same thing (one axes per run); give one of them")
+    return _plots.plot_layer_head(_pairs(runs), axes=axes if ax is None else ax)
 
 
 def retained(runs, ax=None):

@@ -60,8 +60,8 @@ class Results:
         and ``text`` (null without :attr:`tokens`, or without a tokenizer), ``q_geo`` and ``q_arith``
         of the token's finite ratios over heads (and layers), and ``n``, their count (0: none, and the
         two means null). q_geo as the summary's: ``exp(mean log max(q, 1e-30))``, a micro-step
-        family's ``token_ratio`` on its ``step = 0`` rows. A pyarrow table; ``.to_pandas()`` for a
-        DataFrame."""
+        family's ``token_ratio`` on its ``step = 0`` rows. Sorted by prompt, then pos (then layer). A
+        pyarrow table; ``.to_pandas()`` for a DataFrame."""
         from .tokens import per_token
 
         return per_token(self.table, self.tokens, by_layer=by_layer)

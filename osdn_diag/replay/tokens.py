@@ -196,7 +196,8 @@ def per_token(residuals, tokens: pa.Table | None = None, *, by_layer: bool = Fal
     table or a path to ``residuals.parquet``): ``token_id`` and ``text`` from ``tokens`` (null where it
     has no row, or without it), ``q_geo`` (``exp(mean log max(q, 1e-30))``) and ``q_arith`` of the
     token's finite ratios over heads (and layers), ``n`` how many there were (0: none, and then
-    ``q_geo`` and ``q_arith`` are null). Rows come sorted by prompt, (layer,) pos; every position of
+    ``q_geo`` and ``q_arith`` are null). Rows come sorted by prompt, then pos (then layer, with
+    ``by_layer``: a token's layers are adjacent); every position of
     ``tokens`` is there, and every one of ``residuals``."""
     c = _cells(residuals, tokens, by_layer)
     n = c["n"]

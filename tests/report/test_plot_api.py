@@ -107,6 +107,14 @@ def test_figures_draw_on_a_given_axes_and_save(run, tmp_path):
     assert odp.layer_head([run, run]).axes  # a heat map per run + the colour bar
     with pytest.raises(ValueError, match="one per run"):
         odp.layer_head([run, run], axes=[ax])
+    # every function takes ax= (layer_head: one axes per run, here one run)
+    other = Figure()
+    assert odp.layer_head(run, ax=other.subplots()) is other
+    with pytest.raises(ValueError, match="'ax' and 'axes'"):
+        odp.layer_head(run, ax=ax, axes=ax)
+    for empty in ([], {}):
+        with pytest.raises(ValueError, match="no runs given"):
+            odp.contraction(empty)
     assert save(odp.contraction(run), tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(TypeError, match="argument 'runs'"):
         odp.contraction(42)

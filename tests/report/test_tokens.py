@@ -266,6 +266,8 @@ def test_per_token_frame(runs):
             assert arith == pytest.approx(math.fsum(q) / n, rel=REL, abs=0)
         by_layer = res.per_token(by_layer=True).to_pydict()
         assert len(by_layer["prompt"]) == len(f["prompt"]) * len(_manifest(run)["layers"])
+        keys = list(zip(by_layer["prompt"], by_layer["pos"], by_layer["layer"]))
+        assert keys == sorted(keys)  # the documented order: prompt, pos, then layer
         for p, layer, pos, tid, geo, n in zip(*(by_layer[c] for c in ("prompt", "layer", "pos", "token_id",
                                                                        "q_geo", "n"))):
             q = cells[(p, layer, pos)]

@@ -56,7 +56,11 @@ def _runs(runs) -> list[tuple[str, dict, Path | None]]:
     if isinstance(runs, (list, tuple)):
         if not runs:
             raise ValueError("argument 'runs': no runs given")
-        return [_one(run, f"run {i}") for i, run in enumerate(runs)]
+        from .report.markdown import distinct_labels
+
+        parts = [_one(run, f"run {i}") for i, run in enumerate(runs)]
+        names = distinct_labels([label for label, _, _ in parts], [run_dir for _, _, run_dir in parts])
+        return [(name, summary, run_dir) for name, (_, summary, run_dir) in zip(names, parts)]
     return [_one(runs, "run")]
 
 

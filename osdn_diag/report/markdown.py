@@ -116,6 +116,23 @@ def _label(run_dir: Path, manifest: dict) -> str:
     return spec if len(spec) <= 40 else run_dir.name
 
 
+def distinct_labels(labels: list[str], dirs: list[Path | None]) -> list[str]:
+    """Default labels told apart: runs of one model spec (two seeds, a run given twice) would share a
+    label in every table, legend and view; those get their run directory's name after it, and a
+    number where that does not separate them either."""
+    out = list(labels)
+    for label in {x for x in labels if labels.count(x) > 1}:
+        same = [i for i, x in enumerate(labels) if x == label]
+        names = [None if dirs[i] is None else dirs[i].name for i in same]
+        for i, name in zip(same, names):
+            if name is not None and names.count(name) == 1 and name != label:
+                out[i] = f"{label} ({name})"
+    for label in {x for x in out if out.count(x) > 1}:
+        for n, i in enumerate([i for i, x in enumerate(out) if x == label], start=1):
+            out[i] = f"{label} #{n}"
+    return out
+
+
 def _contraction_table(runs, micro: bool = False) -> str:
     """Table 8's layout: q_geo, q_arith, then q_geo per task. With ``micro`` (a run of the report
     makes several writes per token), the unit of each row's numbers ("writes") and the per-token
@@ -751,7 +768,7 @@ def _write_report(paths: list[Path], out: Path, owner: int | None, labels, d_hea
     loaded = [load_run(p) for p in paths]
     if not any(m.get("counterfactual") for m, _ in loaded):
         _check_comparable(paths, loaded)
-    names = labels or [_label(p, m) for p, (m, _) in zip(paths, loaded)]
+    names = labels or distinct_labels([_label(p, m) for p, (m, _) in zip(paths, loaded)], list(paths))
     runs = [(name, m, s) for name, (m, s) in zip(names, loaded)]
     d_trajectories = d_trajectories_of(paths, names, [m for m, _ in loaded], d_head)
     token_runs = tokens_of(paths, loaded)

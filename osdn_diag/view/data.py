@@ -107,10 +107,15 @@ def _runs(runs, labels):
         raise ValueError("argument 'runs': no runs given")
     if labels is not None and len(labels) != len(items):
         raise ValueError(f"argument 'labels': expected {len(items)} labels, got {len(labels)}")
+    from ..report.markdown import distinct_labels
+
     out = []
     for i, (key, run) in enumerate(items):
         label, *rest = _run_parts(run, key or (f"run {i}" if len(items) > 1 else "run"))
         out.append(((labels[i] if labels is not None else key or label), *rest))
+    if labels is None and not isinstance(runs, Mapping):  # labels of the runs' own: told apart
+        names = distinct_labels([o[0] for o in out], [o[3] for o in out])
+        out = [(name, *o[1:]) for name, o in zip(names, out)]
     return out
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -96,6 +98,19 @@ def test_a_mapping_labels_its_runs(run):
     fig = odp.by_layer({"DeltaNet": run, "OSDN": loaded})
     assert [line.get_label() for line in _lines(fig)] == ["DeltaNet", "OSDN"]
     assert [line.get_label() for line in _lines(odp.by_layer([run]))] == ["synthetic-osdn"]
+    # runs of one model spec are told apart (by directory name, else by number), in lists only
+    assert [line.get_label() for line in _lines(odp.by_layer([run, run]))] == ["synthetic-osdn #1",
+                                                                             "synthetic-osdn #2"]
+
+
+def test_default_labels_that_coincide_are_told_apart():
+    from osdn_diag.report.markdown import distinct_labels
+
+    assert distinct_labels(["m", "m", "b"], [Path("x/seed0"), Path("y/seed1"), None]) == [
+        "m (seed0)", "m (seed1)", "b"]
+    assert distinct_labels(["m", "m"], [Path("x/r"), Path("y/r")]) == ["m #1", "m #2"]
+    assert distinct_labels(["m", "m", "m"], [None, Path("q"), None]) == ["m #1", "m (q)", "m #2"]
+    assert distinct_labels(["a", "b"], [None, None]) == ["a", "b"]
 
 
 def test_figures_draw_on_a_given_axes_and_save(run, tmp_path):

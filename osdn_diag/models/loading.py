@@ -85,6 +85,10 @@ def load_model(
     ``{module name: device}``. Blocks are never split. Each block then runs on its own GPU and
     capture records it there, tagged with its layer as always.
     """
+    if device_map is None:
+        from ..runtime.device import check_device
+
+        check_device(device)
     _register_fla()
     from transformers import AutoModelForCausalLM  # OSDN / OSGDN registered by importing this package
 

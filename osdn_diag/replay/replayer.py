@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from ..runtime.device import check_device
 from ..runtime.host import from_host
 from ..capture.record import KernelCall
 from ..capture.store import StoredCall, to_device
@@ -119,7 +120,10 @@ class Replayer:
         zero_residual: str = "drop",
     ):
         self.prompts = prompts
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = check_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if tolerance is not None and not (isinstance(tolerance, (int, float)) and tolerance > 0):
+            raise ValueError(f"argument 'tolerance': expected a relative error > 0 (math.inf: no check), "
+                             f"got {tolerance!r}")
         self.backend = ("triton" if self.device.type == "cuda" else "torch") if backend == "auto" else backend
         self.dtype = dtype
         self.tolerance = tolerance

@@ -17,16 +17,29 @@ import torch
 
 from .fla_import import is_lazy
 
-__all__ = ["default_device", "prepare"]
+__all__ = ["check_device", "default_device", "prepare"]
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def check_device(device: str | torch.device | None, argument: str = "device") -> torch.device | None:
+    """``device`` as a ``torch.device`` (None stays None); a CUDA device where torch sees no GPU is
+    refused naming ``argument`` (torch's own refusal is a bare ``AssertionError`` at the first tensor)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch was built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"argument '{argument}': {str(device)!r} asked for, but torch sees no CUDA GPU here "
+                         f"({why}); use the CPU (device='cpu', or leave it out)")
+    return device
+
+
 def prepare(device: str | torch.device | None = None) -> torch.device:
     """Make fla importable and runnable on ``device`` (default: CUDA if present, else CPU)."""
-    device = torch.device(device) if device is not None else default_device()
+    device = check_device(device) if device is not None else default_device()
     if device.type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
             # (fla loaded through shells has built no kernel yet: osdn_diag.runtime.fla_import)

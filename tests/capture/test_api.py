@@ -51,6 +51,25 @@ def test_replay_of_nothing_is_an_error():
         osdn_diag.replay([])
 
 
+@pytest.mark.parametrize("tolerance", [-1, 0, float("nan"), "1e-5"])
+def test_a_tolerance_that_is_not_a_positive_number_is_an_argument_error(tolerance):
+    from osdn_diag.replay import Replayer
+
+    with pytest.raises(ValueError, match="argument 'tolerance': expected a relative error > 0"):
+        Replayer({}, tolerance=tolerance)  # what osdn_diag.replay and the pipeline replay with
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
+def test_a_cuda_device_without_a_gpu_is_an_argument_error_naming_it():
+    from osdn_diag.models import load_model
+    from osdn_diag.replay import Replayer
+
+    with pytest.raises(ValueError, match="argument 'device': 'cuda' asked for, but torch sees no CUDA GPU"):
+        Replayer({}, device="cuda")
+    with pytest.raises(ValueError, match="argument 'device': 'cuda:1' asked for"):
+        load_model("random:deltanet-tiny", device="cuda:1")
+
+
 def _has_pandas() -> bool:
     try:
         import pandas  # noqa: F401

@@ -91,6 +91,7 @@ def run_demo(
     from .catalog import builtin_names, builtin_task
     from .report.markdown import REPORT_FILES
     from .rundir import RunDirectoryError, check_links, check_output, existing_run_files, is_report_dir, output_lock
+    from .runtime.atomic import refuse_link
 
     if num_prompts is None:
         num_prompts = LM_NUM_PROMPTS if lm else 16
@@ -136,9 +137,15 @@ def run_demo(
                          "MQAR shapes: " + ", ".join(f"{n}: {t['num_pairs']} pairs, vocabulary "
                                                      f"{t.get('vocab_size')}" for n, t in tasks.items()))
     out_dir = Path(out_dir)
+    twice = sorted({name for name in names if list(names).count(name) > 1})
+    if twice:
+        raise ValueError(f"argument --models: {', '.join(twice)} given more than once; name each model once")
     for name in names:
+        # Names the demo chose, below the user's --out (which may itself be a link): never written through.
+        refuse_link(out_dir / name)
         check_output(out_dir / name, overwrite=overwrite)
     report_dir = out_dir / "report"
+    refuse_link(report_dir)
     found = existing_run_files(report_dir)
     if found and not is_report_dir(report_dir):
         raise RunDirectoryError(f"{report_dir}: not an osdn-diag report directory, but it holds "

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .runtime.atomic import refuse_link
 from .runtime.usage import what_if_settings_error
 from .capture.record import KernelCall
 from .capture.store import CaptureReader
@@ -181,6 +182,8 @@ def what_if_out(run_dir: str | os.PathLike, settings: WhatIf, out_dir: str | os.
     refused if that is ``run_dir`` itself, inside its files, or inside any other run."""
     run_dir = Path(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / settings.name()
+    if out_dir is None:  # a name the package chose, below the user's directory: never written through
+        refuse_link(out)
     if out_inside_input(run_dir, out):
         raise RunDirectoryError(f"--out {out}: would write over the run {run_dir} that what-if reads; "
                                 "choose a directory outside it (the default is a new subdirectory of it)")

@@ -233,6 +233,26 @@ def test_unknown_model_is_one_line_naming_the_available_ones(tmp_path, capsys, m
     assert not (tmp_path / "d").exists()  # refused before any model ran
 
 
+@pytest.mark.parametrize("planted", ["mqar-osdn", "report"])
+def test_a_link_where_the_demo_names_a_directory_is_refused_before_any_model_runs(tmp_path, capsys, planted):
+    out, elsewhere = tmp_path / "d", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (out / planted).symlink_to(elsewhere, target_is_directory=True)
+    assert entry(["demo", "--out", str(out), "--num-prompts", "2", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{out / planted}: a symbolic link, where osdn-diag writes" in err
+    assert list(elsewhere.iterdir()) == [] and sorted(p.name for p in out.iterdir()) == [planted]
+
+
+def test_a_model_named_twice_is_refused_before_any_model_runs(tmp_path, capsys):
+    argv = ["demo", "--models", "mqar-deltanet", "mqar-osdn", "mqar-deltanet", "--out", str(tmp_path / "d"), "-q"]
+    assert entry(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "argument --models: mqar-deltanet given more than once" in err
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("n", [0, -1])
 def test_num_prompts_below_one_is_refused(tmp_path, capsys, n):
     assert entry(["demo", "--out", str(tmp_path / "d"), "--num-prompts", str(n), "-q"]) == 2

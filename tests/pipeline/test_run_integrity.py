@@ -516,7 +516,7 @@ def test_a_changed_shard_leaves_a_complete_run_complete(runs, tmp_path, capsys):
 
 # 17. A link is never written through (issue 44).
 
-@pytest.mark.parametrize("where", ["lock", "dangling lock", "plots", "replay's summary"])
+@pytest.mark.parametrize("where", ["lock", "dangling lock", "plots", "replay's summary", "what-if's own output"])
 def test_a_command_never_writes_through_a_link(runs, tmp_path, capsys, where):
     import os
     import stat
@@ -537,6 +537,11 @@ def test_a_command_never_writes_through_a_link(runs, tmp_path, capsys, where):
         (run / LOCK_FILE).symlink_to(tmp_path / "created.txt")
     elif where == "plots":
         (run / "plots").symlink_to(elsewhere, target_is_directory=True)
+    elif where == "what-if's own output":  # the directory what-if names below the run, planted as a link
+        from osdn_diag.whatif import WhatIf
+
+        (run / WhatIf(eta=0.003).name()).symlink_to(elsewhere, target_is_directory=True)
+        argv = ["what-if", str(run), "-q"]
     else:
         (run / "summary.json").unlink()
         (run / "summary.json").symlink_to(secret)

@@ -51,10 +51,25 @@ def _capture(args: argparse.Namespace):
     )
 
 
+def _replay_device(args: argparse.Namespace) -> None:
+    """The Triton replays (``--backend triton|fused``) run on the CPU only under Triton's interpreter,
+    which must be on before triton is imported: switched on here, first, as ``run`` does for its
+    model (the replay commands read no model, so nothing else would)."""
+    if getattr(args, "backend", "auto") not in ("triton", "fused"):
+        return
+    from ..runtime.device import check_device, default_device, prepare
+
+    device = check_device(args.device, "--device") or default_device()
+    if device.type == "cpu":
+        prepare(device)
+
+
 def _replay(args: argparse.Namespace, run_dir) -> dict:
     import torch
 
     from ..pipeline import replay_run
+
+    _replay_device(args)
 
     return replay_run(
         run_dir, backend=args.backend, dtype=torch.float64 if args.fp64 else torch.float32,
@@ -127,6 +142,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    _replay_device(args)
     from ..distributed import init_from_env
 
     from ..rundir import output_lock
@@ -167,6 +183,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_what_if(args: argparse.Namespace) -> int:
+    _replay_device(args)
     import torch
 
     from ..report import write_report

@@ -223,10 +223,26 @@ def _check_utf8(args) -> None:
                                  "keeps paths and labels as UTF-8 text: rename it or give another name") from None
 
 
+#: Arguments that name a file or directory: empty, each would mean the working directory (an unset
+#: shell variable, ``--out "$OUT"``, writes a whole run there) or nothing at all.
+_PATHS = ("out", "dir", "runs", "dirs", "model", "prompts", "save_tuning")
+
+
+def _check_empty_paths(args) -> None:
+    for dest in _PATHS:
+        value = getattr(args, dest, None)
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str) and not text.strip():
+                name = _POSITIONAL.get(dest) or f"argument --{dest.replace('_', '-')}"
+                raise UsageError(f"{name}: an empty path{' (an unset shell variable?)' if not text else ''}; "
+                                 "give a file or directory by name (. for the working directory)")
+
+
 def check_args(args) -> None:
     """Check ``args`` (parsed) before the command imports fla or writes anything."""
     cmd = args.command
     _check_utf8(args)
+    _check_empty_paths(args)
     device = getattr(args, "device", None)
     if device is not None:
         if not _DEVICE.match(device):

@@ -117,7 +117,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     classes = [ValueError, OSError]
     for module, name in (("safetensors", "SafetensorError"), ("osdn_diag.runtime.interpret", "InterpreterUnavailable"),
                          ("osdn_diag.rundir", "IncompleteRunError"),
-                         ("osdn_diag.replay.call", "FidelityError")):
+                         ("osdn_diag.replay.call", "FidelityError"),
+                         ("osdn_diag.view.figures", "ViewUnavailable")):
         cls = getattr(sys.modules.get(module), name, None)
         if cls is not None:
             classes.append(cls)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .data import NUM_BINS, RunView
 
-__all__ = ["FIGURES", "by_layer", "contraction", "d_trajectory", "eps_vs_q", "head_curve", "layer_head",
+__all__ = ["FIGURES", "ViewUnavailable", "by_layer", "contraction", "d_trajectory", "eps_vs_q", "head_curve", "layer_head",
            "run_colour"]
 
 #: One colour per run (the first ten of plotly's default qualitative colours), in run order.
@@ -28,12 +28,16 @@ def run_colour(i: int) -> str:
     return COLOURS[i % len(COLOURS)]
 
 
+class ViewUnavailable(ImportError):
+    """plotly, which the interactive view needs, is not installed or does not import."""
+
+
 def _go():
     try:
         import plotly.graph_objects as go
     except ImportError as err:  # the extra is optional: the static report never needs it
-        raise ImportError("the interactive view needs plotly: pip install 'osdn-diag[view]' "
-                          "(or pip install plotly)") from err
+        raise ViewUnavailable(f"the interactive view needs plotly, which could not be imported ({err}): "
+                              "pip install 'osdn-diag[view]' (or pip install plotly)") from err
     return go
 
 

@@ -141,3 +141,22 @@ def test_a_nonfinite_stream_is_left_out_of_the_strips():
     want = math.exp(np.log(q[keep].astype(np.float64)).mean())
     assert strip["v"]["q"][2, 3] == pytest.approx(want, rel=1e-6)
     assert strip["v"]["loss_before"][2, 3] == pytest.approx(lb[keep].astype(np.float64).mean(), rel=1e-6)
+
+
+def test_a_plotly_that_is_installed_but_does_not_import_is_one_line_and_the_demo_goes_on(lm_run, tmp_path,
+                                                                                          monkeypatch, capsys):
+    import importlib.util
+
+    for name in [m for m in sys.modules if m == "plotly" or m.startswith("plotly.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "plotly", None)  # import plotly fails...
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "plotly" else
+                        _find_spec(name, *a))  # ...where it is found (a broken install)
+    assert entry(["view", str(lm_run), "--out", str(tmp_path / "v.html")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs plotly, which could not be imported" in err
+    assert not (tmp_path / "v.html").exists()
+    out = tmp_path / "demo"
+    assert entry(["demo", "--models", "mqar-deltanet", "--num-prompts", "2", "--out", str(out), "-q"]) == 0
+    assert "view.html not written: the interactive view needs plotly" in capsys.readouterr().err
+    assert (out / "report" / "report.md").is_file() and not (out / "report" / "view.html").exists()

@@ -4,6 +4,7 @@ session: this rank's model, prompts and forward batches, and the manifest."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -156,6 +157,26 @@ def _stream(model_spec, prompts_spec, out_dir, *, device, dtype, kernels, batch_
     return summary
 
 
+def _note_default_dtype(loaded, dtype: torch.dtype) -> None:
+    """Say so where the default dtype (bf16 on a GPU, fp32 on the CPU) is not the one the checkpoint's
+    ``config.json`` stores, which ``from_pretrained(DIR)`` without a dtype would load it in."""
+    directory = getattr(loaded, "directory", None)
+    if directory is None:
+        return
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    stored = config.get("dtype", config.get("torch_dtype")) if isinstance(config, dict) else None
+    if not isinstance(stored, str) or stored not in ("float32", "bfloat16", "float16"):
+        return
+    chosen = str(dtype).removeprefix("torch.")
+    if stored != chosen:
+        where = "on a GPU" if chosen == "bfloat16" else "on the CPU"
+        print(f"note: {directory / 'config.json'} stores the model in {stored}; it runs in {chosen}, the default "
+              f"{where} (--dtype {stored} runs it as stored)", file=sys.stderr)
+
+
 class _CaptureSession:
     """What :func:`capture_run` and :func:`stream_run` share: this rank's device and dtype, the model,
     the prompts, the forward batches this rank owns, and the manifest (written incomplete once the
@@ -193,6 +214,8 @@ class _CaptureSession:
         # run before its directory is created.
         self.loaded = preloaded or load_model(model_spec, device=self.device, dtype=self.dtype, seed=seed,
                                               device_map=device_map)
+        if dtype is None and self.ranks.is_main:
+            _note_default_dtype(self.loaded, self.dtype)
         # Inputs go where the embedding is; replay runs on the requested (or default) device, to which
         # every call is moved (a model spread over several GPUs has calls on each of them).
         self.replay_device = self.device

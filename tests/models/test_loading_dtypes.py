@@ -104,3 +104,27 @@ def test_the_run_records_what_is_kept_out_of_the_model_dtype(saved, tmp_path):
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["model"]["kept_dtypes"] == {"model.layers.0.attn.A_log": "float32",
                                                 "model.layers.1.attn.A_log": "float32"}
+
+
+@pytest.mark.parametrize("stored, given, note", [("bfloat16", None, True), ("bfloat16", "float32", False),
+                                                 ("float32", None, False)])
+def test_a_default_dtype_other_than_the_checkpoints_is_said(tmp_path, capsys, stored, given, note):
+    """On the CPU the default is fp32: a checkpoint whose config.json stores bf16 (which
+    ``from_pretrained(DIR)`` without a dtype loads in bf16) is run in fp32 with a note saying so and
+    how to run it as stored; an explicit --dtype, or a checkpoint stored in fp32, gets none."""
+    import shutil
+
+    from osdn_diag.catalog.builtin import builtin_path
+    from osdn_diag.cli import entry
+
+    model = tmp_path / "m"
+    shutil.copytree(builtin_path("mqar-deltanet"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "dtype": stored}))
+    argv = ["capture", str(model), "--prompts", "mqar", "--num-prompts", "1", "--length", "16",
+            "--out", str(tmp_path / "r"), "-q", *(["--dtype", given] if given else [])]
+    assert entry(argv) == 0
+    err = capsys.readouterr().err
+    said = f"{model / 'config.json'} stores the model in bfloat16; it runs in float32, the default on the CPU " \
+           "(--dtype bfloat16 runs it as stored)"
+    assert (said in err) == note, err

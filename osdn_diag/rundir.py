@@ -351,7 +351,7 @@ def check_table_files(out_dir: str | os.PathLike) -> None:
 
 #: The run's own files at the top of its directory that a manifest lists with their sha256
 #: (``files``: the replay's results; ``tokens``: the prompts' tokens).
-HASHED_RESULT_FILES = frozenset({"summary.json", "comparator.parquet", "tokens.parquet"})
+HASHED_RESULT_FILES = frozenset({"summary.json", "comparator.parquet", "tokens.parquet", "residuals.parquet"})
 
 
 def check_file_name(name, listed_in: str | os.PathLike, *, shard: bool = False) -> str:
@@ -500,7 +500,8 @@ def read_rank_record(path: str | os.PathLike) -> dict | None:
 
 def verify_files(root: str | os.PathLike, entries: dict) -> str | None:
     """``None`` if every ``{relative name: {"sha256", "size"}}`` of ``entries`` is under ``root`` with
-    that size and sha256, else what is wrong with the first file that is not (one line, naming it).
+    that size and sha256 (a parquet file recorded by ``{"size", "rows"}``: that size and row count,
+    from its footer), else what is wrong with the first file that is not (one line, naming it).
     A name not of the form osdn-diag writes (:func:`check_file_name`) is wrong: it is not looked at."""
     root = Path(root)
     for name, entry in sorted(entries.items(), key=lambda item: str(item[0])):
@@ -515,7 +516,16 @@ def verify_files(root: str | os.PathLike, entries: dict) -> str | None:
             return f"{path}: missing"
         if path.stat().st_size != entry.get("size"):
             return f"{path}: {path.stat().st_size} bytes, its record says {entry.get('size')}"
-        if sha256_file(path) != entry.get("sha256"):
+        if name == "residuals.parquet" and "rows" in entry and "sha256" not in entry:
+            import pyarrow.parquet as pq
+
+            try:
+                rows = pq.ParquetFile(path).metadata.num_rows
+            except Exception as err:  # noqa: BLE001 - pyarrow's many ways to say "not a parquet file"
+                return f"{path}: not a readable parquet file ({err})"
+            if rows != entry["rows"]:
+                return f"{path}: {rows:,} rows, its record says {entry['rows']:,}"
+        elif sha256_file(path) != entry.get("sha256"):
             return f"{path}: its sha256 differs from the one its record says"
     return None
 

@@ -73,6 +73,13 @@ def _file_entry(x) -> bool:
             and x["size"] >= 0)
 
 
+def _result_entry(x) -> bool:
+    """A result file's entry: ``{"sha256", "size"}``, or a per-token table file's ``{"size", "rows"}``
+    (a file listed so without a sha256 other than that table is refused when it is checked)."""
+    return _file_entry(x) or (isinstance(x, dict) and "sha256" not in x and _is_int(x.get("size"))
+                              and x["size"] >= 0 and _is_int(x.get("rows")) and x["rows"] >= 0)
+
+
 def _tokens_entry(x) -> bool:
     """The manifest's ``tokens`` entry (``tokens.parquet``'s sha256 and size, what its text came from):
     an entry without its sha256 would leave the token table unchecked."""
@@ -103,7 +110,7 @@ def check_manifest(manifest, path, again: str = "re-run the command that wrote i
     for key in ("model", "settings", "identity", "what_if", "versions"):
         c.check(manifest, key, _dict, "an object")
     c.check(manifest, "files", _dict, "an object of {file: {sha256, size}}")
-    c.each(manifest, "files", _file_entry, "{sha256: string, size: integer}")
+    c.each(manifest, "files", _result_entry, "{sha256: string, size: integer} or {size: integer, rows: integer}")
     c.check(manifest, "kernels", lambda x: isinstance(x, list) and all(isinstance(k, str) for k in x),
             "a list of strings")
     c.check(manifest.get("model") or {}, "spec", lambda x: isinstance(x, str), "a string", where="model.")

@@ -32,8 +32,43 @@ def _one_line(argv, capsys) -> str:
 
 def test_the_manifest_records_the_results(run):
     files = json.loads((run / "manifest.json").read_text())["files"]
-    assert sorted(files) == ["comparator.parquet", "summary.json"]
+    assert sorted(files) == ["comparator.parquet", "residuals.parquet", "summary.json"]
     assert files["summary.json"]["size"] == (run / "summary.json").stat().st_size
+    import pyarrow.parquet as pq
+
+    assert files["residuals.parquet"] == {"size": (run / "residuals.parquet").stat().st_size,
+                                          "rows": pq.read_table(run / "residuals.parquet").num_rows}
+
+
+@pytest.mark.parametrize("edit", ["filtered", "same size, fewer rows"])
+def test_an_edited_per_token_table_is_refused_by_report_and_view(run, tmp_path, capsys, edit):
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    path = copy / "residuals.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.filter(pc.equal(table["layer"], 0)), path)  # its run id (schema metadata) kept
+    if edit == "same size, fewer rows":  # the manifest's size made to match: the row count still tells
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest["files"]["residuals.parquet"]["size"] = path.stat().st_size
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+    for argv in (["report", str(copy)], ["view", str(copy)]):
+        err = _one_line(argv, capsys)
+        assert str(path) in err and "was changed after the run wrote it" in err, err
+        assert ("bytes, manifest.json records" if edit == "filtered" else "rows, manifest.json records") in err
+
+
+def test_a_result_listed_without_its_sha256_is_refused(run, tmp_path, capsys):
+    """Only the per-token table is recorded by size and rows: a summary so listed is not trusted."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["files"]["summary.json"] = {"size": (copy / "summary.json").stat().st_size, "rows": 1}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    err = _one_line(["report", str(copy)], capsys)
+    assert str(copy / "summary.json") in err and "sha256 differs" in err, err
 
 
 @pytest.mark.parametrize("name", ["summary.json", "comparator.parquet"])

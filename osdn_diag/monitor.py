@@ -401,7 +401,13 @@ class Monitor:
         self.started = time.perf_counter() - float(state.get("elapsed", 0.0))
 
     def close(self, total_seconds: float | None = None) -> dict:
-        """Print the monitor's overhead on rank 0 (:meth:`overhead`) and return it."""
+        """Print the monitor's overhead on rank 0 (:meth:`overhead`) and return it. The monitor gives up
+        its file and name: a monitor of another model may write them next (a stopped training command
+        resumed in the same process makes its model anew)."""
+        path = getattr(self, "path", None)
+        key = None if path is None else (str(path.resolve()), self.name)
+        if key is not None and _WRITERS.get(key) is self:
+            del _WRITERS[key]
         o = self.overhead(total_seconds)
         if _rank() == 0:
             others = "the other" if o["probes"] == 2 else f"the {o['probes'] - 1} others"

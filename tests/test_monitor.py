@@ -592,7 +592,11 @@ def test_a_second_model_under_a_name_a_live_monitor_writes_to_the_same_file_is_r
     again = monitor.Monitor(first.model, PROBE, every=2, out=tmp_path)  # the same model again: takes over
     with pytest.raises(ValueError, match="under the name 'osdn'; each"):
         monitor.Monitor(other, PROBE, every=2, out=tmp_path / "monitor.parquet", name="osdn")
-    del first, again
+    again.close()  # a closed monitor gives its file and name up, though it lives on
+    taken = monitor.Monitor(other, PROBE, every=2, out=tmp_path)
+    with pytest.raises(ValueError, match="under the name 'osdn'"):
+        monitor.Monitor(first.model, PROBE, every=2, out=tmp_path)
+    del first, again, taken
     import gc
 
     gc.collect()

@@ -149,7 +149,7 @@ def test_stream_gives_the_stored_runs_files_without_a_capture(run_dir, tmp_path)
     assert tokens[0] == tokens[1] and tokens[0]["rows"] == 3 * 20
     assert pq.read_table(tmp_path / "tokens.parquet").equals(pq.read_table(run_dir / "tokens.parquet"))
     # The result files' hashes differ with the run id they carry; their contents were compared above.
-    assert set(a.pop("files")) == set(b.pop("files")) == {"summary.json", "comparator.parquet"}
+    assert set(a.pop("files")) == set(b.pop("files")) == {"summary.json", "comparator.parquet", "residuals.parquet"}
     assert a == b
     for argv in (["replay", str(tmp_path), "-q"], ["what-if", str(tmp_path), "-q"]):
         with pytest.raises(ValueError, match="stored no capture.*--stream"):

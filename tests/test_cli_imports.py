@@ -106,3 +106,23 @@ def test_model_errors_found_from_files_import_none_of_them(tmp_path, files, mess
     assert rc == 2 and message in err and "Traceback" not in err, err
     assert heavy == []
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["run", "not-a-run"])
+def test_an_out_the_run_would_refuse_is_refused_before_the_model_loads(stream_run, tmp_path, overwrite):
+    """``run --out`` at a run without ``--overwrite``, or at a directory of a run's files without a
+    manifest, is refused from the files alone: one line, exit 2, none of torch, fla and transformers
+    imported (it came after the model had loaded: 5 to 20 s on this CPU)."""
+    out = stream_run
+    if overwrite:
+        out = tmp_path / "not-a-run"
+        out.mkdir()
+        (out / "summary.json").write_text("{}")
+    argv = ["run", "random:deltanet-tiny", "--prompts", "random", "--num-prompts", "1", "--length", "16",
+            "--device", "cpu", "--stream", "--out", str(out), "-q", *(["--overwrite"] if overwrite else [])]
+    done = subprocess.run([sys.executable, "-c", FAILING, json.dumps(argv)], capture_output=True, text=True,
+                          timeout=120)
+    rc, err, heavy = json.loads(done.stdout.strip().splitlines()[-1])
+    message = "not an osdn-diag run directory" if overwrite else "already holds a run"
+    assert rc == 2 and message in err and "Traceback" not in err, err
+    assert heavy == []

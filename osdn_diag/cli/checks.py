@@ -202,6 +202,18 @@ def _check_placement(out: str) -> None:
         raise UsageError(str(err)) from None
 
 
+def _check_existing_run(out: str, overwrite: bool) -> None:
+    """Refuse, from its files alone, an ``--out`` that the run would refuse only after loading the model
+    (seconds): a directory holding a run without ``--overwrite``, or a run's files and no manifest.
+    One process only: under torchrun an unfinished run of the same command is resumed, which only the
+    loaded inputs can decide (the run checks again in any case, holding the directory's lock)."""
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        return
+    from ..rundir import check_output
+
+    check_output(out, overwrite=overwrite)  # a RunDirectoryError: exit 2, one line
+
+
 #: The positional arguments' names as the usage line gives them (the others: --dest-with-dashes).
 _POSITIONAL = {"model": "MODEL", "dir": "DIR", "runs": "RUN", "dirs": "DIR"}
 
@@ -292,6 +304,7 @@ def check_args(args) -> None:
         check_writable_dir(args.out, "argument --out")
         _check_placement(args.out)
         _check_model(args.model)
+        _check_existing_run(args.out, args.overwrite)
     if cmd == "demo":
         if args.out is None:
             args.out = "osdn-demo-lm" if args.lm else "osdn-demo"

@@ -279,7 +279,8 @@ def test_a_failed_command_does_not_touch_a_finished_run(runs, tmp_path, capsys, 
     assert "deltanet-tyni" in err
     argv = ["run", MODEL, "--prompts", str(bad), "--out", str(run), "-q", *overwrite]
     err = _one_line_error(argv, capsys)
-    assert f"{bad}:2" in err
+    # without --overwrite the run is refused from its files, before the prompts are read
+    assert (f"{bad}:2" if overwrite else "already holds a run") in err
     assert _files(run) == before
     load_run(run)  # the results are still the run's: `report` takes them
 

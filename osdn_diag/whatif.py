@@ -23,6 +23,7 @@ from .capture.store import CaptureReader
 from .math.phase1 import osdn_phase1
 from .replay.families import NOT_APPLICABLE
 from .rundir import (
+    MANIFEST,
     RunDirectoryError,
     enclosing_runs,
     finish_stage,
@@ -31,6 +32,7 @@ from .rundir import (
     output_lock,
     reading_lock,
     prepare_output,
+    remove_run_files,
     run_manifest,
     start_stage,
 )
@@ -155,14 +157,21 @@ def _what_if(run_dir: Path, reader: CaptureReader, settings: WhatIf, out: Path, 
     }
     out.mkdir(parents=True, exist_ok=True)
     manifest["stages"] = dict.fromkeys(("replay", *then), False)
-    start_stage(out, manifest, "replay")
-    replay_run(run_dir, out_dir=out, run_id=manifest["run_id"], transform=settings, tolerance=float("inf"),
-               recall=False, extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
-    _copy_tokens(run_dir, out)
-    from .pipeline import record_result_files
+    try:
+        start_stage(out, manifest, "replay")
+        replay_run(run_dir, out_dir=out, run_id=manifest["run_id"], transform=settings, tolerance=float("inf"),
+                   recall=False, extra={"counterfactual": True, "what_if": asdict(settings)}, **replay_kw)
+        _copy_tokens(run_dir, out)
+        from .pipeline import record_result_files
 
-    record_result_files(out, manifest)  # this output's, not the source's
-    finish_stage(out, manifest, "replay")
+        record_result_files(out, manifest)  # this output's, not the source's
+        finish_stage(out, manifest, "replay")
+    except BaseException:
+        # A what-if is a replay of a capture that stays: a failed one (the replay refused, Ctrl-C) leaves
+        # nothing to resume, and its unfinished manifest would only make the next try need --overwrite.
+        remove_run_files(out)
+        (out / MANIFEST).unlink(missing_ok=True)
+        raise
     return out
 
 

@@ -163,3 +163,27 @@ def test_retained_refused_for_those_families(preset, family, tmp_path, capsys):
     assert entry(["replay", str(run), "--retained", "-q"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"family {family}" in err and "--retained does not apply" in err, err
+
+
+def test_a_failed_what_if_leaves_no_output_and_the_next_needs_no_overwrite(run_dir, monkeypatch, capsys):
+    """A what-if whose replay fails (here after writing its tables) removes what it wrote, manifest
+    included, and the directory it made: the next try runs without --overwrite. The source is untouched."""
+    import osdn_diag.pipeline as pipeline
+    from osdn_diag.cli import entry
+
+    real = pipeline.replay_run
+    source = {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+    def failing(*args, **kw):
+        real(*args, **kw)
+        raise ValueError("the replay refused a call (planted)")
+
+    monkeypatch.setattr(pipeline, "replay_run", failing)
+    out = run_dir / WhatIf(eta=0.5).name()
+    assert entry(["what-if", str(run_dir), "--eta", "0.5", "-q", "--backend", "torch"]) == 2
+    assert "planted" in capsys.readouterr().err
+    assert not out.exists()
+    assert {p.relative_to(run_dir): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == source
+    monkeypatch.setattr(pipeline, "replay_run", real)
+    assert main(["what-if", str(run_dir), "--eta", "0.5", "-q", "--backend", "torch"]) == 0
+    assert json.loads((out / "manifest.json").read_text())["complete"] is True

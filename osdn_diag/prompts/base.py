@@ -54,6 +54,7 @@ def read_jsonl(
             row = _parse_row(line, where)
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            _check_fields(row, where)
             context = _tokens(row, "input_ids", "text", where, tokenize, vocab_size, required=True)
             query = _tokens(row, "query_ids", "query", where, tokenize, vocab_size, required=False)
             ids, repeat = _twice(context, query, twice)
@@ -79,6 +80,27 @@ def _parse_row(line: str, where: str):
         raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
     except RecursionError:
         raise ValueError(f"{where}: JSON nested too deeply to read; a prompt row is one flat object") from None
+
+
+#: The fields a prompt row is read for; any other is the user's own (an id, a source) and left alone.
+FIELDS = ("input_ids", "text", "query_ids", "query", "task", "answer_positions", "answers")
+
+
+def _check_fields(row: dict, where: str) -> None:
+    """Refuse a row that gives a part of the prompt twice (ids and text: which one would be read is
+    not what either says), and a field that is a near miss of one read (``txt``, ``answer``): ignored
+    like the user's own fields, its prompt would be measured without it."""
+    for ids_key, text_key in (("input_ids", "text"), ("query_ids", "query")):
+        if ids_key in row and text_key in row:
+            raise ValueError(f"{where}: fields {ids_key!r} and {text_key!r} both given; give one of them")
+    import difflib
+
+    for key in row:
+        if key not in FIELDS:
+            near = difflib.get_close_matches(str(key), FIELDS, n=1, cutoff=0.75)
+            if near:
+                raise ValueError(f"{where}: field {key!r} is not one osdn-diag reads; did you mean {near[0]!r}? "
+                                 f"(the fields: {', '.join(FIELDS)}; others are left alone)")
 
 
 def _task(row: dict, default: str, where: str) -> str:

@@ -45,6 +45,10 @@ def test_jsonl_text_uses_tokenizer(tmp_path):
         ({"input_ids": []}, "is empty"),
         ({"text": "hello"}, "needs a tokenizer"),
         ({"input_ids": [1], "task": 3}, "'task' must be a string"),
+        ({"input_ids": [1], "text": "a"}, "fields 'input_ids' and 'text' both given; give one of them"),
+        ({"input_ids": [1], "query_ids": [2], "query": "b"}, "fields 'query_ids' and 'query' both given"),
+        ({"txt": "a"}, "field 'txt' is not one osdn-diag reads; did you mean 'text'"),
+        ({"input_ids": [1], "answer_position": [0], "answers": [1]}, "did you mean 'answer_positions'"),
     ],
 )
 def test_malformed_row_names_the_line(tmp_path, row, message):
@@ -52,6 +56,12 @@ def test_malformed_row_names_the_line(tmp_path, row, message):
     with pytest.raises(ValueError, match=message) as err:
         read_jsonl(path, vocab_size=100)
     assert f"{path}:2" in str(err.value)
+
+
+def test_fields_of_the_users_own_are_left_alone(tmp_path):
+    rows = [{"input_ids": [1, 2], "id": "q-17", "source": "wiki", "meta": {"k": 1}, "label": 3}]
+    (prompt,) = read_jsonl(_write(tmp_path, rows), vocab_size=100)
+    assert prompt.input_ids == [1, 2] and prompt.meta == {}
 
 
 def test_ids_from_0_to_vocab_size_minus_1_are_read(tmp_path):

@@ -38,15 +38,25 @@ def _prompt_shape(manifest: dict) -> list[tuple[str, int, int]]:
     return [(p.get("task", ""), p.get("length", 0), p.get("repeat_start", -1)) for p in manifest.get("prompts", [])]
 
 
+def _prompt_difference(a: list[tuple], b: list[tuple]) -> str:
+    """The first difference between two runs' prompts (task, length, repeat start), in words."""
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} prompts"
+    i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    parts = [f"{name} {x!r} vs {y!r}" for name, x, y in zip(("task", "length", "repeat start"), a[i], b[i]) if x != y]
+    return f"prompt {i}: {', '.join(parts)}"
+
+
 def _check_comparable(paths, loaded) -> None:
     """Runs side by side must measure the same prompts with the same position bins."""
     ref_path, (ref_m, ref_s) = paths[0], loaded[0]
     for path, (m, s) in zip(paths[1:], loaded[1:]):
-        if _prompt_shape(m) != _prompt_shape(ref_m):
+        a, b = _prompt_shape(ref_m), _prompt_shape(m)
+        if a != b:
             raise ValueError(
-                f"runs {ref_path} and {path} used different prompts ({len(ref_m.get('prompts', []))} vs "
-                f"{len(m.get('prompts', []))} prompts, or different tasks/lengths): side-by-side "
-                "numbers would not be comparable"
+                f"runs {ref_path} and {path} used different prompts ({_prompt_difference(a, b)}): "
+                "side-by-side numbers would not be comparable; compare runs of the same --prompts, "
+                "--num-prompts, --length, --seed and --twice"
             )
         if s["position_bins"]["edges"] != ref_s["position_bins"]["edges"]:
             raise ValueError(f"runs {ref_path} and {path} use different relative-position bins")

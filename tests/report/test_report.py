@@ -79,8 +79,16 @@ def test_fidelity_is_not_claimed_without_a_live_kernel(tmp_path, capsys):
 def test_runs_on_different_prompts_are_not_compared(tmp_path):
     a = _run(tmp_path / "a", 1, gated=False, task="t1")
     b = _run(tmp_path / "b", 2, gated=False, task="t2")
-    with pytest.raises(ValueError, match="different prompts"):
+    with pytest.raises(ValueError, match="different prompts \\(prompt 0: task 't1' vs 't2'\\)"):
         write_report([a, b], tmp_path / "cmp")
+
+
+def test_the_first_difference_between_two_runs_prompts_is_named():
+    from osdn_diag.report.markdown import _prompt_difference
+
+    a = [("t", 8, -1), ("t", 8, -1)]
+    assert _prompt_difference(a, a[:1]) == "2 vs 1 prompts"
+    assert _prompt_difference(a, [("t", 8, -1), ("t", 16, 8)]) == "prompt 1: length 8 vs 16, repeat start -1 vs 8"
 
 
 def test_missing_column_is_named(tmp_path):

@@ -8,6 +8,9 @@ A run is ``(label, summary)``, the summary being ``summary.json``'s dictionary.
 
 from __future__ import annotations
 
+import contextlib
+import re
+import warnings
 from pathlib import Path
 
 from ..runtime.atomic import atomic_path
@@ -46,6 +49,49 @@ def save_as(fig, target: Path) -> Path:
     with atomic_path(target, suffix=target.suffix) as tmp:  # matplotlib reads the format from it
         fig.savefig(tmp, dpi=150, bbox_inches="tight", metadata=metadata)
     return target
+
+
+#: Families that hold the glyphs DejaVu Sans (matplotlib's default) lacks — CJK above all — tried in
+#: this order for a character the default font does not have, wherever one is installed.
+FALLBACK_FONTS = (
+    "Noto Sans CJK JP", "Noto Sans CJK SC", "Noto Sans CJK TC", "Noto Sans CJK KR", "Source Han Sans",
+    "Noto Sans JP", "Noto Sans SC", "Noto Sans TC", "Noto Sans KR", "WenQuanYi Zen Hei", "WenQuanYi Micro Hei",
+    "Droid Sans Fallback", "IPAexGothic", "IPAGothic", "Microsoft YaHei", "SimHei", "Malgun Gothic",
+    "Hiragino Sans", "PingFang SC", "Apple SD Gothic Neo", "Arial Unicode MS",
+)
+
+_GLYPH = re.compile(r"Glyph (\d+) .*missing from font")
+
+
+@contextlib.contextmanager
+def label_fonts(missing: set[str]):
+    """Draw and save a report figure inside this block: text falls back, glyph by glyph, to the first
+    installed family of :data:`FALLBACK_FONTS` (run labels and task names in Chinese, Japanese or
+    Korean); the characters no installed font has are added to ``missing`` instead of one matplotlib
+    warning each per file (the caller says so once). The Python API's plots keep the caller's rcParams."""
+    import matplotlib
+    from matplotlib import font_manager
+
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    family = list(matplotlib.rcParams["font.family"]) + [f for f in FALLBACK_FONTS if f in installed]
+    with matplotlib.rc_context({"font.family": family}), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        m = _GLYPH.search(str(w.message))
+        if m:
+            missing.add(chr(int(m.group(1))))
+        else:  # any other warning as it came
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def missing_glyphs_note(missing: set[str]) -> str:
+    """The one line that says which characters of the plots' labels show as boxes, and what to do."""
+    chars = sorted(missing)
+    shown = ", ".join(chars[:8]) + (", …" if len(chars) > 8 else "")
+    return (f"note: {len(chars)} character{'s' if len(chars) != 1 else ''} of the plots' labels ({shown}) "
+            "are in no installed font and show as boxes; install a font that has them (Chinese, Japanese, "
+            "Korean: Noto Sans CJK, Debian's fonts-noto-cjk) and the report's plots use it")
 
 
 def _figure(figsize, **kwargs):

@@ -110,10 +110,13 @@ def _ready() -> bool:
     return True
 
 
-def _draw_file(plot: str, args: tuple, target: str) -> str:
-    """In a worker: draw one figure and write one of its files (the format from ``target``'s suffix)."""
-    plots.save_as(getattr(plots, plot)(*args), Path(target))
-    return target
+def _draw_file(plot: str, args: tuple, target: str) -> set[str]:
+    """Draw one figure and write one of its files (the format from ``target``'s suffix), here or in a
+    worker; returns the characters of its labels that no installed font has (:func:`plots.label_fonts`)."""
+    missing: set[str] = set()
+    with plots.label_fonts(missing):
+        plots.save_as(getattr(plots, plot)(*args), Path(target))
+    return missing
 
 
 @contextlib.contextmanager
@@ -184,7 +187,17 @@ def draw(figures: list[Figure]) -> None:
     """Write every figure's PNG and PDF (on the active :func:`figure_workers`, with a single worker
     also here, side by side; else here, in order). An error drawing one figure is raised as it would be here; if the worker
     processes themselves fail (killed, say), their files are drawn here instead."""
-    jobs = [(f.plot, f.args, str(t)) for f in figures for t in f.targets()]
+    missing: set[str] = set()
+    _draw_jobs([(f.plot, f.args, str(t)) for f in figures for t in f.targets()], missing)
+    if missing:  # once for the report, not once per file
+        import sys
+
+        print(plots.missing_glyphs_note(missing), file=sys.stderr)
+
+
+def _draw_jobs(jobs: list[tuple], missing: set[str]) -> None:
+    """Write the files ``jobs`` (``(plot, args, target)`` each) as :func:`draw` says, adding to
+    ``missing`` the characters no installed font has."""
     left = range(len(jobs))
     if _workers is not None:
         from concurrent.futures.process import BrokenProcessPool
@@ -198,10 +211,10 @@ def draw(figures: list[Figure]) -> None:
         try:
             futures = [_workers.submit(_draw_file, *jobs[i]) for i in left if i not in here]
             for i in here:
-                _draw_file(*jobs[i])
+                missing |= _draw_file(*jobs[i])
                 done.add(i)
             for future in futures:
-                future.result()
+                missing |= future.result()
             return
         except BrokenProcessPool:
             left = [i for i in left if i not in done]  # written again below, each through a temporary file
@@ -216,4 +229,4 @@ def draw(figures: list[Figure]) -> None:
             _stop_workers()
             raise
     for i in left:
-        _draw_file(*jobs[i])
+        missing |= _draw_file(*jobs[i])

@@ -161,3 +161,30 @@ def test_d_trajectory_of_a_chosen_head(tmp_path):
         write_report([tmp_path / "r"], d_head=(1, 5))
     with pytest.raises(ValueError, match="LAYER.HEAD"):  # a user error: one line and status 2 from the CLI
         main(["report", str(tmp_path / "r"), "--d-head", "x"])
+
+
+def test_labels_no_font_has_are_named_once_and_a_font_that_has_them_is_used(tmp_path, capsys, monkeypatch):
+    """Run labels in a script the default font lacks (CJK here, where no CJK font is installed): the
+    report says once which characters show as boxes and what to install, instead of one matplotlib
+    warning per character and file; with a font installed that has them (STIXGeneral stands in, for
+    symbols DejaVu Sans lacks) it is used and nothing is said."""
+    import warnings
+
+    from osdn_diag.report import plots
+
+    a = _run(tmp_path / "a", 1, gated=False, task="t1")
+    monkeypatch.setenv("OSDN_DIAG_REPORT_WORKERS", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a glyph warning of matplotlib's own would fail the report
+        assert main(["report", str(a), str(a), "--out", str(tmp_path / "cmp"), "--labels", "中文", "x⌒"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("note: ") == 1 and "3 characters of the plots' labels (⌒, 中, 文)" in err, err
+    assert "fonts-noto-cjk" in err
+    monkeypatch.setattr(plots, "FALLBACK_FONTS", ("STIXGeneral",))
+    assert main(["report", str(a), str(a), "--out", str(tmp_path / "cmp2"), "--labels", "y⌒", "x⌒"]) == 0
+    assert "note: " not in capsys.readouterr().err
+    missing: set[str] = set()
+    monkeypatch.setattr(plots, "FALLBACK_FONTS", ())
+    with plots.label_fonts(missing):
+        plots.save_as(plots.plot_q_bars([("x⌒", json.loads((a / "summary.json").read_text()))]), tmp_path / "q.png")
+    assert missing == {"⌒"}

@@ -779,6 +779,9 @@ def _open_lock(path: Path, *, write: bool = True) -> tuple[int, bool]:
                 raise refused from None
             raise
         info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 0:
+            os.close(fd)  # its holder removed it between the open and the fstat: create it (or find none)
+            continue
         if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
             os.close(fd)
             raise refused

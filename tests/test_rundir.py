@@ -58,6 +58,31 @@ def test_a_lock_path_that_is_a_link_is_refused_and_what_it_points_to_untouched(t
     assert (run / LOCK_FILE).is_symlink()  # left as it was
 
 
+def test_a_lock_file_its_holder_removes_between_open_and_fstat_is_made_anew(tmp_path, monkeypatch):
+    """The holder unlinks the lock file as it leaves; a waiter that opened the old file just before
+    sees it with no name (st_nlink 0): not a foreign file to refuse (two monitors sharing one
+    monitor.parquet failed so now and then), but one to create again."""
+    from osdn_diag import rundir
+
+    lock = tmp_path / ".monitor.parquet.lock"
+    lock.write_text("4242\n")
+    real_fstat, calls = os.fstat, []
+
+    def fstat(fd):
+        if not calls:  # the holder leaves right after this process opened the file
+            lock.unlink()
+        calls.append(fd)
+        return real_fstat(fd)
+
+    monkeypatch.setattr(rundir.os, "fstat", fstat)
+    fd, created = rundir._open_lock(lock)
+    monkeypatch.setattr(rundir.os, "fstat", real_fstat)
+    try:
+        assert created and os.path.samestat(os.fstat(fd), os.lstat(lock))
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("kind", ["hard link", "directory"])
 def test_a_lock_path_that_is_not_a_file_of_its_own_is_refused(tmp_path, kind):
     run = tmp_path / "run"

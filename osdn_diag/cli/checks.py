@@ -204,13 +204,17 @@ def _check_placement(out: str) -> None:
 
 def _check_existing_run(out: str, overwrite: bool) -> None:
     """Refuse, from its files alone, an ``--out`` that the run would refuse only after loading the model
-    (seconds): a directory holding a run without ``--overwrite``, or a run's files and no manifest.
-    One process only: under torchrun an unfinished run of the same command is resumed, which only the
+    (seconds): a directory holding a run without ``--overwrite``, or a run's files and no manifest,
+    but not an unfinished run of several processes (refused later, saying how to resume it). One
+    process only: under torchrun an unfinished run of the same command is resumed, which only the
     loaded inputs can decide (the run checks again in any case, holding the directory's lock)."""
     if os.environ.get("WORLD_SIZE", "1") != "1":
         return
-    from ..rundir import check_output
+    from ..rundir import check_output, run_manifest
 
+    held = run_manifest(out)
+    if held is not None and not held.get("complete") and held.get("world_size", 1) != 1:
+        return  # an unfinished run of several processes: the run says how to resume it
     check_output(out, overwrite=overwrite)  # a RunDirectoryError: exit 2, one line
 
 

@@ -90,7 +90,7 @@ for step in "${steps[@]}"; do
                         tests/ops/test_phase1_kernel.py tests/layers/test_layers_gpu.py tests/ops \
                         tests/capture/test_kernel_exact_gpu.py tests/capture/test_generation_gpu.py \
                         tests/capture/test_capture.py tests/models/test_loading_dtypes_gpu.py tests/models/test_osdn_models.py \
-                        tests/metrics/test_ratios.py tests/metrics/test_retention.py tests/replay/test_triton_replay.py \
+                        tests/metrics/test_ratios.py tests/metrics/test_retention.py tests/replay/test_triton_replay.py tests/replay/test_overflow.py \
                         tests/pipeline/test_beside_the_replay.py tests/test_cli_warmup.py tests/test_cli_errors.py \
                         tests/test_host.py tests/test_tuning_table.py tests/pipeline/test_determinism_gpu.py ;;
         monitor)    run_step monitor 300 "$PY" -m pytest $PYTEST_OPTS $XDIST tests/test_monitor_gpu.py \

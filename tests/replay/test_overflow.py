@@ -11,9 +11,9 @@ from osdn_diag.capture import KernelCall
 from osdn_diag.replay.call import ReplayOverflowError
 
 
-def _call(scale_v: float, dtype=torch.float32):
+def _call(scale_v: float, dtype=torch.float32, K: int = 4):
     g = torch.Generator().manual_seed(0)
-    B, T, H, K = 2, 9, 2, 4
+    B, T, H = 2, 9, 2
     k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g, dtype=torch.float64), dim=-1)
     v = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
     v[0, :, 1] *= scale_v  # sequence 0, head 1
@@ -44,3 +44,23 @@ def test_in_fp64_the_same_writes_have_the_ratios_of_unscaled_values():
     assert all(a["finite"]) and min(a["residual_ratio"]) > 0
     assert a["residual_ratio"] == pytest.approx(b["residual_ratio"], rel=1e-12)
     assert big.summary["q_geo"] == pytest.approx(plain.summary["q_geo"], rel=1e-12)
+
+
+def _on_gpu(call):
+    import dataclasses
+
+    moved = {f.name: getattr(call, f.name).cuda() for f in dataclasses.fields(call)
+             if isinstance(getattr(call, f.name), torch.Tensor)}
+    return dataclasses.replace(call, **moved, flags={**call.flags, "device": "cuda"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton replays)")
+@pytest.mark.parametrize("backend", ["triton", "fused", "torch"])
+def test_overflowing_losses_are_refused_on_every_gpu_backend(backend):
+    """Each GPU backend computes the token losses in its own kernel (fp32); the refusal reads their
+    host copy, so it names the same row on every one, and the same writes at a sane scale pass."""
+    with pytest.raises(ReplayOverflowError, match=r"layer 3 \(blk3.*overflow float32 \(the first at sequence 0, "
+                                                  r"head 1, position 0.*replay in fp64"):
+        osdn_diag.replay([_on_gpu(_call(1e20, K=16))], device="cuda", backend=backend)
+    plain = osdn_diag.replay([_on_gpu(_call(1.0, K=16))], device="cuda", backend=backend)
+    assert all(plain.table.column("finite").to_pylist()) and plain.summary["q_geo"] > 0

@@ -153,9 +153,10 @@ def _d_stats(ds: list) -> dict:
 _WRITERS: "weakref.WeakValueDictionary[tuple[str, str], Monitor]" = weakref.WeakValueDictionary()
 
 
-def _claim(monitor: "Monitor", bare, *, defaulted: bool) -> None:
+def _claim(monitor: "Monitor", bare, *, defaulted: bool) -> tuple[str, str]:
     """Refuse a monitor whose file and name a live monitor of another model of this process holds
-    (a monitor made again for the same model, as a notebook cell run twice makes it, takes over)."""
+    (a monitor made again for the same model, as a notebook cell run twice makes it, takes over);
+    else register it and return the key it holds (for :func:`_release`)."""
     key = (str(monitor.path.resolve()), monitor.name)
     other = _WRITERS.get(key)
     if other is not None and _bare(other.model) is not bare:
@@ -165,6 +166,16 @@ def _claim(monitor: "Monitor", bare, *, defaulted: bool) -> None:
             f"under the name {monitor.name!r}{default}; each would replace the other's rows at every step "
             "both probe. Give each model its own name=")
     _WRITERS[key] = monitor
+    return key
+
+
+def _release(monitor: "Monitor") -> None:
+    """Give up the file and name :func:`_claim` registered ``monitor`` under — by the key it returned,
+    not one resolved again (the working directory may have changed) — unless another monitor took them
+    over since."""
+    key, monitor._claimed = monitor._claimed, None
+    if key is not None and _WRITERS.get(key) is monitor:
+        del _WRITERS[key]
 
 
 class Monitor:
@@ -195,6 +206,9 @@ class Monitor:
         verbose: print a line per probe (rank 0).
     """
 
+    #: The (file, name) key this monitor holds in the process's registry of writers, ``None`` if none.
+    _claimed: tuple[str, str] | None = None
+
     def __init__(self, model, probe_batch, *, every: int = 100, out: str | os.PathLike | None = None,
                  name: str | None = None, log: Callable[[dict, int], None] | None = None,
                  autocast=None, kernels: str = "auto", replay_kw: Mapping | None = None, verbose: bool = False):
@@ -222,7 +236,7 @@ class Monitor:
         self.path = None if out is None else (
             Path(out) if str(out).endswith(".parquet") else Path(out) / "monitor.parquet")
         if self.path is not None:
-            _claim(self, bare, defaulted=name is None)
+            self._claimed = _claim(self, bare, defaulted=name is None)
         self.log = log
         self.autocast = autocast
         self.kernels = kernels
@@ -404,10 +418,7 @@ class Monitor:
         """Print the monitor's overhead on rank 0 (:meth:`overhead`) and return it. The monitor gives up
         its file and name: a monitor of another model may write them next (a stopped training command
         resumed in the same process makes its model anew)."""
-        path = getattr(self, "path", None)
-        key = None if path is None else (str(path.resolve()), self.name)
-        if key is not None and _WRITERS.get(key) is self:
-            del _WRITERS[key]
+        _release(self)
         o = self.overhead(total_seconds)
         if _rank() == 0:
             others = "the other" if o["probes"] == 2 else f"the {o['probes'] - 1} others"

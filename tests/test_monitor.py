@@ -579,7 +579,7 @@ def test_under_ddp_rank_0_probes_and_writes_and_rank_1_skips(tmp_path):
     assert sorted(set(monitor.read(tmp_path / "out").column("step").to_pylist())) == [2]
 
 
-def test_a_second_model_under_a_name_a_live_monitor_writes_to_the_same_file_is_refused(tmp_path):
+def test_a_second_model_under_a_name_a_live_monitor_writes_to_the_same_file_is_refused(tmp_path, monkeypatch):
     import osdn_diag.monitor as monitor
 
     first = monitor.Monitor(_tiny(), PROBE, every=2, out=tmp_path)
@@ -598,6 +598,15 @@ def test_a_second_model_under_a_name_a_live_monitor_writes_to_the_same_file_is_r
         monitor.Monitor(first.model, PROBE, every=2, out=tmp_path)
     del first, again, taken
     import gc
+
+    gc.collect()
+    # Released by the key it was claimed under, though the working directory changed in between.
+    monkeypatch.chdir(tmp_path)
+    relative = monitor.Monitor(other, PROBE, every=2, out="monitor.parquet", name="rel")
+    monkeypatch.chdir(tmp_path.parent)
+    relative.close()
+    monitor.Monitor(_tiny(), PROBE, every=2, out=tmp_path / "monitor.parquet", name="rel")
+    del relative
 
     gc.collect()
     monitor.Monitor(other, PROBE, every=2, out=tmp_path)  # the holders are gone

@@ -12,6 +12,7 @@ so that ``twice`` (JRT-style) repeats the context and not the query: ``context +
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -93,8 +94,6 @@ def _check_fields(row: dict, where: str) -> None:
     for ids_key, text_key in (("input_ids", "text"), ("query_ids", "query")):
         if ids_key in row and text_key in row:
             raise ValueError(f"{where}: fields {ids_key!r} and {text_key!r} both given; give one of them")
-    import difflib
-
     for key in row:
         if key not in FIELDS:
             near = difflib.get_close_matches(str(key), FIELDS, n=1, cutoff=0.75)

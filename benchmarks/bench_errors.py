@@ -53,6 +53,15 @@ def cases(root: Path) -> list[tuple[str, str, list[str], int]]:
             "config.json": CONFIG.replace("}", ', "auto_map": {"AutoModel": "x.Model"}}'), "model.safetensors": ""}),
         "damaged safetensors": _model(root, "damaged", {"config.json": CONFIG, "model.safetensors": "garbage"}),
     }
+    held = root / "held"  # a finished run's directory (its manifest and a result file)
+    held.mkdir()
+    (held / "manifest.json").write_text('{"run_id": "r", "stages": {"capture": true}, "complete": true}')
+    (held / "summary.json").write_text("{}")
+    foreign = root / "foreign"  # a run's file names, no manifest
+    foreign.mkdir()
+    (foreign / "summary.json").write_text("{}")
+    at = lambda directory, *more: ["run", "random:deltanet-tiny", "--prompts", "random", "--out", str(directory),  # noqa: E731
+                                   *more]
     return [
         ("help", "--help", ["--help"], 0),
         ("argument", "run: required arguments missing", ["run"], 2),
@@ -61,6 +70,8 @@ def cases(root: Path) -> list[tuple[str, str, list[str], int]]:
         ("argument", "run: no such prompt file", ["run", "random:deltanet-tiny", "--prompts", str(root / "p.jsonl"),
                                                   "--out", out], 2),
         ("argument", "report: no such run", ["report", str(root / "absent")], 2),
+        ("argument", "run: --out holds a run", at(held), 2),
+        ("argument", "run: --out a run's files, no manifest", at(foreign, "--overwrite"), 2),
         *[("model", name, run(model), 2) for name, model in models.items()],
     ]
 

@@ -53,8 +53,9 @@ each window repeated (*twice*), and writes ``OUT/results.json``:
 
 ``report RUN... [--out DIR]`` prints the finished sizes side by side, ordered by parameters: every
 model's held-out perplexity (single, twice), q_geo (single, twice) and OSDN's mean d, then the
-OSDN − DeltaNet gap by size; ``--out`` writes that table as ``scale.md`` and ``scale.png`` (q_geo and
-the gap against parameters).
+OSDN − DeltaNet gap by size, at ``--eta`` and at the step size of lowest held-out perplexity among
+those trained (*best η*: ``--eta`` and the ``--sweep``); ``--out`` writes that table as ``scale.md`` and
+``scale.png`` (q_geo and both gaps against parameters).
 """
 
 from __future__ import annotations
@@ -370,9 +371,24 @@ def _label(res: dict) -> str:
     return f"{res.get('preset', '?')} ({c['hidden']}×{c['layers']})"
 
 
+def best_osdn(res: dict) -> tuple[str, dict]:
+    """The OSDN model of ``res`` with the lowest held-out perplexity (single) among the step sizes trained —
+    the paper's ``--eta`` and every ``--sweep`` entry; the first named wins a tie. Returns (name, model)."""
+    osdn = [(n, m) for n, m in res["models"].items() if m.get("arch") == "osdn"]
+    if not osdn:
+        raise SystemExit(f"{_label(res)}: no OSDN model in its results.json")
+    return min(osdn, key=lambda nm: nm[1]["heldout_ppl"])
+
+
+def _eta(name: str, m: dict) -> str:
+    return format(m["eta"], "g") if m.get("eta") is not None else name.removeprefix("osdn-eta")
+
+
 def report_table(runs: list[dict]) -> str:
     """The runs' results as two markdown tables: every model (held-out perplexity single and twice,
-    q_geo single and twice, OSDN's mean d) and the OSDN − DeltaNet gap by size. Rows by parameters."""
+    q_geo single and twice, OSDN's mean d) and the OSDN − DeltaNet gap by size, at the paper's step size
+    (``gap`` in results.json) and at the step size of lowest held-out perplexity (:func:`best_osdn`).
+    Rows by parameters."""
     lines = ["| size | parameters | tokens | model | perplexity | perplexity twice | q_geo single | q_geo twice "
              "| d mean |", "|---|---|---|---|---|---|---|---|---|"]
     for res in runs:
@@ -381,12 +397,17 @@ def report_table(runs: list[dict]) -> str:
             lines.append(f"| {_label(res)} | {m['parameters'] / 1e6:.1f} M | {res['tokens'] / 1e6:.1f} M | {name} "
                          f"| {m['heldout_ppl']:.3f} | {m['heldout_ppl_twice']:.3f} | {m['q_geo_single']:.4f} "
                          f"| {m['q_geo_twice']:.4f} | {'' if 'mean' not in d else format(d['mean'], '.4f')} |")
-    lines += ["", "| size | parameters | OSDN − DeltaNet q_geo single | q_geo twice | perplexity |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| size | parameters | OSDN − DeltaNet q_geo single | q_geo twice | perplexity "
+              "| best η | best − DeltaNet q_geo single | q_geo twice | perplexity |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for res in runs:
-        g = res["gap"]
-        lines.append(f"| {_label(res)} | {res['models']['deltanet']['parameters'] / 1e6:.1f} M "
-                     f"| {g['q_geo_single']:+.4f} | {g['q_geo_twice']:+.4f} | {g['heldout_ppl']:+.3f} |")
+        g, delta = res["gap"], res["models"]["deltanet"]
+        name, best = best_osdn(res)
+        lines.append(f"| {_label(res)} | {delta['parameters'] / 1e6:.1f} M "
+                     f"| {g['q_geo_single']:+.4f} | {g['q_geo_twice']:+.4f} | {g['heldout_ppl']:+.3f} "
+                     f"| {_eta(name, best)} | {best['q_geo_single'] - delta['q_geo_single']:+.4f} "
+                     f"| {best['q_geo_twice'] - delta['q_geo_twice']:+.4f} "
+                     f"| {best['heldout_ppl'] - delta['heldout_ppl']:+.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -396,7 +417,8 @@ LINES = (("q_geo_single", "-", "o"), ("q_geo_twice", "--", "s"))
 
 def report_figure(runs: list[dict]):
     """q_geo (single: solid, dots; twice: dashed, squares) of every model name against DeltaNet's parameter count, and
-    the OSDN − DeltaNet gap beside it; returns the matplotlib figure."""
+    the OSDN − DeltaNet gap beside it (black: the paper's step size; red: the best η of each size); returns
+    the matplotlib figure."""
     from osdn_diag.report.plots import _figure
 
     fig = _figure((11, 4.0), layout="constrained")
@@ -410,6 +432,9 @@ def report_figure(runs: list[dict]):
                     label=f"{name}, {key.split('_')[-1]}")
     for key, style, marker in LINES:
         gap.plot(x, [res["gap"][key] for res in runs], style, color="k", marker=marker, label=key.split("_")[-1])
+    for key, style, marker in LINES:  # the step size of lowest held-out perplexity at each size
+        gap.plot(x, [best_osdn(res)[1][key] - res["models"]["deltanet"][key] for res in runs], style,
+                 color="C3", marker=marker, alpha=0.8, label=f"{key.split('_')[-1]}, best η")
     gap.axhline(0.0, color="0.6", lw=0.8)
     for a, title in ((ax, "$q_{geo}$ by model size"), (gap, "OSDN − DeltaNet $q_{geo}$")):
         a.set_xscale("log")

@@ -222,11 +222,21 @@ def test_report_puts_the_sizes_side_by_side(script, tmp_path):
         assert (row[8] == "") == ("d" not in m)
     gaps = [[c.strip() for c in line.strip("|").split("|")] for line in gap_part.splitlines()[2:]]
     assert [g[0].split()[0] for g in gaps] == ["h256", "h512"]
-    for g, res in zip(gaps, (small, large)):
-        osdn, delta = res["models"]["osdn-eta0.003"], res["models"]["deltanet"]
+    # best η: the OSDN of lowest held-out perplexity, found here by hand from the models' rows
+    large["models"]["osdn-eta0.03"]["heldout_ppl"] = 9.0
+    large["models"]["osdn-eta0.03"]["eta"] = 0.03
+    (tmp_path / "large" / "results.json").write_text(json.dumps(large))
+    _, gap_part = script.main(["report", str(tmp_path / "large"), str(tmp_path / "small")]).split("\n\n")
+    gaps = [[c.strip() for c in line.strip("|").split("|")] for line in gap_part.splitlines()[2:]]
+    for g, res, best_name, best_eta in zip(gaps, (small, large), ("osdn-eta0.003", "osdn-eta0.03"), ("0.003", "0.03")):
+        osdn, delta, best = res["models"]["osdn-eta0.003"], res["models"]["deltanet"], res["models"][best_name]
         assert [float(x) for x in g[2:5]] == pytest.approx(
             [osdn["q_geo_single"] - delta["q_geo_single"], osdn["q_geo_twice"] - delta["q_geo_twice"],
              osdn["heldout_ppl"] - delta["heldout_ppl"]], abs=6e-4)
+        assert g[5] == best_eta
+        assert [float(x) for x in g[6:9]] == pytest.approx(
+            [best["q_geo_single"] - delta["q_geo_single"], best["q_geo_twice"] - delta["q_geo_twice"],
+             best["heldout_ppl"] - delta["heldout_ppl"]], abs=6e-4)
     # the figure's lines carry the same numbers
     fig = script.report_figure([small, large])
     q_ax, gap_ax = fig.axes
@@ -236,6 +246,8 @@ def test_report_puts_the_sizes_side_by_side(script, tmp_path):
     assert list(lines["osdn-eta0.03, twice"].get_xdata()) == [21_000_000]
     single = next(ln for ln in gap_ax.get_lines() if ln.get_label() == "single")
     assert list(single.get_ydata()) == pytest.approx([0.282 - 0.286, 0.25 - 0.31])
+    best = next(ln for ln in gap_ax.get_lines() if ln.get_label() == "twice, best η")
+    assert list(best.get_ydata()) == pytest.approx([0.279 - 0.281, 0.23 - 0.30])  # h512: η = 0.03 is best
 
 
 def test_report_refuses_what_it_cannot_compare(script, tmp_path):

@@ -49,13 +49,19 @@ each window repeated (*twice*), and writes ``OUT/results.json``:
      "q_geo_single", "q_geo_twice", "q_arith_single", "d", ...}}, "gap": {"q_geo_single", "q_geo_twice",
      "heldout_ppl"}}      # gap: OSDN at --eta minus DeltaNet
 
+Before its first step ``train`` writes ``OUT/run.json`` (the size, the schedule, each model's step size
+and parameters), so that a run stopped before its last step can still be reported (below).
+
 ``--device cpu`` runs the loop with the reference recurrences: only for a smoke test at a tiny size.
 
 ``report RUN... [--out DIR]`` prints the finished sizes side by side, ordered by parameters: every
 model's held-out perplexity (single, twice), q_geo (single, twice) and OSDN's mean d, then the
 OSDN − DeltaNet gap by size, at ``--eta`` and at the step size of lowest held-out perplexity among
 those trained (*best η*: ``--eta`` and the ``--sweep``); ``--out`` writes that table as ``scale.md`` and
-``scale.png`` (q_geo and both gaps against parameters).
+``scale.png`` (q_geo and both gaps against parameters). A ``train --out`` without ``results.json`` (stopped by
+its budget, or its machine taken back) is reported from ``run.json`` and ``monitor.parquet``: each model's
+q_geo and d at the last step every model was probed at, perplexity and *twice* as ``—``, and a line
+saying at which step it stopped.
 """
 
 from __future__ import annotations
@@ -92,6 +98,8 @@ PRESETS = {
 PACKAGES = {"transformers": "transformers", "sympy": "sympy", "numpy": "numpy", "scipy": "scipy",
             "networkx": "networkx", "fla": "flash-linear-attention"}
 STATE = "state.pt"
+#: Written by train before its first step: the size, the schedule and the models (see run_description).
+RUN = "run.json"
 
 
 # ----------------------------------------------------------------------------------------------- prepare
@@ -195,6 +203,15 @@ def _twice_q(model, windows: torch.Tensor, amp) -> tuple[float, float]:
     return stats.q_geo, stats.q_arith
 
 
+def run_description(a: argparse.Namespace, size: dict, specs, models: dict, command: str) -> dict:
+    """``OUT/run.json``: ``{"command", "preset", "config", "seq", "batch", "steps" (the run's last step),
+    "models": {name: {"arch", "eta", "parameters"}}}`` — what report needs of a run stopped before its
+    last step, beside its ``monitor.parquet``."""
+    return {"command": command, "preset": a.preset, "config": size, "seq": a.seq, "batch": a.batch, "steps": a.steps,
+            "models": {name: {"arch": base, "eta": eta, "parameters": sum(p.numel() for p in models[name].parameters())}
+                       for name, base, eta in specs}}
+
+
 def train(a: argparse.Namespace) -> dict:
     """Train one size in lockstep into ``--out``, holding its lock (train_lm.holding): a second command on
     the same directory is refused at once."""
@@ -227,6 +244,8 @@ def _train(a: argparse.Namespace) -> dict:
     lr_at = train_lm.lr_schedule(a)
 
     out = Path(a.out)
+    # what the run is, before its first step: report reads an unfinished run from it and monitor.parquet
+    atomic_write_text(out / RUN, json.dumps(run_description(a, size, specs, models, command), indent=2) + "\n")
     gen = torch.Generator().manual_seed(a.seed)
     step, elapsed, logs = 0, 0.0, {n: [] for n in names}
     state_path = out / STATE
@@ -347,23 +366,60 @@ def _train(a: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ report
-def _results(path: str) -> tuple[Path, dict]:
-    """One ``results.json`` (or the ``train --out`` directory holding it), read strictly."""
-    f = Path(path)
-    f = f / "results.json" if f.is_dir() else f
-    if not f.is_file():
-        raise SystemExit(f"{path}: no results.json (a run not yet finished, or not a scale_study.py train --out)")
-
+def _read_json(f: Path) -> dict:
     def refuse(constant):
         raise SystemExit(f"{f}: holds {constant}, which is not JSON")
 
     try:
-        res = json.loads(f.read_text(), parse_constant=refuse)
+        return json.loads(f.read_text(), parse_constant=refuse)
     except json.JSONDecodeError as exc:
         raise SystemExit(f"{f}: not readable as JSON ({exc})") from None
+
+
+def _results(path: str) -> tuple[Path, dict]:
+    """One ``results.json`` (or the ``train --out`` directory holding it), read strictly; for a directory
+    without one, the unfinished run's :func:`_unfinished` results."""
+    f = Path(path)
+    if f.is_dir() and not (f / "results.json").exists() and (f / RUN).is_file():
+        return f / RUN, _unfinished(f)
+    f = f / "results.json" if f.is_dir() else f
+    if not f.is_file():
+        raise SystemExit(f"{path}: no results.json (a run not yet finished, or not a scale_study.py train --out)")
+    res = _read_json(f)
     if not {"models", "gap", "config", "tokens"} <= set(res) or "deltanet" not in res["models"]:
         raise SystemExit(f"{f}: not a scale_study.py results.json (expected models with deltanet, gap, config, tokens)")
     return f, res
+
+
+def _unfinished(out: Path) -> dict:
+    """A run stopped before its last step (its state.pt, or a machine taken back), as results: each model's
+    q_geo on the held-out windows (*single*) and the preconditioner's mean d at the last step every model
+    was probed at (``monitor.parquet``, whole-model rows), its size and parameters from ``run.json``;
+    perplexity and the *twice* measures, taken only at the last step, are absent (None). ``"stopped"``
+    is that step; ``"tokens"`` those seen by then."""
+    import pyarrow.parquet as pq
+
+    run = _read_json(out / RUN)
+    if not (out / "monitor.parquet").is_file():
+        raise SystemExit(f"{out}: an unfinished run without monitor.parquet: nothing measured to report")
+    rows = [r for r in pq.read_table(out / "monitor.parquet").to_pylist() if r["layer"] == -1]
+    steps = [{r["step"] for r in rows if r["model"] == n} for n in run["models"]]
+    common = set.intersection(*steps) if steps else set()
+    if not common:
+        raise SystemExit(f"{out}: its monitor has no step at which every model ({', '.join(run['models'])}) was probed")
+    step = max(common)
+    at = {r["model"]: r for r in rows if r["step"] == step}
+    models = {}
+    for name, m in run["models"].items():
+        r = at[name]
+        models[name] = {**m, "heldout_ppl": None, "heldout_ppl_twice": None, "q_geo_single": r["q_geo"],
+                        "q_arith_single": r["q_arith"], "q_geo_twice": None, "q_arith_twice": None,
+                        **({"d": {"mean": r["d_mean"]}} if r.get("d_mean") is not None else {})}
+    paper = next(n for n, m in run["models"].items() if m["arch"] == "osdn")  # the first OSDN: --eta
+    return {"preset": run["preset"], "config": run["config"], "steps": step, "stopped": step, "of": run["steps"],
+            "tokens": step * run["batch"] * run["seq"], "models": models,
+            "gap": {"q_geo_single": models[paper]["q_geo_single"] - models["deltanet"]["q_geo_single"],
+                    "q_geo_twice": None, "heldout_ppl": None}}
 
 
 def _label(res: dict) -> str:
@@ -371,13 +427,25 @@ def _label(res: dict) -> str:
     return f"{res.get('preset', '?')} ({c['hidden']}×{c['layers']})"
 
 
-def best_osdn(res: dict) -> tuple[str, dict]:
+def best_osdn(res: dict) -> tuple[str, dict] | None:
     """The OSDN model of ``res`` with the lowest held-out perplexity (single) among the step sizes trained —
-    the paper's ``--eta`` and every ``--sweep`` entry; the first named wins a tie. Returns (name, model)."""
+    the paper's ``--eta`` and every ``--sweep`` entry; the first named wins a tie. Returns (name, model),
+    or None for a run stopped before its perplexities were measured."""
     osdn = [(n, m) for n, m in res["models"].items() if m.get("arch") == "osdn"]
     if not osdn:
         raise SystemExit(f"{_label(res)}: no OSDN model in its results.json")
+    if any(m["heldout_ppl"] is None for _, m in osdn):
+        return None
     return min(osdn, key=lambda nm: nm[1]["heldout_ppl"])
+
+
+def _num(x: float | None, fmt: str) -> str:
+    """A table cell: the number, or ``—`` where it was not measured."""
+    return "—" if x is None else format(x, fmt)
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 def _eta(name: str, m: dict) -> str:
@@ -395,20 +463,25 @@ def report_table(runs: list[dict]) -> str:
         for name, m in res["models"].items():
             d = m.get("d") or {}
             lines.append(f"| {_label(res)} | {m['parameters'] / 1e6:.1f} M | {res['tokens'] / 1e6:.1f} M | {name} "
-                         f"| {m['heldout_ppl']:.3f} | {m['heldout_ppl_twice']:.3f} | {m['q_geo_single']:.4f} "
-                         f"| {m['q_geo_twice']:.4f} | {'' if 'mean' not in d else format(d['mean'], '.4f')} |")
+                         f"| {_num(m['heldout_ppl'], '.3f')} | {_num(m['heldout_ppl_twice'], '.3f')} "
+                         f"| {m['q_geo_single']:.4f} | {_num(m['q_geo_twice'], '.4f')} "
+                         f"| {'' if 'mean' not in d else format(d['mean'], '.4f')} |")
     lines += ["", "| size | parameters | OSDN − DeltaNet q_geo single | q_geo twice | perplexity "
               "| best η | best − DeltaNet q_geo single | q_geo twice | perplexity |",
               "|---|---|---|---|---|---|---|---|---|"]
     for res in runs:
         g, delta = res["gap"], res["models"]["deltanet"]
-        name, best = best_osdn(res)
+        chosen = best_osdn(res)
+        name, best = chosen if chosen else ("", dict.fromkeys(("q_geo_single", "q_geo_twice", "heldout_ppl")))
         lines.append(f"| {_label(res)} | {delta['parameters'] / 1e6:.1f} M "
-                     f"| {g['q_geo_single']:+.4f} | {g['q_geo_twice']:+.4f} | {g['heldout_ppl']:+.3f} "
-                     f"| {_eta(name, best)} | {best['q_geo_single'] - delta['q_geo_single']:+.4f} "
-                     f"| {best['q_geo_twice'] - delta['q_geo_twice']:+.4f} "
-                     f"| {best['heldout_ppl'] - delta['heldout_ppl']:+.3f} |")
-    return "\n".join(lines) + "\n"
+                     f"| {g['q_geo_single']:+.4f} | {_num(g['q_geo_twice'], '+.4f')} | {_num(g['heldout_ppl'], '+.3f')} "
+                     f"| {_eta(name, best) if chosen else '—'} "
+                     f"| {_num(_minus(best['q_geo_single'], delta['q_geo_single']), '+.4f')} "
+                     f"| {_num(_minus(best['q_geo_twice'], delta['q_geo_twice']), '+.4f')} "
+                     f"| {_num(_minus(best['heldout_ppl'], delta['heldout_ppl']), '+.3f')} |")
+    notes = [f"{_label(res)}: stopped at step {res['stopped']} of {res['of']}; q_geo single and d from its monitor's "
+             f"probe at that step; perplexity, twice and best η not measured" for res in runs if "stopped" in res]
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
 
 
 #: How report_figure draws each measure: single as written (solid, dots), twice (dashed, squares).
@@ -427,14 +500,18 @@ def report_figure(runs: list[dict]):
     names = list(dict.fromkeys(n for res in runs for n in res["models"]))
     for i, name in enumerate(names):
         pts = [(res["models"]["deltanet"]["parameters"], res["models"][name]) for res in runs if name in res["models"]]
-        for key, style, marker in LINES:
-            ax.plot([p for p, _ in pts], [m[key] for _, m in pts], style, color=f"C{i}", marker=marker,
+        for key, style, marker in LINES:  # what a stopped run did not measure is left out
+            got = [(p, m[key]) for p, m in pts if m[key] is not None]
+            ax.plot([p for p, _ in got], [v for _, v in got], style, color=f"C{i}", marker=marker,
                     label=f"{name}, {key.split('_')[-1]}")
     for key, style, marker in LINES:
-        gap.plot(x, [res["gap"][key] for res in runs], style, color="k", marker=marker, label=key.split("_")[-1])
+        got = [(p, res["gap"][key]) for p, res in zip(x, runs) if res["gap"][key] is not None]
+        gap.plot([p for p, _ in got], [v for _, v in got], style, color="k", marker=marker, label=key.split("_")[-1])
     for key, style, marker in LINES:  # the step size of lowest held-out perplexity at each size
-        gap.plot(x, [best_osdn(res)[1][key] - res["models"]["deltanet"][key] for res in runs], style,
-                 color="C3", marker=marker, alpha=0.8, label=f"{key.split('_')[-1]}, best η")
+        got = [(p, best_osdn(res)[1][key] - res["models"]["deltanet"][key]) for p, res in zip(x, runs)
+               if best_osdn(res) is not None]
+        gap.plot([p for p, _ in got], [v for _, v in got], style, color="C3", marker=marker, alpha=0.8,
+                 label=f"{key.split('_')[-1]}, best η")
     gap.axhline(0.0, color="0.6", lw=0.8)
     for a, title in ((ax, "$q_{geo}$ by model size"), (gap, "OSDN − DeltaNet $q_{geo}$")):
         a.set_xscale("log")

@@ -111,6 +111,7 @@ def test_a_stopped_and_resumed_run_ends_as_an_uninterrupted_one(data, script, tm
     first = _run(script, [*TINY, "--data", str(path), "--out", str(tmp_path / "parts"), "--stop-after", "2"])
     assert first == {"step": 2, "done": False}
     assert not (tmp_path / "parts" / "results.json").exists()
+    _check_report_of_a_stopped_run(script, tmp_path / "parts", whole)
     last = [*TINY, "--data", str(path), "--out", str(tmp_path / "parts"), "--time-budget", "100000"]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "argv", ["examples/scale_study.py", *last])  # what results.json quotes
@@ -147,6 +148,51 @@ def test_a_stopped_and_resumed_run_ends_as_an_uninterrupted_one(data, script, tm
 
     saved = json.loads((tmp_path / "parts" / "results.json").read_text(), parse_constant=strict)
     assert saved["models"]["deltanet"]["q_geo_twice"] == second["models"]["deltanet"]["q_geo_twice"]
+
+
+def _check_report_of_a_stopped_run(script, out: Path, whole: dict) -> None:
+    """report on a run stopped at step 2 of 4 (no results.json): each model's q_geo single and d at the
+    last step every model was probed at, read here from monitor.parquet; perplexity and twice not
+    measured (—), the gap at the paper's η from those q_geo; a note says where it stopped."""
+    import pyarrow.parquet as pq
+
+    run = json.loads((out / "run.json").read_text())
+    assert run["steps"] == 4 and run["preset"] == "h256" and run["config"]["hidden"] == 32
+    assert {n: m["parameters"] for n, m in run["models"].items()} == {
+        n: m["parameters"] for n, m in whole["models"].items()}
+    probes = {(r["model"], r["step"]): r for r in pq.read_table(out / "monitor.parquet").to_pylist() if r["layer"] == -1}
+    assert sorted({step for _, step in probes}) == [2]
+    table = script.main(["report", str(out)])
+    models_part, gap_part, note = table.split("\n\n")
+    rows = {r[3]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in models_part.splitlines()[2:])}
+    assert set(rows) == {"deltanet", "osdn-eta0.003"}
+    for name, row in rows.items():
+        r = probes[(name, 2)]
+        assert float(row[2].removesuffix(" M")) == pytest.approx(2 * 2 * SEQ / 1e6, abs=0.05)  # tokens by step 2
+        assert row[4:6] == ["—", "—"] and row[7] == "—"
+        assert float(row[6]) == pytest.approx(r["q_geo"], abs=6e-5)
+        assert (row[8] == "") == (r["d_mean"] is None)
+        if r["d_mean"] is not None:
+            assert float(row[8]) == pytest.approx(r["d_mean"], abs=6e-5)
+    gap = [c.strip() for c in gap_part.splitlines()[2].strip("|").split("|")]
+    assert float(gap[2]) == pytest.approx(probes[("osdn-eta0.003", 2)]["q_geo"] - probes[("deltanet", 2)]["q_geo"],
+                                          abs=6e-5)
+    assert gap[3:] == ["—"] * 6
+    assert note.strip().endswith("stopped at step 2 of 4; q_geo single and d from its monitor's probe at that step; "
+                                 "perplexity, twice and best η not measured")
+    fig = script.report_figure([script._unfinished(out)])  # draws what was measured, and nothing else
+    q_ax, gap_ax = fig.axes
+    lines = {ln.get_label(): ln for ln in q_ax.get_lines()}
+    assert list(lines["deltanet, single"].get_ydata()) == [probes[("deltanet", 2)]["q_geo"]]
+    assert list(lines["deltanet, twice"].get_ydata()) == []
+
+
+def test_report_refuses_a_stopped_run_without_a_probe(data, script, tmp_path, fla_interpreter):
+    path, _ = data
+    out = tmp_path / "early"
+    _run(script, [*TINY, "--data", str(path), "--out", str(out), "--stop-after", "1"])  # probes every 2 steps
+    with pytest.raises(SystemExit, match="an unfinished run without monitor.parquet: nothing measured to report"):
+        script.main(["report", str(out)])
 
 
 def test_resume_refuses_a_state_of_other_models(data, script, tmp_path, fla_interpreter):

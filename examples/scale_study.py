@@ -61,7 +61,7 @@ those trained (*best η*: ``--eta`` and the ``--sweep``); ``--out`` writes that 
 ``scale.png`` (q_geo and both gaps against parameters). A ``train --out`` without ``results.json`` (stopped by
 its budget, or its machine taken back) is reported from ``run.json`` and ``monitor.parquet``: each model's
 q_geo and d at the last step every model was probed at, perplexity and *twice* as ``—``, and a line
-saying at which step it stopped.
+saying at which step it was last probed.
 """
 
 from __future__ import annotations
@@ -479,8 +479,8 @@ def report_table(runs: list[dict]) -> str:
                      f"| {_num(_minus(best['q_geo_single'], delta['q_geo_single']), '+.4f')} "
                      f"| {_num(_minus(best['q_geo_twice'], delta['q_geo_twice']), '+.4f')} "
                      f"| {_num(_minus(best['heldout_ppl'], delta['heldout_ppl']), '+.3f')} |")
-    notes = [f"{_label(res)}: stopped at step {res['stopped']} of {res['of']}; q_geo single and d from its monitor's "
-             f"probe at that step; perplexity, twice and best η not measured" for res in runs if "stopped" in res]
+    notes = [f"{_label(res)}: unfinished (no results.json); q_geo single and d from its monitor's probe at step "
+             f"{res['stopped']} of {res['of']}; perplexity, twice and best η not measured" for res in runs if "stopped" in res]
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
 
 
@@ -512,6 +512,10 @@ def report_figure(runs: list[dict]):
                if best_osdn(res) is not None]
         gap.plot([p for p, _ in got], [v for _, v in got], style, color="C3", marker=marker, alpha=0.8,
                  label=f"{key.split('_')[-1]}, best η")
+    for p, res in zip(x, runs):  # a stopped run's point says how far it got
+        if "stopped" in res:
+            gap.annotate(f"step {res['stopped']} of {res['of']}", (p, res["gap"]["q_geo_single"]), fontsize=7,
+                         textcoords="offset points", xytext=(-4, 6), ha="right")
     gap.axhline(0.0, color="0.6", lw=0.8)
     for a, title in ((ax, "$q_{geo}$ by model size"), (gap, "OSDN − DeltaNet $q_{geo}$")):
         a.set_xscale("log")

@@ -178,13 +178,14 @@ def _check_report_of_a_stopped_run(script, out: Path, whole: dict) -> None:
     assert float(gap[2]) == pytest.approx(probes[("osdn-eta0.003", 2)]["q_geo"] - probes[("deltanet", 2)]["q_geo"],
                                           abs=6e-5)
     assert gap[3:] == ["—"] * 6
-    assert note.strip().endswith("stopped at step 2 of 4; q_geo single and d from its monitor's probe at that step; "
-                                 "perplexity, twice and best η not measured")
+    assert note.strip().endswith("unfinished (no results.json); q_geo single and d from its monitor's probe at step "
+                                 "2 of 4; perplexity, twice and best η not measured")
     fig = script.report_figure([script._unfinished(out)])  # draws what was measured, and nothing else
     q_ax, gap_ax = fig.axes
     lines = {ln.get_label(): ln for ln in q_ax.get_lines()}
     assert list(lines["deltanet, single"].get_ydata()) == [probes[("deltanet", 2)]["q_geo"]]
     assert list(lines["deltanet, twice"].get_ydata()) == []
+    assert [t.get_text() for t in gap_ax.texts] == ["step 2 of 4"]
 
 
 def test_report_refuses_a_stopped_run_without_a_probe(data, script, tmp_path, fla_interpreter):

@@ -212,6 +212,7 @@ class Capture:
                 self._patched.append((module, site.name, original))
             if self.kernels != "fla":
                 self._patch_short_conv()
+                self._patch_elementwise()
             for site in hf.loaded_sites():
                 module = sys.modules[site.module]
                 original = getattr(module, site.name, None)
@@ -389,6 +390,29 @@ class Capture:
         ops.causal_conv1d_update = causal_conv1d_update
         self._patched.append((ops, "causal_conv1d", original))
         self._patched.append((ops, "causal_conv1d_update", original_update))
+
+    def _patch_elementwise(self) -> None:
+        """Where the reference stands in for the delta-rule kernels on the CPU, fla's fused
+        normalisation forward (``layer_norm_fwd``: every RMSNorm / LayerNorm / GroupNorm module and its
+        fused residual add) and SwiGLU forward (``swiglu_fwd``: GatedMLP) run in torch too
+        (:mod:`osdn_diag.math.elementwise`): under Triton's interpreter they were most of a small language
+        model's forward pass. Patched in the modules that define them, whose own functions call them
+        by those names; on a GPU, or with ``kernels="fla"``, fla's kernels run."""
+        from ..math.elementwise import layer_norm_fwd_reference, swiglu_fwd_reference
+
+        for module_name, name, stand_in in (("fla.modules.norm.layernorm", "layer_norm_fwd", layer_norm_fwd_reference),
+                                            ("fla.modules.activations.ops", "swiglu_fwd", swiglu_fwd_reference)):
+            module = sys.modules.get(module_name)
+            original = getattr(module, name, None)
+            if original is None:  # not imported by this model, or another fla
+                continue
+
+            def patched(x, *args, _original=original, _stand_in=stand_in, **kwargs):
+                return (_stand_in if self._use_reference(x) else _original)(x, *args, **kwargs)
+
+            patched.__wrapped__ = original
+            setattr(module, name, patched)
+            self._patched.append((module, name, original))
 
     def _use_reference(self, x: torch.Tensor) -> bool:
         return self.kernels == "reference" or (self.kernels == "auto" and x.device.type != "cuda")

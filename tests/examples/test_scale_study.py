@@ -188,6 +188,34 @@ def _check_report_of_a_stopped_run(script, out: Path, whole: dict) -> None:
     assert [t.get_text() for t in gap_ax.texts] == ["step 2 of 4"]
 
 
+def test_report_reads_an_unfinished_run_at_the_last_step_every_model_was_probed(script, tmp_path):
+    """Probes at steps 100 and 200 for both models and at 300 for DeltaNet only (a run killed between
+    the two models' probes): the report takes step 200, and the tokens seen by then."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run = {"command": "c", "preset": "h512", "config": {"hidden": 512, "layers": 8, "heads": 8, "intermediate": 1024},
+           "seq": 512, "batch": 32, "steps": 1600,
+           "models": {"deltanet": {"arch": "deltanet", "eta": None, "parameters": 23_000_000},
+                      "osdn-eta0.003": {"arch": "osdn", "eta": 0.003, "parameters": 23_000_000}}}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    rows = []
+    for model, steps in (("deltanet", (100, 200, 300)), ("osdn-eta0.003", (100, 200))):
+        for step in steps:
+            for layer in (-1, 0):
+                q = step / 1000 + (0.01 if model == "deltanet" else 0.0) + (layer + 1) / 100
+                rows.append({"model": model, "step": step, "layer": layer, "q_geo": q, "q_arith": 2 * q,
+                             "d_mean": None if model == "deltanet" else 1.0 + step / 1e5})
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "monitor.parquet")
+    res = script._unfinished(tmp_path)
+    assert (res["stopped"], res["of"], res["tokens"]) == (200, 1600, 200 * 32 * 512)
+    assert res["models"]["deltanet"]["q_geo_single"] == pytest.approx(0.2 + 0.01)
+    assert res["models"]["osdn-eta0.003"]["q_geo_single"] == pytest.approx(0.2)
+    assert res["models"]["osdn-eta0.003"]["d"] == {"mean": pytest.approx(1.002)}
+    assert res["gap"]["q_geo_single"] == pytest.approx(-0.01)
+    assert res["models"]["deltanet"]["heldout_ppl"] is None and script.best_osdn(res) is None
+
+
 def test_report_refuses_a_stopped_run_without_a_probe(data, script, tmp_path, fla_interpreter):
     path, _ = data
     out = tmp_path / "early"

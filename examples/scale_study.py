@@ -245,7 +245,8 @@ def _train(a: argparse.Namespace) -> dict:
 
     out = Path(a.out)
     # what the run is, before its first step: report reads an unfinished run from it and monitor.parquet
-    atomic_write_text(out / RUN, json.dumps(run_description(a, size, specs, models, command), indent=2) + "\n")
+    described = run_description(a, size, specs, models, command)
+    atomic_write_text(out / RUN, json.dumps(described, indent=2) + "\n")
     gen = torch.Generator().manual_seed(a.seed)
     step, elapsed, logs = 0, 0.0, {n: [] for n in names}
     state_path = out / STATE
@@ -325,7 +326,6 @@ def _train(a: argparse.Namespace) -> dict:
     save()
     seconds = elapsed + time.perf_counter() - start
 
-    params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
     results = {}
     for (name, base, eta), model in zip(specs, models.values()):
         single, twice = train_lm.heldout_nll(model, windows, amp)
@@ -334,7 +334,7 @@ def _train(a: argparse.Namespace) -> dict:
         if not whole:  # no monitor on this run: measure the single copy here
             probe = Monitor(model, windows[:a.monitor_windows], name=name, autocast=torch.bfloat16 if on_gpu else None)
             whole = [r for r in probe.probe(step) if r["layer"] == -1]
-        res = {"arch": base, "eta": eta, "parameters": params[name],
+        res = {"arch": base, "eta": eta, "parameters": described["models"][name]["parameters"],
                "loss": float(loss[name]) if loss else logs[name][-1]["loss"],
                "heldout_nll": single, "heldout_nll_twice": twice,
                "heldout_ppl": math.exp(single), "heldout_ppl_twice": math.exp(twice),
@@ -507,9 +507,10 @@ def report_figure(runs: list[dict]):
     for key, style, marker in LINES:
         got = [(p, res["gap"][key]) for p, res in zip(x, runs) if res["gap"][key] is not None]
         gap.plot([p for p, _ in got], [v for _, v in got], style, color="k", marker=marker, label=key.split("_")[-1])
+    bests = [best_osdn(res) for res in runs]
     for key, style, marker in LINES:  # the step size of lowest held-out perplexity at each size
-        got = [(p, best_osdn(res)[1][key] - res["models"]["deltanet"][key]) for p, res in zip(x, runs)
-               if best_osdn(res) is not None]
+        got = [(p, best[1][key] - res["models"]["deltanet"][key]) for p, res, best in zip(x, runs, bests)
+               if best is not None]
         gap.plot([p for p, _ in got], [v for _, v in got], style, color="C3", marker=marker, alpha=0.8,
                  label=f"{key.split('_')[-1]}, best η")
     for p, res in zip(x, runs):  # a stopped run's point says how far it got

@@ -400,6 +400,9 @@ def _unfinished(out: Path) -> dict:
     import pyarrow.parquet as pq
 
     run = _read_json(out / RUN)
+    if not {"preset", "config", "seq", "batch", "steps", "models"} <= set(run) or "deltanet" not in run["models"]:
+        raise SystemExit(f"{out / RUN}: not a scale_study.py run.json (expected preset, config, seq, batch, steps "
+                         "and models with deltanet)")
     if not (out / "monitor.parquet").is_file():
         raise SystemExit(f"{out}: an unfinished run without monitor.parquet: nothing measured to report")
     rows = [r for r in pq.read_table(out / "monitor.parquet").to_pylist() if r["layer"] == -1]

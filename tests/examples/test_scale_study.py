@@ -214,6 +214,9 @@ def test_report_reads_an_unfinished_run_at_the_last_step_every_model_was_probed(
     assert res["models"]["osdn-eta0.003"]["d"] == {"mean": pytest.approx(1.002)}
     assert res["gap"]["q_geo_single"] == pytest.approx(-0.01)
     assert res["models"]["deltanet"]["heldout_ppl"] is None and script.best_osdn(res) is None
+    (tmp_path / "run.json").write_text(json.dumps({k: v for k, v in run.items() if k != "batch"}))
+    with pytest.raises(SystemExit, match=r"run.json: not a scale_study.py run.json \(expected preset"):
+        script.main(["report", str(tmp_path)])
 
 
 def test_report_refuses_a_stopped_run_without_a_probe(data, script, tmp_path, fla_interpreter):

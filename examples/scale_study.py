@@ -45,7 +45,7 @@ A resume that reads another corpus or tokenizer is refused, and so is a second c
 twice, as train_lm.py), q_geo on the held-out windows as written (*single*) and on the second copy of
 each window repeated (*twice*), and writes ``OUT/results.json``:
 
-    {"preset", "config", "parameters", "tokens", "models": {name: {"heldout_ppl", "heldout_ppl_twice",
+    {"preset", "config", "seed", "parameters", "tokens", "models": {name: {"heldout_ppl", "heldout_ppl_twice",
      "q_geo_single", "q_geo_twice", "q_arith_single", "d", ...}}, "gap": {"q_geo_single", "q_geo_twice",
      "heldout_ppl"}}      # gap: OSDN at --eta minus DeltaNet
 
@@ -58,7 +58,9 @@ and parameters), so that a run stopped before its last step can still be reporte
 model's held-out perplexity (single, twice), q_geo (single, twice) and OSDN's mean d, then the
 OSDN − DeltaNet gap by size, at ``--eta`` and at the step size of lowest held-out perplexity among
 those trained (*best η*: ``--eta`` and the ``--sweep``); ``--out`` writes that table as ``scale.md`` and
-``scale.png`` (q_geo and both gaps against parameters). A ``train --out`` without ``results.json`` (stopped by
+``scale.png`` (q_geo and both gaps against parameters). A size may be named once per ``--seed`` it was
+trained from: each run keeps its rows, and the size gets a further row, the gaps' mean over its seeds,
+which the figure's lines join (each seed's value drawn beside them). A ``train --out`` without ``results.json`` (stopped by
 its budget, or its machine taken back) is reported from ``run.json`` and ``monitor.parquet``: each model's
 q_geo and d at the last step every model was probed at, perplexity and *twice* as ``—``, and a line
 saying at which step it was last probed.
@@ -72,6 +74,7 @@ import importlib.metadata as metadata
 import importlib.util
 import json
 import math
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -204,11 +207,11 @@ def _twice_q(model, windows: torch.Tensor, amp) -> tuple[float, float]:
 
 
 def run_description(a: argparse.Namespace, size: dict, specs, models: dict, command: str) -> dict:
-    """``OUT/run.json``: ``{"command", "preset", "config", "seq", "batch", "steps" (the run's last step),
+    """``OUT/run.json``: ``{"command", "preset", "config", "seed", "seq", "batch", "steps" (the run's last step),
     "models": {name: {"arch", "eta", "parameters"}}}`` — what report needs of a run stopped before its
     last step, beside its ``monitor.parquet``."""
-    return {"command": command, "preset": a.preset, "config": size, "seq": a.seq, "batch": a.batch, "steps": a.steps,
-            "models": {name: {"arch": base, "eta": eta, "parameters": sum(p.numel() for p in models[name].parameters())}
+    return {"command": command, "preset": a.preset, "config": size, "seed": a.seed, "seq": a.seq, "batch": a.batch,
+            "steps": a.steps, "models": {name: {"arch": base, "eta": eta, "parameters": sum(p.numel() for p in models[name].parameters())}
                        for name, base, eta in specs}}
 
 
@@ -348,7 +351,8 @@ def _train(a: argparse.Namespace) -> dict:
     paper = results[f"osdn-eta{a.eta:g}"]
     delta = results["deltanet"]
     summary = {
-        "command": command, "preset": a.preset, "config": size, "seq": a.seq, "batch": a.batch, "steps": step,
+        "command": command, "preset": a.preset, "config": size, "seed": a.seed, "seq": a.seq, "batch": a.batch,
+        "steps": step,
         "tokens": step * a.batch * a.seq, "seconds": seconds,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "corpus": {
             k: info[k] for k in ("sources", "train_tokens", "heldout_tokens", "vocab_size") if k in info},
@@ -419,15 +423,28 @@ def _unfinished(out: Path) -> dict:
                         "q_arith_single": r["q_arith"], "q_geo_twice": None, "q_arith_twice": None,
                         **({"d": {"mean": r["d_mean"]}} if r.get("d_mean") is not None else {})}
     paper = next(n for n, m in run["models"].items() if m["arch"] == "osdn")  # the first OSDN: --eta
-    return {"preset": run["preset"], "config": run["config"], "steps": step, "stopped": step, "of": run["steps"],
+    return {"preset": run["preset"], "config": run["config"], "seed": seed_of(run), "steps": step, "stopped": step, "of": run["steps"],
             "tokens": step * run["batch"] * run["seq"], "models": models,
             "gap": {"q_geo_single": models[paper]["q_geo_single"] - models["deltanet"]["q_geo_single"],
                     "q_geo_twice": None, "heldout_ppl": None}}
 
 
-def _label(res: dict) -> str:
+def seed_of(res: dict) -> int:
+    """The seed a run was trained from: its ``"seed"``, or for a run written before that field, the
+    ``--seed`` of its recorded command (0, the default, when absent)."""
+    if res.get("seed") is not None:
+        return int(res["seed"])
+    found = re.search(r"--seed[ =](\d+)", res.get("command", ""))
+    return int(found.group(1)) if found else 0
+
+
+def _size_label(res: dict) -> str:
     c = res["config"]
     return f"{res.get('preset', '?')} ({c['hidden']}×{c['layers']})"
+
+
+def _label(res: dict) -> str:
+    return f"{_size_label(res)}, seed {seed_of(res)}"
 
 
 def best_osdn(res: dict) -> tuple[str, dict] | None:
@@ -455,11 +472,44 @@ def _eta(name: str, m: dict) -> str:
     return format(m["eta"], "g") if m.get("eta") is not None else name.removeprefix("osdn-eta")
 
 
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of what was measured in every run, or None where any run did not measure it."""
+    return None if not values or any(v is None for v in values) else sum(values) / len(values)
+
+
+def by_size(runs: list[dict]) -> list[list[dict]]:
+    """The runs grouped by size (their ``config``), in the order of their first appearance; within a
+    size, by seed."""
+    groups: dict[str, list[dict]] = {}
+    for res in runs:
+        groups.setdefault(json.dumps(res["config"], sort_keys=True), []).append(res)
+    return [sorted(g, key=seed_of) for g in groups.values()]
+
+
+def gaps(res: dict) -> dict:
+    """One run's OSDN − DeltaNet differences: at the paper's step size (``q_geo_single``, ``q_geo_twice``,
+    ``heldout_ppl``, from results.json's ``gap``) and at its best η (``best_*``, with ``best_eta``; None
+    for a run stopped before its perplexities)."""
+    delta, chosen = res["models"]["deltanet"], best_osdn(res)
+    out = {k: res["gap"][k] for k in ("q_geo_single", "q_geo_twice", "heldout_ppl")}
+    out["best_eta"] = _eta(*chosen) if chosen else None
+    for k in ("q_geo_single", "q_geo_twice", "heldout_ppl"):
+        out[f"best_{k}"] = _minus(chosen[1][k], delta[k]) if chosen else None
+    return out
+
+
+def _gap_row(label: str, params: float, g: dict) -> str:
+    return (f"| {label} | {params / 1e6:.1f} M | {_num(g['q_geo_single'], '+.4f')} | {_num(g['q_geo_twice'], '+.4f')} "
+            f"| {_num(g['heldout_ppl'], '+.3f')} | {g['best_eta'] or '—'} | {_num(g['best_q_geo_single'], '+.4f')} "
+            f"| {_num(g['best_q_geo_twice'], '+.4f')} | {_num(g['best_heldout_ppl'], '+.3f')} |")
+
+
 def report_table(runs: list[dict]) -> str:
     """The runs' results as two markdown tables: every model (held-out perplexity single and twice,
-    q_geo single and twice, OSDN's mean d) and the OSDN − DeltaNet gap by size, at the paper's step size
-    (``gap`` in results.json) and at the step size of lowest held-out perplexity (:func:`best_osdn`).
-    Rows by parameters."""
+    q_geo single and twice, OSDN's mean d) and the OSDN − DeltaNet gap by run, at the paper's step size
+    (``gap`` in results.json) and at the step size of lowest held-out perplexity (:func:`best_osdn`);
+    a size trained from several seeds gets a further row, the mean over its seeds (its best η column
+    lists each seed's). Rows by parameters, then seed."""
     lines = ["| size | parameters | tokens | model | perplexity | perplexity twice | q_geo single | q_geo twice "
              "| d mean |", "|---|---|---|---|---|---|---|---|---|"]
     for res in runs:
@@ -472,16 +522,16 @@ def report_table(runs: list[dict]) -> str:
     lines += ["", "| size | parameters | OSDN − DeltaNet q_geo single | q_geo twice | perplexity "
               "| best η | best − DeltaNet q_geo single | q_geo twice | perplexity |",
               "|---|---|---|---|---|---|---|---|---|"]
-    for res in runs:
-        g, delta = res["gap"], res["models"]["deltanet"]
-        chosen = best_osdn(res)
-        name, best = chosen if chosen else ("", dict.fromkeys(("q_geo_single", "q_geo_twice", "heldout_ppl")))
-        lines.append(f"| {_label(res)} | {delta['parameters'] / 1e6:.1f} M "
-                     f"| {g['q_geo_single']:+.4f} | {_num(g['q_geo_twice'], '+.4f')} | {_num(g['heldout_ppl'], '+.3f')} "
-                     f"| {_eta(name, best) if chosen else '—'} "
-                     f"| {_num(_minus(best['q_geo_single'], delta['q_geo_single']), '+.4f')} "
-                     f"| {_num(_minus(best['q_geo_twice'], delta['q_geo_twice']), '+.4f')} "
-                     f"| {_num(_minus(best['heldout_ppl'], delta['heldout_ppl']), '+.3f')} |")
+    for group in by_size(runs):
+        params = group[0]["models"]["deltanet"]["parameters"]
+        each = [gaps(res) for res in group]
+        for res, g in zip(group, each):
+            lines.append(_gap_row(_label(res), res["models"]["deltanet"]["parameters"], g))
+        if len(group) > 1:
+            mean = {k: _mean([g[k] for g in each]) for k in each[0] if k != "best_eta"}
+            etas = [g["best_eta"] for g in each]
+            mean["best_eta"] = None if None in etas else "/".join(etas)
+            lines.append(_gap_row(f"{_size_label(group[0])}, mean of {len(group)} seeds", params, mean))
     notes = [f"{_label(res)}: unfinished (no results.json); q_geo single and d from its monitor's probe at step "
              f"{res['stopped']} of {res['of']}; perplexity, twice and best η not measured" for res in runs if "stopped" in res]
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
@@ -492,33 +542,42 @@ LINES = (("q_geo_single", "-", "o"), ("q_geo_twice", "--", "s"))
 
 
 def report_figure(runs: list[dict]):
-    """q_geo (single: solid, dots; twice: dashed, squares) of every model name against DeltaNet's parameter count, and
-    the OSDN − DeltaNet gap beside it (black: the paper's step size; red: the best η of each size); returns
-    the matplotlib figure."""
+    """q_geo (single: solid, dots; twice: dashed, squares) of every model name against DeltaNet's parameter
+    count, and the OSDN − DeltaNet gap beside it (black: the paper's step size; red: the best η of each
+    run); the lines join each size's mean over its seeds, and a size with several seeds shows each seed's
+    value as a small unjoined marker. Returns the matplotlib figure."""
     from osdn_diag.report.plots import _figure
 
     fig = _figure((11, 4.0), layout="constrained")
     ax, gap = fig.subplots(1, 2)
-    x = [res["models"]["deltanet"]["parameters"] for res in runs]
+    groups = by_size(runs)
+    x = [g[0]["models"]["deltanet"]["parameters"] for g in groups]
     names = list(dict.fromkeys(n for res in runs for n in res["models"]))
+
+    def draw(axis, values: list[list[float | None]], style: str, marker: str, **kw) -> None:
+        """One line through the sizes' means (what a run did not measure is left out), with each seed's
+        value beside it where a size has several."""
+        got = [(p, _mean(v)) for p, v in zip(x, values) if v and _mean(v) is not None]
+        axis.plot([p for p, _ in got], [m for _, m in got], style, marker=marker, **kw)
+        seeds = [(p, y) for p, v in zip(x, values) if len(v) > 1 for y in v if y is not None]
+        if seeds:
+            axis.plot([p for p, _ in seeds], [y for _, y in seeds], linestyle="none", marker=marker, ms=3,
+                      alpha=0.5, color=kw["color"])
+
     for i, name in enumerate(names):
-        pts = [(res["models"]["deltanet"]["parameters"], res["models"][name]) for res in runs if name in res["models"]]
-        for key, style, marker in LINES:  # what a stopped run did not measure is left out
-            got = [(p, m[key]) for p, m in pts if m[key] is not None]
-            ax.plot([p for p, _ in got], [v for _, v in got], style, color=f"C{i}", marker=marker,
-                    label=f"{name}, {key.split('_')[-1]}")
+        for key, style, marker in LINES:
+            draw(ax, [[res["models"][name][key] for res in g if name in res["models"]] for g in groups],
+                 style, marker, color=f"C{i}", label=f"{name}, {key.split('_')[-1]}")
+    each = [[gaps(res) for res in g] for g in groups]
     for key, style, marker in LINES:
-        got = [(p, res["gap"][key]) for p, res in zip(x, runs) if res["gap"][key] is not None]
-        gap.plot([p for p, _ in got], [v for _, v in got], style, color="k", marker=marker, label=key.split("_")[-1])
-    bests = [best_osdn(res) for res in runs]
-    for key, style, marker in LINES:  # the step size of lowest held-out perplexity at each size
-        got = [(p, best[1][key] - res["models"]["deltanet"][key]) for p, res, best in zip(x, runs, bests)
-               if best is not None]
-        gap.plot([p for p, _ in got], [v for _, v in got], style, color="C3", marker=marker, alpha=0.8,
-                 label=f"{key.split('_')[-1]}, best η")
-    for p, res in zip(x, runs):  # a stopped run's point says how far it got
+        draw(gap, [[g[key] for g in e] for e in each], style, marker, color="k", label=key.split("_")[-1])
+    for key, style, marker in LINES:  # the step size of lowest held-out perplexity in each run
+        draw(gap, [[g[f"best_{key}"] for g in e if g["best_eta"] is not None] for e in each], style, marker,
+             color="C3", alpha=0.8, label=f"{key.split('_')[-1]}, best η")
+    for res in runs:  # a stopped run's point says how far it got
         if "stopped" in res:
-            gap.annotate(f"step {res['stopped']} of {res['of']}", (p, res["gap"]["q_geo_single"]), fontsize=7,
+            gap.annotate(f"step {res['stopped']} of {res['of']}",
+                         (res["models"]["deltanet"]["parameters"], res["gap"]["q_geo_single"]), fontsize=7,
                          textcoords="offset points", xytext=(-4, 6), ha="right")
     gap.axhline(0.0, color="0.6", lw=0.8)
     for a, title in ((ax, "$q_{geo}$ by model size"), (gap, "OSDN − DeltaNet $q_{geo}$")):
@@ -535,11 +594,11 @@ def report(a: argparse.Namespace) -> str:
     read = [_results(r) for r in a.runs]
     seen: dict[str, Path] = {}
     for f, res in read:
-        key = json.dumps(res["config"], sort_keys=True)
+        key = json.dumps([res["config"], seed_of(res)], sort_keys=True)
         if key in seen:
-            raise SystemExit(f"{f}: the same size as {seen[key]}; name each size once")
+            raise SystemExit(f"{f}: the same size and seed as {seen[key]}; name each run once")
         seen[key] = f
-    runs = sorted((res for _, res in read), key=lambda res: res["models"]["deltanet"]["parameters"])
+    runs = sorted((res for _, res in read), key=lambda res: (res["models"]["deltanet"]["parameters"], seed_of(res)))
     table = report_table(runs)
     print(table, end="")
     if a.out:

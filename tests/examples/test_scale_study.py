@@ -333,7 +333,7 @@ def test_report_refuses_what_it_cannot_compare(script, tmp_path):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(res))
-    with pytest.raises(SystemExit, match="the same size as"):
+    with pytest.raises(SystemExit, match="the same size and seed as"):
         script.main(["report", str(tmp_path / "a"), str(tmp_path / "b")])
     (tmp_path / "stopped").mkdir()
     with pytest.raises(SystemExit, match="no results.json"):
@@ -344,3 +344,46 @@ def test_report_refuses_what_it_cannot_compare(script, tmp_path):
     (tmp_path / "b" / "results.json").write_text('{"models": {}}')
     with pytest.raises(SystemExit, match="not a scale_study.py results.json"):
         script.main(["report", str(tmp_path / "b")])
+
+
+def test_report_averages_a_size_trained_from_several_seeds(script, tmp_path):
+    s0 = _fake_results("h256", 256, 4, 3_700_000, {"deltanet": (0.34, 0.35), "osdn-eta0.003": (0.30, 0.30),
+                                                    "osdn-eta0.01": (0.29, 0.26)})
+    s1 = _fake_results("h256", 256, 4, 3_700_000, {"deltanet": (0.33, 0.34), "osdn-eta0.003": (0.31, 0.29),
+                                                    "osdn-eta0.01": (0.28, 0.27)})
+    s0["models"]["osdn-eta0.01"]["heldout_ppl"] = 9.0   # seed 0: η = 0.01 best; seed 1: η = 0.003 (10.125)
+    s1["command"] = "python examples/scale_study.py train --preset h256 --seed 1"  # a run written before "seed"
+    s0["seed"] = 0
+    large = _fake_results("h512", 512, 8, 21_000_000, {"deltanet": (0.18, 0.17), "osdn-eta0.003": (0.18, 0.16)})
+    for name, res in (("s1", s1), ("large", large), ("s0", s0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(res))
+    table = script.main(["report", *(str(tmp_path / n) for n in ("s1", "large", "s0"))])
+    _, gap_part = table.split("\n\n")
+    gaps = [[c.strip() for c in line.strip("|").split("|")] for line in gap_part.splitlines()[2:]]
+    assert [g[0] for g in gaps] == ["h256 (256×4), seed 0", "h256 (256×4), seed 1", "h256 (256×4), mean of 2 seeds",
+                                    "h512 (512×8), seed 0"]
+    # the mean row, from the models' rows by hand
+    d0, d1 = s0["models"]["deltanet"], s1["models"]["deltanet"]
+    p0, p1 = s0["models"]["osdn-eta0.003"], s1["models"]["osdn-eta0.003"]
+    b0, b1 = s0["models"]["osdn-eta0.01"], s1["models"]["osdn-eta0.003"]
+    mean = gaps[2]
+    assert [float(x) for x in mean[2:5]] == pytest.approx(
+        [((p0[k] - d0[k]) + (p1[k] - d1[k])) / 2 for k in ("q_geo_single", "q_geo_twice", "heldout_ppl")], abs=6e-4)
+    assert mean[5] == "0.01/0.003"
+    assert [float(x) for x in mean[6:9]] == pytest.approx(
+        [((b0[k] - d0[k]) + (b1[k] - d1[k])) / 2 for k in ("q_geo_single", "q_geo_twice", "heldout_ppl")], abs=6e-4)
+    # the figure's lines join the means; each seed's value is drawn beside them
+    q_ax, gap_ax = script.report_figure([s0, s1, large]).axes
+    single = next(ln for ln in q_ax.get_lines() if ln.get_label() == "deltanet, single")
+    assert list(single.get_ydata()) == pytest.approx([(0.34 + 0.33) / 2, 0.18])
+    seeds = [ln for ln in q_ax.get_lines() if ln.get_linestyle() == "None" and ln.get_color() == single.get_color()
+             and ln.get_marker() == "o"]
+    assert [list(ln.get_ydata()) for ln in seeds] == [[0.34, 0.33]]
+    g = next(ln for ln in gap_ax.get_lines() if ln.get_label() == "single")
+    assert list(g.get_ydata()) == pytest.approx([((0.30 - 0.34) + (0.31 - 0.33)) / 2, 0.0])
+    # one run of each size and seed
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "results.json").write_text(json.dumps({**s1, "seed": 1}))
+    with pytest.raises(SystemExit, match="the same size and seed as"):
+        script.main(["report", str(tmp_path / "s1"), str(tmp_path / "again")])

@@ -332,16 +332,49 @@ def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str,
         import pyarrow.parquet as pq
 
         pq.write_table(monitor.table(), partial / "monitor.parquet")
-        if _curve_steps(monitor.rows) >= 2:  # the card shows the curve (model_card)
-            import matplotlib.pyplot as plt
-
-            import osdn_diag.plot as odp
-
-            fig = odp.training(monitor)
-            fig.savefig(partial / CURVE, dpi=100)
-            plt.close(fig)
+        _draw_curve(partial, monitor.table())
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
+
+
+def _draw_curve(directory: Path, table) -> None:
+    """``directory/CURVE`` from a monitor's table, where it probed at least two steps (the card shows it:
+    model_card); the legend names the table's ``model``."""
+    if _curve_steps(table.to_pylist()) < 2:
+        return
+    import matplotlib.pyplot as plt
+
+    import osdn_diag.plot as odp
+
+    fig = odp.training(table)
+    fig.savefig(directory / CURVE, dpi=100)
+    plt.close(fig)
+
+
+def name_monitor(directory: Path, name: str) -> None:
+    """A shipped checkpoint's ``monitor.parquet`` and curve under the name it ships as (``lm-osdn``, not the
+    training run's ``osdn-eta0.003``): the ``model`` column rewritten, every other column kept, the curve
+    drawn again; each file replaced whole (written beside it, then renamed)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = directory / "monitor.parquet"
+    if not f.is_file():
+        return
+    table = pq.read_table(f)
+    if set(table["model"].to_pylist()) == {name}:  # trained under that name already: nothing to redo
+        return
+    table = table.set_column(table.column_names.index("model"), "model",
+                             pa.array([name] * table.num_rows, table.schema.field("model").type))
+    part = f.with_name(f".{f.name}.partial")
+    pq.write_table(table, part)
+    part.replace(f)
+    if (directory / CURVE).exists():
+        part = directory / f".{CURVE}.partial"
+        part.mkdir(exist_ok=True)
+        _draw_curve(part, table)
+        (part / CURVE).replace(directory / CURVE)
+        part.rmdir()
 
 
 def model_card(name: str, config, a, res: dict, info: dict, command: str, lockstep: list[str]) -> str:
@@ -763,6 +796,7 @@ def ship(a: argparse.Namespace) -> dict:
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(src, dest)
         (dest / "README.md").write_text(card)
+        name_monitor(dest, target)
     table = {target: {"from": name, **{k: v for k, v in results[name].items() if k != "evals"}}
              for target, name in chosen.items()}
     atomic_write_text(dest_root / "lm_train_summary.json",

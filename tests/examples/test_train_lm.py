@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -556,6 +558,11 @@ def _check_shipped(runs, dest, chosen):
         assert sorted(p.name for p in (dest / target).iterdir()) == sorted(p.name for p in src.iterdir())
         for f in ("model.safetensors", "config.json", "tokenizer.json", "train_log.jsonl", "task.json"):
             assert (dest / target / f).read_bytes() == (src / f).read_bytes()
+        # the monitor's rows under the shipped name, every other column as trained
+        shipped, trained_rows = (pq.read_table(d / "monitor.parquet") for d in (dest / target, src))
+        assert set(trained_rows["model"].to_pylist()) == {f"lm-{name}"} and shipped.num_rows == trained_rows.num_rows > 0
+        assert shipped["model"].to_pylist() == [target] * shipped.num_rows
+        assert shipped.drop(["model"]).equals(trained_rows.drop(["model"]))
         card = (dest / target / "README.md").read_text()
         assert card.startswith(f"# {target}\n")  # renamed from lm-NAME
         assert card.startswith((src / "README.md").read_text().replace(f"# lm-{name}\n", f"# {target}\n", 1))
@@ -564,6 +571,30 @@ def _check_shipped(runs, dest, chosen):
     assert table["models"] == {
         target: {"from": name, **{k: v for k, v in summary["results"][name].items() if k != "evals"}}
         for target, name in chosen.items()}
+
+
+def test_name_monitor_renames_the_rows_and_redraws_the_curve(script, tmp_path, monkeypatch):
+    rows = [{"model": "lm-osdn-eta0.003", "step": s, "layer": layer, "q_geo": 0.3 - s / 1000, "q_arith": 0.4,
+             "n": 8} for s in (100, 200) for layer in (-1, 0)]
+    ckpt = tmp_path / "lm-osdn"
+    ckpt.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), ckpt / "monitor.parquet")
+    (ckpt / script.CURVE).write_bytes(b"old")
+    drawn = []
+    import osdn_diag.plot as odp
+
+    real = odp.training
+    monkeypatch.setattr(odp, "training", lambda table, **kw: drawn.append(table) or real(table, **kw))
+    script.name_monitor(ckpt, "lm-osdn")
+    table = pq.read_table(ckpt / "monitor.parquet")
+    assert table["model"].to_pylist() == ["lm-osdn"] * 4
+    assert table.drop(["model"]).to_pylist() == [{k: v for k, v in r.items() if k != "model"} for r in rows]
+    assert [set(t["model"].to_pylist()) for t in drawn] == [{"lm-osdn"}]  # the legend's name
+    assert (ckpt / script.CURVE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["monitor.parquet", script.CURVE]  # nothing left beside
+    before = {f: (ckpt / f).read_bytes() for f in ("monitor.parquet", script.CURVE)}
+    script.name_monitor(ckpt, "lm-osdn")  # already under that name: left as it is
+    assert {f: (ckpt / f).read_bytes() for f in before} == before and len(drawn) == 1
 
 
 def _step_size(card: str) -> str:

@@ -59,8 +59,9 @@ model's held-out perplexity (single, twice), q_geo (single, twice) and OSDN's me
 OSDN − DeltaNet gap by size, at ``--eta`` and at the step size of lowest held-out perplexity among
 those trained (*best η*: ``--eta`` and the ``--sweep``); ``--out`` writes that table as ``scale.md`` and
 ``scale.png`` (q_geo and both gaps against parameters). A size may be named once per ``--seed`` it was
-trained from: each run keeps its rows, and the size gets a further row, the gaps' mean over its seeds,
-which the figure's lines join (each seed's value drawn beside them). A ``train --out`` without ``results.json`` (stopped by
+trained from: each run keeps its rows, and the size gets a further row, the gaps' mean over its
+finished seeds (a stopped one is probed at an earlier step), which the figure's lines join (each
+seed's value drawn beside them). A ``train --out`` without ``results.json`` (stopped by
 its budget, or its machine taken back) is reported from ``run.json`` and ``monitor.parquet``: each model's
 q_geo and d at the last step every model was probed at, perplexity and *twice* as ``—``, and a line
 saying at which step it was last probed.
@@ -486,6 +487,13 @@ def by_size(runs: list[dict]) -> list[list[dict]]:
     return [sorted(g, key=seed_of) for g in groups.values()]
 
 
+def counted(group: list[dict]) -> list[dict]:
+    """The runs of one size that its mean is taken over: the finished ones, or all of them where none
+    finished (a run stopped early is probed at an earlier step: averaging it with finished runs would
+    mix steps)."""
+    return [res for res in group if "stopped" not in res] or group
+
+
 def gaps(res: dict) -> dict:
     """One run's OSDN − DeltaNet differences: at the paper's step size (``q_geo_single``, ``q_geo_twice``,
     ``heldout_ppl``, from results.json's ``gap``) and at its best η (``best_*``, with ``best_eta``; None
@@ -508,8 +516,8 @@ def report_table(runs: list[dict]) -> str:
     """The runs' results as two markdown tables: every model (held-out perplexity single and twice,
     q_geo single and twice, OSDN's mean d) and the OSDN − DeltaNet gap by run, at the paper's step size
     (``gap`` in results.json) and at the step size of lowest held-out perplexity (:func:`best_osdn`);
-    a size trained from several seeds gets a further row, the mean over its seeds (its best η column
-    lists each seed's). Rows by parameters, then seed."""
+    a size with several runs that :func:`counted` keeps gets a further row, the mean over those seeds
+    (its best η column lists each seed's). Rows by parameters, then seed."""
     lines = ["| size | parameters | tokens | model | perplexity | perplexity twice | q_geo single | q_geo twice "
              "| d mean |", "|---|---|---|---|---|---|---|---|---|"]
     for res in runs:
@@ -527,11 +535,12 @@ def report_table(runs: list[dict]) -> str:
         each = [gaps(res) for res in group]
         for res, g in zip(group, each):
             lines.append(_gap_row(_label(res), res["models"]["deltanet"]["parameters"], g))
-        if len(group) > 1:
-            mean = {k: _mean([g[k] for g in each]) for k in each[0] if k != "best_eta"}
-            etas = [g["best_eta"] for g in each]
+        used = [g for res, g in zip(group, each) if res in counted(group)]
+        if len(used) > 1:
+            mean = {k: _mean([g[k] for g in used]) for k in used[0] if k != "best_eta"}
+            etas = [g["best_eta"] for g in used]
             mean["best_eta"] = None if None in etas else "/".join(etas)
-            lines.append(_gap_row(f"{_size_label(group[0])}, mean of {len(group)} seeds", params, mean))
+            lines.append(_gap_row(f"{_size_label(group[0])}, mean of {len(used)} seeds", params, mean))
     notes = [f"{_label(res)}: unfinished (no results.json); q_geo single and d from its monitor's probe at step "
              f"{res['stopped']} of {res['of']}; perplexity, twice and best η not measured" for res in runs if "stopped" in res]
     return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
@@ -554,26 +563,32 @@ def report_figure(runs: list[dict]):
     x = [g[0]["models"]["deltanet"]["parameters"] for g in groups]
     names = list(dict.fromkeys(n for res in runs for n in res["models"]))
 
-    def draw(axis, values: list[list[float | None]], style: str, marker: str, **kw) -> None:
-        """One line through the sizes' means (what a run did not measure is left out), with each seed's
-        value beside it where a size has several."""
-        got = [(p, _mean(v)) for p, v in zip(x, values) if v and _mean(v) is not None]
+    def draw(axis, values, style: str, marker: str, **kw) -> None:
+        """One line through the sizes' means over their :func:`counted` runs (what a run did not measure
+        is left out), with each run's value beside it where a size has several. ``values``: per size,
+        ``(value, counted)`` per run."""
+        means = [_mean([y for y, c in v if c]) for v in values]
+        got = [(p, m) for p, m in zip(x, means) if m is not None]
         axis.plot([p for p, _ in got], [m for _, m in got], style, marker=marker, **kw)
-        seeds = [(p, y) for p, v in zip(x, values) if len(v) > 1 for y in v if y is not None]
+        seeds = [(p, y) for p, v in zip(x, values) if len(v) > 1 for y, _ in v if y is not None]
         if seeds:
             axis.plot([p for p, _ in seeds], [y for _, y in seeds], linestyle="none", marker=marker, ms=3,
                       alpha=0.5, color=kw["color"])
 
+    used = [[res in counted(g) for res in g] for g in groups]
     for i, name in enumerate(names):
         for key, style, marker in LINES:
-            draw(ax, [[res["models"][name][key] for res in g if name in res["models"]] for g in groups],
+            draw(ax, [[(res["models"][name][key], c) for res, c in zip(g, u) if name in res["models"]]
+                      for g, u in zip(groups, used)],
                  style, marker, color=f"C{i}", label=f"{name}, {key.split('_')[-1]}")
     each = [[gaps(res) for res in g] for g in groups]
     for key, style, marker in LINES:
-        draw(gap, [[g[key] for g in e] for e in each], style, marker, color="k", label=key.split("_")[-1])
+        draw(gap, [[(g[key], c) for g, c in zip(e, u)] for e, u in zip(each, used)], style, marker, color="k",
+             label=key.split("_")[-1])
     for key, style, marker in LINES:  # the step size of lowest held-out perplexity in each run
-        draw(gap, [[g[f"best_{key}"] for g in e if g["best_eta"] is not None] for e in each], style, marker,
-             color="C3", alpha=0.8, label=f"{key.split('_')[-1]}, best η")
+        draw(gap, [[(g[f"best_{key}"], c) for g, c in zip(e, u) if g["best_eta"] is not None]
+                   for e, u in zip(each, used)], style, marker, color="C3", alpha=0.8,
+             label=f"{key.split('_')[-1]}, best η")
     for res in runs:  # a stopped run's point says how far it got
         if "stopped" in res:
             gap.annotate(f"step {res['stopped']} of {res['of']}",

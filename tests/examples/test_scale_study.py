@@ -382,6 +382,23 @@ def test_report_averages_a_size_trained_from_several_seeds(script, tmp_path):
     assert [list(ln.get_ydata()) for ln in seeds] == [[0.34, 0.33]]
     g = next(ln for ln in gap_ax.get_lines() if ln.get_label() == "single")
     assert list(g.get_ydata()) == pytest.approx([((0.30 - 0.34) + (0.31 - 0.33)) / 2, 0.0])
+    # a seed stopped early (probed at an earlier step) is listed but not averaged with finished ones
+    stopped = _fake_results("h256", 256, 4, 3_700_000, {"deltanet": (0.40, 0.0), "osdn-eta0.003": (0.30, 0.0)})
+    stopped.update(seed=2, stopped=600, of=1600)
+    for m in stopped["models"].values():
+        m.update(heldout_ppl=None, heldout_ppl_twice=None, q_geo_twice=None)
+    stopped["gap"].update(q_geo_twice=None, heldout_ppl=None)
+    again = script.report_table([s0, s1, stopped, large])
+    gap_rows = [[c.strip() for c in line.strip("|").split("|")] for line in again.split("\n\n")[1].splitlines()[2:]]
+    assert [g[0] for g in gap_rows] == ["h256 (256×4), seed 0", "h256 (256×4), seed 1", "h256 (256×4), seed 2",
+                                        "h256 (256×4), mean of 2 seeds", "h512 (512×8), seed 0"]
+    assert gap_rows[3] == mean and gap_rows[2][2] == "-0.1000" and gap_rows[2][3] == "—"
+    q_ax, gap_ax = script.report_figure([s0, s1, stopped, large]).axes
+    single = next(ln for ln in q_ax.get_lines() if ln.get_label() == "deltanet, single")
+    assert list(single.get_ydata()) == pytest.approx([(0.34 + 0.33) / 2, 0.18])
+    seeds = [ln for ln in q_ax.get_lines() if ln.get_linestyle() == "None" and ln.get_color() == single.get_color()
+             and ln.get_marker() == "o"]
+    assert [list(ln.get_ydata()) for ln in seeds] == [[0.34, 0.33, 0.40]]
     # one run of each size and seed
     (tmp_path / "again").mkdir()
     (tmp_path / "again" / "results.json").write_text(json.dumps({**s1, "seed": 1}))

@@ -212,7 +212,8 @@ def run_description(a: argparse.Namespace, size: dict, specs, models: dict, comm
     "models": {name: {"arch", "eta", "parameters"}}}`` — what report needs of a run stopped before its
     last step, beside its ``monitor.parquet``."""
     return {"command": command, "preset": a.preset, "config": size, "seed": a.seed, "seq": a.seq, "batch": a.batch,
-            "steps": a.steps, "models": {name: {"arch": base, "eta": eta, "parameters": sum(p.numel() for p in models[name].parameters())}
+            "steps": a.steps,
+            "models": {name: {"arch": base, "eta": eta, "parameters": sum(p.numel() for p in models[name].parameters())}
                        for name, base, eta in specs}}
 
 
@@ -424,7 +425,8 @@ def _unfinished(out: Path) -> dict:
                         "q_arith_single": r["q_arith"], "q_geo_twice": None, "q_arith_twice": None,
                         **({"d": {"mean": r["d_mean"]}} if r.get("d_mean") is not None else {})}
     paper = next(n for n, m in run["models"].items() if m["arch"] == "osdn")  # the first OSDN: --eta
-    return {"preset": run["preset"], "config": run["config"], "seed": seed_of(run), "steps": step, "stopped": step, "of": run["steps"],
+    return {"preset": run["preset"], "config": run["config"], "seed": seed_of(run), "steps": step, "stopped": step,
+            "of": run["steps"],
             "tokens": step * run["batch"] * run["seq"], "models": models,
             "gap": {"q_geo_single": models[paper]["q_geo_single"] - models["deltanet"]["q_geo_single"],
                     "q_geo_twice": None, "heldout_ppl": None}}
@@ -535,7 +537,8 @@ def report_table(runs: list[dict]) -> str:
         each = [gaps(res) for res in group]
         for res, g in zip(group, each):
             lines.append(_gap_row(_label(res), res["models"]["deltanet"]["parameters"], g))
-        used = [g for res, g in zip(group, each) if res in counted(group)]
+        kept = {id(res) for res in counted(group)}
+        used = [g for res, g in zip(group, each) if id(res) in kept]
         if len(used) > 1:
             mean = {k: _mean([g[k] for g in used]) for k in used[0] if k != "best_eta"}
             etas = [g["best_eta"] for g in used]
@@ -553,8 +556,8 @@ LINES = (("q_geo_single", "-", "o"), ("q_geo_twice", "--", "s"))
 def report_figure(runs: list[dict]):
     """q_geo (single: solid, dots; twice: dashed, squares) of every model name against DeltaNet's parameter
     count, and the OSDN − DeltaNet gap beside it (black: the paper's step size; red: the best η of each
-    run); the lines join each size's mean over its seeds, and a size with several seeds shows each seed's
-    value as a small unjoined marker. Returns the matplotlib figure."""
+    run); the lines join each size's mean over its :func:`counted` seeds, and a size with several seeds
+    shows each seed's value as a small unjoined marker. Returns the matplotlib figure."""
     from osdn_diag.report.plots import _figure
 
     fig = _figure((11, 4.0), layout="constrained")
@@ -575,7 +578,7 @@ def report_figure(runs: list[dict]):
             axis.plot([p for p, _ in seeds], [y for _, y in seeds], linestyle="none", marker=marker, ms=3,
                       alpha=0.5, color=kw["color"])
 
-    used = [[res in counted(g) for res in g] for g in groups]
+    used = [[id(res) in {id(r) for r in counted(g)} for res in g] for g in groups]
     for i, name in enumerate(names):
         for key, style, marker in LINES:
             draw(ax, [[(res["models"][name][key], c) for res, c in zip(g, u) if name in res["models"]]

@@ -289,6 +289,9 @@ def _train(a: argparse.Namespace) -> dict:
     start = time.perf_counter()
     done_here = 0
     loss = {}
+    if step < a.steps:  # the first step may take minutes with nothing else printed until --log-every
+        print(f"[scale] {len(models)} models from step {step} of {a.steps}; the first step compiles "
+              + ("fla's kernels (minutes on a fresh machine)" if on_gpu else "the models"), file=sys.stderr)
     while step < a.steps:
         starts = torch.randint(0, len(stream) - a.seq - 1, (a.batch,), generator=gen)
         batch = torch.stack([stream[s:s + a.seq] for s in starts.tolist()]).to(device)
@@ -305,6 +308,10 @@ def _train(a: argparse.Namespace) -> dict:
             loss[n] = out_loss.detach()
         step += 1
         done_here += 1
+        if done_here == 1:
+            if on_gpu:  # once: the figure is the step's, not its launches'
+                torch.cuda.synchronize()
+            print(f"[scale] step {step}/{a.steps} took {time.perf_counter() - start:.1f} s", file=sys.stderr)
         for mon in monitors.values():
             if mon.step(step) is None and step == a.steps:
                 mon.probe(step)

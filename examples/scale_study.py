@@ -290,8 +290,9 @@ def _train(a: argparse.Namespace) -> dict:
     done_here = 0
     loss = {}
     if step < a.steps:  # the first step may take minutes with nothing else printed until --log-every
-        print(f"[scale] {len(models)} models from step {step} of {a.steps}; the first step compiles "
-              + ("fla's kernels (minutes on a fresh machine)" if on_gpu else "the models"), file=sys.stderr)
+        print(f"[scale] {len(models)} models from step {step} of {a.steps}"
+              + ("; the first step compiles fla's kernels (minutes on a fresh machine)" if on_gpu else ""),
+              file=sys.stderr)
     while step < a.steps:
         starts = torch.randint(0, len(stream) - a.seq - 1, (a.batch,), generator=gen)
         batch = torch.stack([stream[s:s + a.seq] for s in starts.tolist()]).to(device)
@@ -496,11 +497,12 @@ def by_size(runs: list[dict]) -> list[list[dict]]:
     return [sorted(g, key=seed_of) for g in groups.values()]
 
 
-def counted(group: list[dict]) -> list[dict]:
-    """The runs of one size that its mean is taken over: the finished ones, or all of them where none
-    finished (a run stopped early is probed at an earlier step: averaging it with finished runs would
-    mix steps)."""
-    return [res for res in group if "stopped" not in res] or group
+def counted(group: list[dict]) -> list[bool]:
+    """Whether each run of one size is among those its mean is taken over: the finished ones, or all of
+    them where none finished (a run stopped early is probed at an earlier step: averaging it with
+    finished runs would mix steps)."""
+    finished = ["stopped" not in res for res in group]
+    return finished if any(finished) else [True] * len(group)
 
 
 def gaps(res: dict) -> dict:
@@ -544,8 +546,7 @@ def report_table(runs: list[dict]) -> str:
         each = [gaps(res) for res in group]
         for res, g in zip(group, each):
             lines.append(_gap_row(_label(res), res["models"]["deltanet"]["parameters"], g))
-        kept = {id(res) for res in counted(group)}
-        used = [g for res, g in zip(group, each) if id(res) in kept]
+        used = [g for g, c in zip(each, counted(group)) if c]
         if len(used) > 1:
             mean = {k: _mean([g[k] for g in used]) for k in used[0] if k != "best_eta"}
             etas = [g["best_eta"] for g in used]
@@ -585,7 +586,7 @@ def report_figure(runs: list[dict]):
             axis.plot([p for p, _ in seeds], [y for _, y in seeds], linestyle="none", marker=marker, ms=3,
                       alpha=0.5, color=kw["color"])
 
-    used = [[id(res) in {id(r) for r in counted(g)} for res in g] for g in groups]
+    used = [counted(g) for g in groups]
     for i, name in enumerate(names):
         for key, style, marker in LINES:
             draw(ax, [[(res["models"][name][key], c) for res, c in zip(g, u) if name in res["models"]]

@@ -332,29 +332,28 @@ def save_checkpoint(target: Path, model, data: Path, log: list[dict], card: str,
         import pyarrow.parquet as pq
 
         pq.write_table(monitor.table(), partial / "monitor.parquet")
-        _draw_curve(partial, monitor.table())
+        if _curve_steps(monitor.rows) >= 2:  # the card shows the curve (model_card)
+            _draw_curve(partial / CURVE, monitor.table())
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
 
 
-def _draw_curve(directory: Path, table) -> None:
-    """``directory/CURVE`` from a monitor's table, where it probed at least two steps (the card shows it:
-    model_card); the legend names the table's ``model``."""
-    if _curve_steps(table.to_pylist()) < 2:
-        return
+def _draw_curve(path: Path | str, table) -> None:
+    """The q_geo-by-step figure of a monitor's table as a PNG at ``path``; the legend names the table's
+    ``model``."""
     import matplotlib.pyplot as plt
 
     import osdn_diag.plot as odp
 
     fig = odp.training(table)
-    fig.savefig(directory / CURVE, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
 
 
 def name_monitor(directory: Path, name: str) -> None:
     """A shipped checkpoint's ``monitor.parquet`` and curve under the name it ships as (``lm-osdn``, not the
     training run's ``osdn-eta0.003``): the ``model`` column rewritten, every other column kept, the curve
-    drawn again; each file replaced whole (written beside it, then renamed)."""
+    drawn again; each file replaced whole (:func:`~osdn_diag.runtime.atomic.atomic_path`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -366,15 +365,11 @@ def name_monitor(directory: Path, name: str) -> None:
         return
     table = table.set_column(table.column_names.index("model"), "model",
                              pa.array([name] * table.num_rows, table.schema.field("model").type))
-    part = f.with_name(f".{f.name}.partial")
-    pq.write_table(table, part)
-    part.replace(f)
-    if (directory / CURVE).exists():
-        part = directory / f".{CURVE}.partial"
-        part.mkdir(exist_ok=True)
-        _draw_curve(part, table)
-        (part / CURVE).replace(directory / CURVE)
-        part.rmdir()
+    with atomic_path(f, ".parquet") as tmp:
+        pq.write_table(table, tmp)
+    if (directory / CURVE).exists() and _curve_steps(table.to_pylist()) >= 2:
+        with atomic_path(directory / CURVE, ".png") as tmp:
+            _draw_curve(tmp, table)
 
 
 def model_card(name: str, config, a, res: dict, info: dict, command: str, lockstep: list[str]) -> str:

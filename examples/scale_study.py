@@ -402,7 +402,17 @@ def _results(path: str) -> tuple[Path, dict]:
     res = _read_json(f)
     if not {"models", "gap", "config", "tokens"} <= set(res) or "deltanet" not in res["models"]:
         raise SystemExit(f"{f}: not a scale_study.py results.json (expected models with deltanet, gap, config, tokens)")
+    _check_seed(f, res)
     return f, res
+
+
+def _check_seed(f: Path, res: dict) -> None:
+    """Refuse a ``"seed"`` that is not an integer (a hand-edited file), naming the file."""
+    seed = res.get("seed")
+    # bool is an int to Python; "1" or 1.5 is not what train writes.
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise SystemExit(f"{f}: \"seed\" is {seed!r}, not an integer (only scale_study.py train writes this file: "
+                         "restore it or train again)")
 
 
 def _unfinished(out: Path) -> dict:
@@ -417,6 +427,7 @@ def _unfinished(out: Path) -> dict:
     if not {"preset", "config", "seq", "batch", "steps", "models"} <= set(run) or "deltanet" not in run["models"]:
         raise SystemExit(f"{out / RUN}: not a scale_study.py run.json (expected preset, config, seq, batch, steps "
                          "and models with deltanet)")
+    _check_seed(out / RUN, run)
     if not (out / "monitor.parquet").is_file():
         raise SystemExit(f"{out}: an unfinished run without monitor.parquet: nothing measured to report")
     rows = [r for r in pq.read_table(out / "monitor.parquet").to_pylist() if r["layer"] == -1]

@@ -225,6 +225,9 @@ def test_report_reads_an_unfinished_run_at_the_last_step_every_model_was_probed(
     (tmp_path / "run.json").write_text(json.dumps({k: v for k, v in run.items() if k != "batch"}))
     with pytest.raises(SystemExit, match=r"run.json: not a scale_study.py run.json \(expected preset"):
         script.main(["report", str(tmp_path)])
+    (tmp_path / "run.json").write_text(json.dumps({**run, "seed": "0"}))
+    with pytest.raises(SystemExit, match=r"run.json: \"seed\" is '0', not an integer"):
+        script.main(["report", str(tmp_path)])
 
 
 def test_report_refuses_a_stopped_run_without_a_probe(data, script, tmp_path, fla_interpreter):
@@ -352,6 +355,10 @@ def test_report_refuses_what_it_cannot_compare(script, tmp_path):
     (tmp_path / "b" / "results.json").write_text('{"models": {}}')
     with pytest.raises(SystemExit, match="not a scale_study.py results.json"):
         script.main(["report", str(tmp_path / "b")])
+    for seed in ("1", 1.5, True):  # a hand-edited seed: one line naming the file, not a traceback
+        (tmp_path / "b" / "results.json").write_text(json.dumps({**res, "seed": seed}))
+        with pytest.raises(SystemExit, match=r"b/results.json: \"seed\" is .* not an integer"):
+            script.main(["report", str(tmp_path / "b")])
 
 
 def test_report_averages_a_size_trained_from_several_seeds(script, tmp_path):

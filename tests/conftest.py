@@ -19,6 +19,11 @@ A property with its own ``@settings`` (e.g. a long counterexample search) runs o
 ``HYPOTHESIS_PROFILE=dev`` for a quick local run (25 examples, fresh each time), ``thorough`` for a long
 hunt (2000 examples, e.g. after touching a tolerance), or pass hypothesis' own ``--hypothesis-profile``
 option, which takes precedence over both.
+
+Tests that interrupt a child command with SIGINT need the child to see it: a suite started as a
+background job of a non-interactive shell (``bash .ci/run &``, ``nohup``) inherits SIGINT *ignored*,
+which every child would inherit too. The suite restores Python's default handler first (a handled
+signal is reset to its default in a child at exec; an ignored one stays ignored).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -36,6 +42,9 @@ from hypothesis import HealthCheck, settings
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # One seed per pytest run for the "[seeded]" batches: given, or drawn afresh (and printed).
 _SEED_ENV = "OSDN_HYPOTHESIS_SEED"

@@ -24,6 +24,9 @@ Tests that interrupt a child command with SIGINT need the child to see it: a sui
 background job of a non-interactive shell (``bash .ci/run &``, ``nohup``) inherits SIGINT *ignored*,
 which every child would inherit too. The suite restores Python's default handler first (a handled
 signal is reset to its default in a child at exec; an ignored one stays ignored).
+
+Reports draw their figures in the command's own process (``OSDN_DIAG_REPORT_WORKERS=0``, unless the
+environment already sets it): the suite's own workers already take the cores.
 """
 
 from __future__ import annotations
@@ -37,14 +40,32 @@ from pathlib import Path
 
 import pytest
 import hypothesis
-import torch
-from hypothesis import HealthCheck, settings
+
+# Several pytest workers share the cores: each computes on one thread (torch, and numpy's BLAS, which
+# reads the variable when it loads), rather than each spinning up a thread per core and the workers'
+# threads contending. Children are untouched: the variable is removed again once both have loaded, so
+# a command a test starts sees the environment the suite was given.
+_SHARED_CORES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ
+if _SHARED_CORES:
+    os.environ["OMP_NUM_THREADS"] = "1"
+import numpy  # noqa: E402,F401  (loaded here, inside the one-thread setting)
+import torch  # noqa: E402
+if _SHARED_CORES:
+    del os.environ["OMP_NUM_THREADS"]
+    torch.set_num_threads(1)
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# A report's figures are drawn in the command's own process unless a test asks for workers: with two
+# pytest workers on two cores there is no core left for a drawing process, so each one the default
+# would start (it imports matplotlib, ~2 s) only slowed the suite — 157 of them, ~6 minutes of CPU.
+# tests/report/test_report_workers.py sets or clears the variable wherever workers are the subject.
+os.environ.setdefault("OSDN_DIAG_REPORT_WORKERS", "0")
 
 # One seed per pytest run for the "[seeded]" batches: given, or drawn afresh (and printed).
 _SEED_ENV = "OSDN_HYPOTHESIS_SEED"

@@ -141,6 +141,27 @@ def test_the_report_command_draws_on_workers_when_told(run_dir, tmp_path, monkey
     assert _files(copy) == _files_of_fresh_report(run_dir, tmp_path / "ref")
 
 
+def test_the_report_command_starts_the_default_workers_when_not_told(run_dir, tmp_path, monkeypatch):
+    """`osdn-diag report` with OSDN_DIAG_REPORT_WORKERS unset, as a user runs it (the suite sets it to
+    0 elsewhere): on a 2-CPU machine one worker starts, and the files are those drawn here alone."""
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    monkeypatch.delenv(render.WORKERS_ENV, raising=False)
+    monkeypatch.setattr(render, "usable_cpus", lambda: 2)
+    started = []
+    real = render._start
+
+    def spy(n):
+        pool = real(n)
+        started.append((n, pool is not None))
+        return pool
+
+    monkeypatch.setattr(render, "_start", spy)
+    assert entry(["report", str(copy)]) == 0
+    assert started == [(1, True)]
+    assert _files(copy) == _files_of_fresh_report(run_dir, tmp_path / "ref")
+
+
 def test_a_pdf_carries_no_creation_date(tmp_path, monkeypatch):
     """The same figure saved at two different times gives the same bytes."""
     from osdn_diag.report.plots import plot_q_bars, save_as

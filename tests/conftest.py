@@ -63,7 +63,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # A report's figures are drawn in the command's own process unless a test asks for workers: with two
 # pytest workers on two cores there is no core left for a drawing process, so each one the default
-# would start (it imports matplotlib, ~2 s) only slowed the suite — 157 of them, ~6 minutes of CPU.
+# would start (it imports matplotlib, ~2.5 s) only slowed the suite — 167 of them, ~7 minutes of CPU.
 # tests/report/test_report_workers.py sets or clears the variable wherever workers are the subject.
 os.environ.setdefault("OSDN_DIAG_REPORT_WORKERS", "0")
 
